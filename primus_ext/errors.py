@@ -1,0 +1,77 @@
+"""The project's exception types.
+
+Every refusal names the user's own setting and, where one exists, the supported
+alternative.  Build-time refusals collect *every* failing reason and raise once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+class PrimusExtError(Exception):
+    """Base class of every error raised on purpose by primus_ext."""
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One failing rule: which settings it reads, why it fails, what to do instead."""
+
+    settings: tuple[str, ...]
+    reason: str
+    alternative: str = ""
+
+    def render(self) -> str:
+        keys = ", ".join(self.settings)
+        text = f"[{keys}] {self.reason}"
+        if self.alternative:
+            text += f" Alternative: {self.alternative}"
+        return text
+
+
+class _ReasonedError(PrimusExtError, ValueError):
+    """An error carrying one or more `Reason`s, all rendered in the message."""
+
+    headline = "primus_ext refused this configuration"
+
+    def __init__(self, reasons: Reason | str | Iterable[Reason], *, context: str = "") -> None:
+        if isinstance(reasons, str):
+            reasons = [Reason(settings=(), reason=reasons)]
+        elif isinstance(reasons, Reason):
+            reasons = [reasons]
+        self.reasons: Sequence[Reason] = tuple(reasons)
+        self.context = context
+        super().__init__(self._message())
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """Every setting named by any reason, in order, without repeats."""
+        seen: dict[str, None] = {}
+        for r in self.reasons:
+            for s in r.settings:
+                seen.setdefault(s, None)
+        return tuple(seen)
+
+    def _message(self) -> str:
+        head = self.headline + (f" ({self.context})" if self.context else "")
+        if len(self.reasons) == 1:
+            return f"{head}: {self.reasons[0].render()}"
+        lines = [f"{head}: {len(self.reasons)} reasons"]
+        lines += [f"  {i}. {r.render()}" for i, r in enumerate(self.reasons, 1)]
+        return "\n".join(lines)
+
+
+class UnsupportedConfigError(_ReasonedError):
+    """Raised at model-build time for a configuration that cannot be run exactly."""
+
+    headline = "primus_ext cannot build this attention"
+
+
+class UnsupportedInputError(_ReasonedError):
+    """Raised at call time for inputs the built plan did not promise to handle."""
+
+    headline = "primus_ext refused this attention call"
+
+
+__all__ = ["PrimusExtError", "Reason", "UnsupportedConfigError", "UnsupportedInputError"]

@@ -1,0 +1,59 @@
+"""Backends that run an approved attention plan.
+
+``turbo``: Primus-Turbo on ROCm.  ``reference``: exact torch math on any device.
+``auto`` picks turbo when ``primus_turbo`` imports, else reference, and says which.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from ..attention.block_mask_cache import BlockMaskCache
+from .base import AttentionBackend, BackendCapabilities, KernelCall
+from .capabilities import entry_accepts, sink_kwargs_for
+from .reference import ReferenceBackend
+from .turbo import TurboBackend, load_ops
+
+BACKEND_CHOICES = ("auto", "turbo", "reference")
+
+
+def select_backend(choice: str) -> Tuple[str, str, str]:
+    """Resolve ``turbo_flex_attention_backend`` to ``(name, why, problem)``.
+
+    ``problem`` is non-empty when ``turbo`` was asked for but cannot be loaded.
+    """
+    if choice == "reference":
+        return "reference", "turbo_flex_attention_backend: reference", ""
+    try:
+        load_ops()
+        problem = ""
+    except Exception as exc:  # any import failure means the build is unusable here
+        problem = f"`import primus_turbo.pytorch.ops` failed ({type(exc).__name__}: {exc})"
+    if choice == "turbo":
+        return "turbo", "turbo_flex_attention_backend: turbo", problem
+    if problem:
+        return "reference", "auto: primus_turbo is not importable here", ""
+    return "turbo", "auto: primus_turbo imports", ""
+
+
+def make_backend(name: str, *, cache: Optional[BlockMaskCache] = None) -> AttentionBackend:
+    """A fresh backend instance (the turbo one owns its BlockMask cache)."""
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "turbo":
+        return TurboBackend(cache=cache)
+    raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_CHOICES}")
+
+
+__all__ = [
+    "BACKEND_CHOICES",
+    "AttentionBackend",
+    "BackendCapabilities",
+    "KernelCall",
+    "ReferenceBackend",
+    "TurboBackend",
+    "entry_accepts",
+    "make_backend",
+    "select_backend",
+    "sink_kwargs_for",
+]

@@ -1,0 +1,182 @@
+"""`TurboFlexAttention`: a drop-in for ``flash_attn_func`` that runs an `AttentionPlan`.
+
+It has ``flash_attn_func``'s positional signature and return contract (dense bshd
+``[B, S, H, D]`` in, ``[B, S, H, Dv]`` out, ``(out, lse)`` with ``return_lse``), so it
+can replace ``self.attn`` without touching ``forward()``; keyword-only
+``cu_seqlens_*`` / ``max_seqlen_*`` switch to packed thd ``[T, H, D]`` inputs.
+
+Everything that depends only on the plan was decided at build time; per call it
+checks only what the caller passes, never reads tensor data to the host, and copies
+nothing the layout does not need.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..backends import AttentionBackend, make_backend
+from ..backends.base import KernelCall, Output
+from ..errors import Reason, UnsupportedInputError
+from .block_mask_cache import BlockMaskCache
+from .pattern import Pattern, pattern_from_flash_args
+from .recognition import verify_pattern
+
+MASK_KEY = "turbo_flex_attention_mask_mod"
+
+
+def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
+    return UnsupportedInputError(Reason(settings, reason, alternative))
+
+
+class TurboFlexAttention:
+    """Runs one layer's approved plan on its backend, call by call."""
+
+    def __init__(self, plan: Any, backend: Optional[AttentionBackend] = None,
+                 *, cache: Optional[BlockMaskCache] = None) -> None:
+        self.plan = plan
+        self.backend = backend if backend is not None else make_backend(plan.backend, cache=cache)
+        self._verified: set[Tuple[int, int]] = set()
+        self._alibi: dict[torch.device, Tensor] = {}
+        # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
+        self._score_mod = plan.score_mod if self.backend.name == "reference" else None
+
+    @classmethod
+    def from_settings(cls, settings: Any, facts: Any, *, backend: Optional[AttentionBackend] = None):
+        """Build the plan (refusing at build time) and the adapter in one step."""
+        from ..plan import build_plan
+
+        return cls(build_plan(settings, facts, backend=backend), backend)
+
+    # -- per-call checks -----------------------------------------------------
+    def _dense_pattern(self, causal: bool, window_size: Tuple[int, int], q_len: int,
+                       kv_len: int) -> Tuple[Optional[Pattern], Optional[Tuple[bool, Tuple[int, int]]]]:
+        plan = self.plan
+        if plan.mask_mod is None:
+            return pattern_from_flash_args(causal, window_size), (causal, window_size)
+        if causal or tuple(window_size) != (-1, -1):
+            raise _refuse((MASK_KEY,), f"the layer's mask comes from the hook {plan.mask_hook}, but the "
+                          f"call also asks for causal={causal}, window_size={tuple(window_size)}; the "
+                          "two are not silently composed (B11).",
+                          "call with causal=False, window_size=(-1, -1) and put the whole mask in the hook.")
+        if plan.verify_shapes and (q_len, kv_len) not in self._verified:
+            why = verify_pattern(plan.mask_mod, plan.pattern, q_len, kv_len)
+            if why:
+                raise _refuse((MASK_KEY,), f"at q_len={q_len}, kv_len={kv_len} the hook {plan.mask_hook} is "
+                              f"not the {plan.pattern_text} it was recognised as at build time: {why}",
+                              "set turbo_flex_attention_backend: reference, or build with seq_length "
+                              "equal to the training length.")
+            self._verified.add((q_len, kv_len))
+        return plan.pattern, None
+
+    def _check_dense_shape(self, pattern: Optional[Pattern], q_len: int, kv_len: int) -> None:
+        if pattern is None or pattern.kind == "full" or q_len == kv_len:
+            if pattern is None or pattern.boundaries is None or pattern.boundaries[-1] == q_len:
+                return
+            raise _refuse((MASK_KEY,), f"the document mask covers {pattern.boundaries[-1]} tokens but the "
+                          f"sequence has {q_len}.", "build the mask for the training sequence length.")
+        if self.backend.name != "reference":
+            raise _refuse(("causal", "window_size"), f"a {pattern.describe()} mask with q_len={q_len} != "
+                          f"kv_len={kv_len} is ambiguous on Turbo's fixed kernels (flash aligns it "
+                          "bottom-right, a mask_mod top-left).",
+                          "use equal lengths, or turbo_flex_attention_backend: reference.")
+
+    def _sink(self, sink: Optional[Tensor], heads: int) -> Optional[Tensor]:
+        if sink is None:
+            return None
+        if not self.plan.sink:
+            raise _refuse(("use_sink_attention",), "a sink tensor was passed but the plan has no sink; it "
+                          "would change the softmax the config asked for.", "set use_sink_attention: true.")
+        if sink.dim() != 1 or sink.shape[0] != heads:
+            raise _refuse(("use_sink_attention",), f"the sink must hold one logit per local query head "
+                          f"({heads}), got shape {tuple(sink.shape)}.")
+        # A differentiable cast: a bf16 parameter still receives its gradient (B12).
+        return sink if sink.dtype == torch.float32 else sink.float()
+
+    def _alibi_slopes(self, alibi_slopes: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+        planned = self.plan.alibi_slopes
+        if alibi_slopes is not None and planned is not None:
+            raise _refuse(("turbo_flex_attention_score_mod",), "alibi_slopes were passed and the score hook "
+                          "is ALiBi too; adding both would double the bias.", "pass only one of them.")
+        if alibi_slopes is not None or planned is None or self._score_mod is not None:
+            return alibi_slopes
+        slopes = self._alibi.get(device)
+        if slopes is None:
+            slopes = self._alibi[device] = torch.tensor(planned, dtype=torch.float32, device=device)
+        return slopes
+
+    # -- the call ------------------------------------------------------------
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        dropout_p: float = 0.0,
+        softmax_scale: Optional[float] = None,
+        causal: bool = False,
+        window_size: Tuple[int, int] = (-1, -1),
+        bias: Optional[Tensor] = None,
+        alibi_slopes: Optional[Tensor] = None,
+        deterministic: bool = False,
+        return_lse: bool = False,
+        return_attn_probs: bool = False,
+        sink: Optional[Tensor] = None,
+        *,
+        cu_seqlens_q: Optional[Tensor] = None,
+        cu_seqlens_kv: Optional[Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+    ) -> Output:
+        if return_attn_probs:
+            raise _refuse(("return_attn_probs",), "attention probabilities are never materialised (B26).",
+                          "call with return_attn_probs=False.")
+        plan = self.plan
+        packed = cu_seqlens_q is not None or cu_seqlens_kv is not None
+        scale = softmax_scale if softmax_scale is not None else plan.scale
+        common = dict(
+            scale=scale,
+            dropout_p=float(dropout_p),
+            sink=self._sink(sink, q.shape[-2]),
+            deterministic=bool(deterministic or plan.deterministic),
+            return_lse=return_lse,
+        )
+        if packed:
+            return self._packed(q, k, v, causal, window_size, bias, alibi_slopes, common,
+                                cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+        if q.dim() != 4:
+            raise _refuse(("qkv_format",), f"dense inputs are bshd [B, S, H, D]; got a {q.dim()}-D query.",
+                          "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
+        q_len, kv_len = q.shape[1], k.shape[1]
+        pattern, flash_args = self._dense_pattern(causal, window_size, q_len, kv_len)
+        self._check_dense_shape(pattern, q_len, kv_len)
+        call = KernelCall(
+            pattern=pattern, mask_mod=plan.mask_mod, score_mod=self._score_mod, bias=bias,
+            alibi_slopes=self._alibi_slopes(alibi_slopes, q.device), flash_args=flash_args, **common,
+        )
+        return self.backend.dense(q, k, v, call)
+
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
+                bias: Optional[Tensor], alibi_slopes: Optional[Tensor], common: dict,
+                cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
+                max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int]) -> Output:
+        plan = self.plan
+        dropped = [name for name, value in (("turbo_flex_attention_mask_mod", plan.mask_mod),
+                                            ("turbo_flex_attention_score_mod", plan.score_mod),
+                                            ("bias", bias)) if value is not None]
+        if dropped:
+            raise _refuse(tuple(dropped), "packed (thd) attention runs the document kernel, which takes no "
+                          "mask_mod, score_mod or bias; they would be dropped (B17).",
+                          "remove them for packed batches, or pass dense bshd inputs.")
+        if cu_seqlens_q is None or cu_seqlens_kv is None or max_seqlen_q is None or max_seqlen_kv is None:
+            raise _refuse(("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"),
+                          "packed attention needs both cu_seqlens and both max_seqlen values.")
+        if q.dim() != 3:
+            raise _refuse(("qkv_format",), f"packed inputs are thd [T, H, D]; got a {q.dim()}-D query.")
+        call = KernelCall(pattern=pattern_from_flash_args(causal, window_size),
+                          alibi_slopes=self._alibi_slopes(alibi_slopes, q.device), **common)
+        return self.backend.packed(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, call)
+
+
+__all__ = ["TurboFlexAttention"]

@@ -1,0 +1,86 @@
+"""The contract between the attention adapter and a backend.
+
+A backend runs one attention call that the plan has already approved.  It gets the
+tensors in the caller's layout (dense bshd ``[B, S, H, D]`` or packed thd
+``[T, H, D]``) and a `KernelCall` describing the mask and numerics; it returns
+``out`` in the same layout (``(out, lse)`` with ``return_lse``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Tuple, Union
+
+from torch import Tensor
+
+from ..attention.pattern import MaskMod, Pattern, ScoreMod
+
+Output = Union[Tensor, Tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """Everything except the tensors q/k/v that decides what one call computes.
+
+    ``pattern`` is the recognised mask; ``None`` means a custom ``mask_mod`` that
+    only a backend with ``runs_any_mask`` may run.  ``flash_args`` holds the
+    caller's own ``causal``/``window_size`` when the pattern came from them (and
+    not from a hook), so a backend can forward them unchanged.
+    """
+
+    pattern: Optional[Pattern]
+    mask_mod: Optional[MaskMod] = None
+    score_mod: Optional[ScoreMod] = None
+    scale: Optional[float] = None
+    dropout_p: float = 0.0
+    sink: Optional[Tensor] = None
+    alibi_slopes: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    deterministic: bool = False
+    return_lse: bool = False
+    flash_args: Optional[Tuple[bool, Tuple[int, int]]] = None
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can run; read by the plan's rules at build time.
+
+    Entry names are those of the installed kernels (``None`` when absent).
+    """
+
+    name: str
+    runs_any_mask: bool
+    softcap: bool
+    dense_entry: Optional[str] = None
+    packed_entry: Optional[str] = None
+    direct_entry: Optional[str] = None
+    sink_dense: bool = True
+    sink_packed: bool = True
+    deterministic_dense: bool = True
+    deterministic_packed: bool = True
+    notes: Tuple[str, ...] = field(default=())
+
+
+class AttentionBackend(Protocol):
+    """A way to run attention: ``reference`` (exact torch math) or ``turbo`` (Primus-Turbo)."""
+
+    name: str
+
+    def capabilities(self) -> BackendCapabilities: ...
+
+    def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output: ...
+
+    def packed(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_kv: Tensor,
+        max_seqlen_q: Any,
+        max_seqlen_kv: Any,
+        call: KernelCall,
+    ) -> Output: ...
+
+
+__all__ = ["AttentionBackend", "BackendCapabilities", "KernelCall", "Output"]

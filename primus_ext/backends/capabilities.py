@@ -1,0 +1,82 @@
+"""What an installed kernel entry accepts, discovered from its signature.
+
+Primus-Turbo builds differ (``sink`` on the varlen entry, ``deterministic`` on the
+flex entries, the bshd flex entry); version strings say nothing reliable about
+that, so every decision here reads ``inspect.signature``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+from ..errors import Reason, UnsupportedConfigError
+
+
+def entry_accepts(entry: Callable[..., Any], name: str) -> bool:
+    """True when ``entry`` takes a keyword ``name`` (an entry with ``**kwargs`` takes any)."""
+    try:
+        params = inspect.signature(entry).parameters
+    except (TypeError, ValueError):
+        return False
+    if name in params and params[name].kind is not inspect.Parameter.POSITIONAL_ONLY:
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def entry_name(entry: Optional[Callable[..., Any]]) -> str:
+    return getattr(entry, "__name__", repr(entry)) if entry is not None else "none"
+
+
+def sink_reason(entry: Callable[..., Any], *, where: str) -> Reason:
+    return Reason(
+        settings=("use_sink_attention",),
+        reason=f"a learned sink is configured but the {where} kernel entry "
+        f"`{entry_name(entry)}` of the installed Primus-Turbo has no `sink` parameter.",
+        alternative="upgrade Primus-Turbo to a build whose entry takes `sink`, "
+        "or set use_sink_attention: false.",
+    )
+
+
+def sink_kwargs_for(entry: Callable[..., Any], sink: Any, *, where: str) -> dict[str, Any]:
+    """Keyword arguments that pass ``sink`` to ``entry`` exactly as it can take them.
+
+    The entry takes ``sink`` -> forward it (``None`` included).  It does not and the
+    sink is ``None`` -> omit the keyword (passing ``sink=None`` would be a TypeError).
+    It does not and a sink is set -> refuse: dropping it would train another model.
+    """
+    if entry_accepts(entry, "sink"):
+        return {"sink": sink}
+    if sink is None:
+        return {}
+    raise UnsupportedConfigError(sink_reason(entry, where=where))
+
+
+def deterministic_reason(entry: Callable[..., Any], *, where: str) -> Reason:
+    return Reason(
+        settings=("deterministic_mode",),
+        reason=f"deterministic_mode is on but the {where} kernel entry "
+        f"`{entry_name(entry)}` has no `deterministic` parameter, so determinism "
+        "cannot be requested from it.",
+        alternative="use a Primus-Turbo build whose flex entries take `deterministic`, "
+        "set turbo_flex_attention_backend: reference, or set deterministic_mode: false.",
+    )
+
+
+def deterministic_kwargs_for(entry: Callable[..., Any], deterministic: bool, *, where: str) -> dict[str, Any]:
+    """``{"deterministic": flag}`` when the entry takes it; refuse a requested but impossible one."""
+    if entry_accepts(entry, "deterministic"):
+        return {"deterministic": bool(deterministic)}
+    if not deterministic:
+        return {}
+    raise UnsupportedConfigError(deterministic_reason(entry, where=where))
+
+
+__all__ = [
+    "deterministic_kwargs_for",
+    "deterministic_reason",
+    "entry_accepts",
+    "entry_name",
+    "sink_kwargs_for",
+    "sink_reason",
+]

@@ -1,0 +1,122 @@
+"""`build_plan`: settings + layer facts -> an `AttentionPlan`, or every reason it can't be."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+from ..attention.pattern import pattern_from_flash_args
+from ..attention.recognition import recognize_mask, recognize_score
+from ..backends import AttentionBackend, make_backend, select_backend
+from ..backends.base import BackendCapabilities
+from ..errors import Reason, UnsupportedConfigError
+from ..settings import TurboAttentionSettings
+from ..settings.hooks import resolve_hooks
+from .facts import LayerFacts
+from .plan import AttentionPlan
+from .rules import RuleInput, failing_reasons
+
+log = logging.getLogger("primus_ext")
+
+DEFAULT_PROBE_LEN = 512
+"""Grid used to recognise a mask hook when the model's sequence length is unknown."""
+
+
+def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optional[Tuple[int, int]]:
+    """The configured sliding window of this layer, flash convention, or None.
+
+    ``sink_window_even_layers_only`` windows the odd 1-indexed Megatron layers
+    (1, 3, 5, ...), i.e. the even 0-indexed ones, as GPT-OSS does (B14).
+    """
+    if facts.window_size is not None:
+        return (int(facts.window_size[0]), int(facts.window_size[1]))
+    width = settings.sink_sliding_window
+    if width > 0 and (not settings.sink_window_even_layers_only or facts.layer_number % 2 == 1):
+        return (width, 0)
+    return None
+
+
+def _backend_for(settings: TurboAttentionSettings, backend: Optional[AttentionBackend]):
+    """``(name, why, problem, capabilities)`` of the backend this plan will use."""
+    if backend is not None:
+        return backend.name, "given by the caller", "", backend.capabilities()
+    name, why, problem = select_backend(settings.turbo_flex_attention_backend)
+    caps: Optional[BackendCapabilities] = None
+    if not problem:
+        caps = make_backend(name).capabilities()
+    return name, why, problem, caps
+
+
+def build_plan(
+    settings: TurboAttentionSettings,
+    facts: LayerFacts,
+    *,
+    backend: Optional[AttentionBackend] = None,
+) -> AttentionPlan:
+    """Decide one layer's attention; raise `UnsupportedConfigError` once with every reason.
+
+    Hooks are imported and probed here, at model-build time, never at the first forward.
+    """
+    flex = settings.use_turbo_flex_attention
+    reasons: list[Reason] = []
+    mask_mod = score_mod = None
+    mask_rec = score_rec = None
+    if flex:
+        name, why, problem, caps = _backend_for(settings, backend)
+        try:
+            mask_mod, score_mod = resolve_hooks(settings)
+        except UnsupportedConfigError as exc:
+            reasons.extend(exc.reasons)
+        probe = facts.seq_length or DEFAULT_PROBE_LEN
+        if mask_mod is not None:
+            mask_rec = recognize_mask(mask_mod, probe, probe)
+        if score_mod is not None:
+            score_rec = recognize_score(score_mod, facts.num_heads)
+    else:
+        name, why, problem, caps = "turbo", "direct path", "", None
+    window = layer_window(settings, facts)
+    ctx = RuleInput(
+        settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
+        window=window, mask_recognition=mask_rec, score_recognition=score_rec,
+    )
+    reasons.extend(failing_reasons(ctx))
+    if reasons:
+        raise UnsupportedConfigError(reasons, context=f"layer {facts.layer_number}")
+
+    if mask_rec is not None:
+        pattern = mask_rec.pattern
+    else:
+        pattern = pattern_from_flash_args(facts.causal, window or (-1, -1))
+    plan = AttentionPlan(
+        path="flex" if flex else "direct",
+        backend=name,
+        backend_reason=why,
+        layer_number=facts.layer_number,
+        causal=facts.causal,
+        window=window or (-1, -1),
+        pattern=pattern,
+        num_heads=facts.num_heads,
+        num_kv_heads=facts.kv_heads,
+        head_dim=facts.head_dim,
+        head_dim_v=facts.v_dim,
+        sink=ctx.sink,
+        dropout=facts.attention_dropout,
+        deterministic=settings.deterministic_mode,
+        scale=facts.softmax_scale,
+        mask_hook=settings.turbo_flex_attention_mask_mod if flex else None,
+        mask_recognised=(mask_rec.pattern.describe() if mask_rec.pattern else "custom") if mask_rec else None,
+        score_hook=settings.turbo_flex_attention_score_mod if flex else None,
+        score_recognised=score_rec.kind if score_rec else None,
+        alibi_slopes=score_rec.alibi_slopes if score_rec and score_rec.kind == "alibi" else None,
+        dense_entry=caps.dense_entry if caps else "flash_attn_func",
+        packed_entry=caps.packed_entry if caps else "flash_attn_varlen_func",
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        verify_shapes=mask_mod is not None and not hasattr(mask_mod, "primus_pattern") and pattern is not None,
+    )
+    if flex:
+        log.info("primus_ext %s", plan.describe())
+    return plan
+
+
+__all__ = ["DEFAULT_PROBE_LEN", "build_plan", "layer_window"]

@@ -1,0 +1,45 @@
+"""`LayerFacts`: what the model (not the Turbo YAML keys) says about one attention layer.
+
+Megatron modules fill it from ``TransformerConfig`` and their constructor
+arguments; the CLI fills it from a Megatron-style YAML.  Field names follow the
+Megatron setting they come from, because refusals quote them to the user.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """Model-side facts of one attention layer (heads are those on this rank)."""
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: Optional[int] = None
+    head_dim_v: Optional[int] = None
+    layer_number: int = 1
+    causal: bool = True
+    window_size: Optional[Tuple[int, int]] = None
+    softmax_scale: Optional[float] = None
+    attention_dropout: float = 0.0
+    seq_length: Optional[int] = None
+    context_parallel_size: int = 1
+    position_embedding_type: str = "learned_absolute"
+    has_attention_bias: bool = False
+    return_attn_probs: bool = False
+    learnable_softmax: bool = False
+    packed: Optional[bool] = None
+    """``True``: only thd calls; ``False``: only dense calls; ``None``: either may come."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+
+__all__ = ["LayerFacts"]

@@ -1,0 +1,84 @@
+"""`AttentionPlan`: what one layer's attention computes and how it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from ..attention.pattern import MaskMod, Pattern, ScoreMod
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """A frozen, hashable description of one layer's attention.
+
+    ``pattern`` is the dense mask the layer computes (``None``: a custom mask that
+    only the reference backend runs).  Packed (thd) calls use ``causal``/``window``
+    inside each document.  The hook callables are carried along but do not take
+    part in equality or hashing; their recognition results do.
+    """
+
+    path: str
+    backend: str
+    backend_reason: str
+    layer_number: int
+    causal: bool
+    window: Tuple[int, int]
+    pattern: Optional[Pattern]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    sink: bool = False
+    dropout: float = 0.0
+    deterministic: bool = False
+    scale: Optional[float] = None
+    mask_hook: Optional[str] = None
+    mask_recognised: Optional[str] = None
+    score_hook: Optional[str] = None
+    score_recognised: Optional[str] = None
+    alibi_slopes: Optional[Tuple[float, ...]] = None
+    dense_entry: Optional[str] = None
+    packed_entry: Optional[str] = None
+    mask_mod: Optional[MaskMod] = field(default=None, compare=False, repr=False)
+    score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
+    verify_shapes: bool = False
+    """A probed user mask: each new (q_len, kv_len) is checked against ``pattern`` once."""
+
+    @property
+    def flex(self) -> bool:
+        return self.path == "flex"
+
+    @property
+    def gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads
+
+    @property
+    def pattern_text(self) -> str:
+        if self.pattern is not None:
+            return self.pattern.describe()
+        return "custom mask (reference only)"
+
+    def describe(self) -> str:
+        """One line a person reads: path, backend, entry, mask, sink, heads, numerics."""
+        parts = [f"layer {self.layer_number}: {self.path}"]
+        if self.flex:
+            parts.append(f"backend={self.backend} ({self.backend_reason})")
+            parts.append(f"dense={self.dense_entry or '-'} packed={self.packed_entry or '-'}")
+        parts.append(f"mask={self.pattern_text}")
+        if self.mask_hook:
+            parts.append(f"mask_mod={self.mask_hook} -> {self.mask_recognised}")
+        if self.score_hook:
+            parts.append(f"score_mod={self.score_hook} -> {self.score_recognised}")
+        parts.append("sink" if self.sink else "no sink")
+        heads = f"heads={self.num_heads}"
+        if self.gqa:
+            heads += f"/{self.num_kv_heads} (GQA)"
+        parts.append(heads)
+        parts.append(f"dropout={self.dropout:g}")
+        if self.deterministic:
+            parts.append("deterministic")
+        return " | ".join(parts)
+
+
+__all__ = ["AttentionPlan"]

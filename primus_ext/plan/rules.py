@@ -1,0 +1,227 @@
+"""The refusal table: every configuration the project will not run, as data.
+
+Each `Rule` names the settings it reads (as the user typed them), why the
+combination cannot run exactly, and what to do instead.  `failing_reasons`
+evaluates the whole table and returns every failure, so the user sees all of
+them in one error instead of fixing one per run.  Codes cite the behaviour spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+from ..attention.recognition import MaskRecognition, ScoreRecognition
+from ..backends.base import BackendCapabilities
+from ..errors import Reason
+from ..settings import TurboAttentionSettings
+from .facts import LayerFacts
+
+
+@dataclass(frozen=True)
+class RuleInput:
+    """What the rules look at for one layer."""
+
+    settings: TurboAttentionSettings
+    facts: LayerFacts
+    backend: str
+    caps: Optional[BackendCapabilities]
+    backend_problem: str = ""
+    window: Optional[Tuple[int, int]] = None
+    mask_recognition: Optional[MaskRecognition] = None
+    score_recognition: Optional[ScoreRecognition] = None
+
+    @property
+    def flex(self) -> bool:
+        return self.settings.use_turbo_flex_attention
+
+    @property
+    def turbo_path(self) -> bool:
+        """Any Primus-Turbo attention path (flex or direct) is in use."""
+        return self.settings.use_turbo_attention or self.settings.use_turbo_flex_attention
+
+    @property
+    def on_turbo(self) -> bool:
+        """The flex path runs on Primus-Turbo kernels (so masks must be recognised)."""
+        return self.flex and self.backend == "turbo" and self.caps is not None
+
+    @property
+    def sink(self) -> bool:
+        return self.settings.use_sink_attention or self.facts.learnable_softmax
+
+    @property
+    def may_pack(self) -> bool:
+        return self.facts.packed is not False
+
+    @property
+    def may_dense(self) -> bool:
+        return self.facts.packed is not True
+
+    def fields(self) -> dict[str, object]:
+        caps = self.caps
+        return {
+            "layer": self.facts.layer_number,
+            "mask": self.settings.turbo_flex_attention_mask_mod,
+            "mask_why": self.mask_recognition.reason if self.mask_recognition else "",
+            "score": self.settings.turbo_flex_attention_score_mod,
+            "score_why": self.score_recognition.reason if self.score_recognition else "",
+            "problem": self.backend_problem,
+            "dense_entry": caps.dense_entry if caps else None,
+            "packed_entry": caps.packed_entry if caps else None,
+            "window": self.window,
+            "cp": self.facts.context_parallel_size,
+            "head_dim": self.facts.head_dim,
+            "head_dim_v": self.facts.v_dim,
+            "heads": self.facts.num_heads,
+            "kv_heads": self.facts.kv_heads,
+            "dropout": self.facts.attention_dropout,
+        }
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refusal: ``fails(input)`` is True when the configuration cannot run exactly."""
+
+    code: str
+    settings: Tuple[str, ...]
+    reason: str
+    alternative: str
+    fails: Callable[[RuleInput], bool]
+
+    def render(self, ctx: RuleInput) -> Reason:
+        fields = ctx.fields()
+        return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields))
+
+
+def _score_kind(ctx: RuleInput) -> str:
+    return ctx.score_recognition.kind if ctx.score_recognition else "identity"
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+RULES: Tuple[Rule, ...] = (
+    Rule("B3", ("use_turbo_flex_attention", "use_turbo_attention"),
+         "use_turbo_flex_attention needs the Turbo attention module, but use_turbo_attention is false.",
+         "set use_turbo_attention: true as well.",
+         lambda c: c.flex and not c.settings.use_turbo_attention),
+    Rule("backend", ("turbo_flex_attention_backend",),
+         "turbo_flex_attention_backend asks for Primus-Turbo, but it cannot be used: {problem}",
+         "install Primus-Turbo (ROCm), or set turbo_flex_attention_backend: reference "
+         "(exact torch math, any device) or auto.",
+         lambda c: c.flex and c.backend == "turbo" and c.caps is None),
+    Rule("heads", ("num_attention_heads", "num_query_groups"),
+         "query heads ({heads}) are not a multiple of key/value heads ({kv_heads}).",
+         "choose num_query_groups dividing num_attention_heads.",
+         lambda c: c.facts.num_heads % c.facts.kv_heads != 0),
+    Rule("dropout", ("attention_dropout",),
+         "attention_dropout={dropout} is outside [0, 1).", "use a probability in [0, 1).",
+         lambda c: not 0.0 <= c.facts.attention_dropout < 1.0),
+    Rule("B10", ("window_size", "sink_sliding_window"),
+         "both window_size and sink_sliding_window set a sliding window; they are two sources "
+         "for one quantity with different per-layer rules.",
+         "keep one: window_size (with window_attn_skip_freq) or sink_sliding_window "
+         "(with sink_window_even_layers_only).",
+         lambda c: c.facts.window_size is not None and c.settings.sink_sliding_window > 0),
+    Rule("B11", ("turbo_flex_attention_mask_mod", "sink_sliding_window", "window_size"),
+         "a mask hook ({mask}) and a configured window {window} both decide the mask of layer "
+         "{layer}; they are not silently composed or overridden.",
+         "express the window inside the hook (e.g. primus_ext.attention.masks:sliding_window "
+         "or and_masks) and remove the window setting, or remove the hook.",
+         lambda c: c.flex and bool(c.settings.turbo_flex_attention_mask_mod) and c.window is not None),
+    Rule("B17", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+         "packed (thd) batches run on the document kernel, which takes no mask_mod or score_mod; "
+         "the hook would be dropped.",
+         "remove the hooks for packed training (document masking is built in), "
+         "or train unpacked (bshd/sbhd).",
+         lambda c: c.flex and c.facts.packed is True and bool(
+             c.settings.turbo_flex_attention_mask_mod or c.settings.turbo_flex_attention_score_mod)),
+    Rule("B22", ("use_turbo_flex_attention", "context_parallel_size"),
+         "the flex path has no context-parallel kernel (context_parallel_size={cp}).",
+         "set context_parallel_size: 1, or use_turbo_flex_attention: false for the direct "
+         "context-parallel path.",
+         lambda c: c.flex and c.facts.context_parallel_size > 1),
+    Rule("B23", ("use_turbo_flex_attention", "enable_turbo_attention_float8"),
+         "the flex path has no fp8 kernel.",
+         "set enable_turbo_attention_float8: false, or use_turbo_flex_attention: false for "
+         "the direct fp8 path.",
+         lambda c: c.flex and c.settings.enable_turbo_attention_float8),
+    Rule("B25", ("reset_attention_mask",),
+         "reset_attention_mask=True carries document boundaries in a dense attention_mask "
+         "tensor that no Primus-Turbo entry can take; the boundaries would be ignored.",
+         "pack documents as THD (packed_seq_params with cu_seqlens) and set "
+         "reset_attention_mask: false.",
+         lambda c: c.turbo_path and c.settings.reset_attention_mask),
+    Rule("B26", ("return_attn_probs",),
+         "attention probabilities are never materialised by the Turbo kernels.",
+         "do not request attention probabilities.",
+         lambda c: c.turbo_path and c.facts.return_attn_probs),
+    Rule("B27", ("position_embedding_type", "attention_bias"),
+         "ALiBi (position_embedding_type=alibi / an attention_bias tensor) reaches core attention "
+         "as a dense bias that the Turbo kernels cannot take; it would be ignored.",
+         "give ALiBi as turbo_flex_attention_score_mod (an ALiBi score_mod is recognised and "
+         "run with alibi_slopes), or use another position embedding.",
+         lambda c: c.turbo_path and (c.facts.position_embedding_type == "alibi" or c.facts.has_attention_bias)),
+    Rule("mask", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_backend"),
+         "the mask hook {mask} {mask_why}; Primus-Turbo's fixed kernels run only full, causal, "
+         "sliding-window and packed-document masks.",
+         "set turbo_flex_attention_backend: reference to run any mask exactly (slower), or use "
+         "a recognised mask from primus_ext.attention.masks.",
+         lambda c: c.on_turbo and c.mask_recognition is not None and c.mask_recognition.pattern is None),
+    Rule("softcap", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
+         "the score hook {score} is a logit softcap; no Primus-Turbo dense or varlen backward "
+         "supports softcap.",
+         "set turbo_flex_attention_backend: reference, or remove the softcap.",
+         lambda c: c.on_turbo and _score_kind(c) == "softcap"),
+    Rule("score", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
+         "the score hook {score} {score_why}; Primus-Turbo runs only identity and ALiBi score_mods.",
+         "set turbo_flex_attention_backend: reference to run it exactly, or use an ALiBi score_mod.",
+         lambda c: c.on_turbo and _score_kind(c) == "other"),
+    Rule("flex-entry", ("use_turbo_flex_attention", "turbo_flex_attention_backend"),
+         "the installed Primus-Turbo has no flex_attention entry (an older build).",
+         "upgrade Primus-Turbo, or set turbo_flex_attention_backend: reference.",
+         lambda c: c.on_turbo and c.may_dense and c.caps.dense_entry is None),  # type: ignore[union-attr]
+    Rule("varlen-entry", ("use_turbo_flex_attention", "turbo_flex_attention_backend"),
+         "packed (thd) batches need flex_attention_varlen, which the installed Primus-Turbo lacks.",
+         "upgrade Primus-Turbo, or set turbo_flex_attention_backend: reference.",
+         lambda c: c.on_turbo and c.facts.packed is True and c.caps.packed_entry is None),  # type: ignore[union-attr]
+    Rule("B13", ("use_sink_attention",),
+         "a learned sink is configured but the installed dense entry ({dense_entry}) has no "
+         "`sink` parameter; the sink would be dropped.",
+         "upgrade Primus-Turbo, set turbo_flex_attention_backend: reference, or "
+         "use_sink_attention: false.",
+         lambda c: c.on_turbo and c.sink and c.may_dense and not c.caps.sink_dense),  # type: ignore[union-attr]
+    Rule("B13-packed", ("use_sink_attention",),
+         "a learned sink is configured but the packed entry ({packed_entry}) has no `sink` "
+         "parameter; packed batches would drop it.",
+         "upgrade Primus-Turbo, set turbo_flex_attention_backend: reference, or train unpacked.",
+         lambda c: c.on_turbo and c.sink and c.facts.packed is True and not c.caps.sink_packed),  # type: ignore[union-attr]
+    Rule("sink-shape", ("use_sink_attention", "kv_channels"),
+         "Primus-Turbo's sink kernel wants equal q/k and v head dims and a power-of-two head dim "
+         "(got {head_dim} and {head_dim_v}).",
+         "choose kv_channels as a power of two, or set turbo_flex_attention_backend: reference.",
+         lambda c: c.on_turbo and c.sink and not (_pow2(c.facts.head_dim) and c.facts.head_dim == c.facts.v_dim)),
+    Rule("B24", ("deterministic_mode",),
+         "deterministic_mode is on but the selected dense entry ({dense_entry}) has no "
+         "`deterministic` parameter.",
+         "use a Primus-Turbo build whose flex entries take `deterministic`, set "
+         "turbo_flex_attention_backend: reference, or deterministic_mode: false.",
+         lambda c: c.on_turbo and c.settings.deterministic_mode and c.may_dense
+         and c.caps.dense_entry is not None and not c.caps.deterministic_dense),  # type: ignore[union-attr]
+    Rule("B24-packed", ("deterministic_mode",),
+         "deterministic_mode is on but the packed entry ({packed_entry}) has no `deterministic` "
+         "parameter.",
+         "use a Primus-Turbo build whose flex entries take `deterministic`, set "
+         "turbo_flex_attention_backend: reference, or deterministic_mode: false.",
+         lambda c: c.on_turbo and c.settings.deterministic_mode and c.may_pack
+         and c.caps.packed_entry is not None and not c.caps.deterministic_packed),  # type: ignore[union-attr]
+)
+
+
+def failing_reasons(ctx: RuleInput, rules: Tuple[Rule, ...] = RULES) -> list[Reason]:
+    """Every rule of the table that fails for ``ctx``, rendered with the user's setting names."""
+    return [rule.render(ctx) for rule in rules if rule.fails(ctx)]
+
+
+__all__ = ["RULES", "Rule", "RuleInput", "failing_reasons"]

@@ -1,0 +1,253 @@
+"""A CPU stand-in for Primus-Turbo's attention entry points.
+
+Primus-Turbo only builds on ROCm, yet the project's ``turbo`` backend must be
+tested everywhere.  `fake_primus_turbo` puts modules named ``primus_turbo``,
+``primus_turbo.pytorch``, ``primus_turbo.pytorch.ops`` and
+``primus_turbo.pytorch.ops.attention`` into ``sys.modules`` for the duration of a
+``with`` block, so ``import primus_turbo.pytorch.ops`` works and resolves to
+entries that:
+
+* have the real signatures (``inspect.signature`` shows the real parameters), so a
+  backend that passes a keyword some build lacks gets the same ``TypeError``;
+* apply the real kernels' and flex layer's checks, so wrong layouts, dtypes and
+  boundaries fail on CPU the way they would fail on the GPU;
+* compute with `primus_ext.backends.exact`, so outputs and gradients are exact;
+* record every call, so tests can assert *which* kernel got *which* arguments.
+
+The keyword knobs pick which build is imitated, because the project must adapt to
+each by inspecting signatures rather than version strings::
+
+    with fake_primus_turbo(flex_deterministic=False) as fake:
+        out = backend(q, k, v)
+        assert fake.calls_to("flex_attention_bshd")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.machinery
+import inspect
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
+from ._fake_masks import MaskClassifier
+
+_ROOT = "primus_turbo"
+_PACKAGES = (_ROOT, f"{_ROOT}.pytorch", f"{_ROOT}.pytorch.ops", f"{_ROOT}.pytorch.ops.attention")
+
+_POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
+_KW = inspect.Parameter.KEYWORD_ONLY
+_REQUIRED = inspect.Parameter.empty
+
+# Parameter lists copied from the reference contract; ``(name, default)``.
+_QKV = [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)]
+_VARLEN_BOUNDS = [("cu_seqlens_q", _REQUIRED), ("cu_seqlens_k", _REQUIRED),
+                  ("max_seqlen_q", _REQUIRED), ("max_seqlen_k", _REQUIRED)]
+_FLASH_TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+               ("window_size", (-1, -1)), ("bias", None), ("alibi_slopes", None),
+               ("deterministic", False), ("return_lse", False), ("return_attn_probs", False)]
+_SINK = [("sink", None)]
+_FP8 = [("fp8_config", None)]
+_GROUPS = [("ulysses_group", None), ("ring_group", None)]
+_FLEX_DENSE = [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED),
+               ("score_mod", None), ("block_mask", None), ("scale", None),
+               ("enable_gqa", False), ("return_lse", False), ("kernel_options", None),
+               ("alibi_slopes", None), ("softcap", None), ("dropout_p", 0.0),
+               ("sink", None), ("bias", None)]
+_FLEX_VARLEN_POS = [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED)] + _VARLEN_BOUNDS
+_FLEX_VARLEN_KW = [("causal", False), ("window_size", (-1, -1)), ("scale", None),
+                   ("alibi_slopes", None), ("dropout_p", 0.0), ("sink", None),
+                   ("softcap", None), ("return_lse", False)]
+_DETERMINISTIC = [("deterministic", False)]
+
+
+def _signature(positional: list[tuple[str, Any]],
+               keyword_only: Optional[list[tuple[str, Any]]] = None) -> inspect.Signature:
+    params = [inspect.Parameter(n, _POS, default=d) for n, d in positional]
+    params += [inspect.Parameter(n, _KW, default=d) for n, d in keyword_only or []]
+    return inspect.Signature(params)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Which Primus-Turbo build the fake imitates (see `fake_primus_turbo`)."""
+
+    flex_bshd: bool = True
+    flex_deterministic: bool = True
+    varlen_sink: bool = True
+    flex: bool = True
+
+
+def entry_signatures(options: BuildOptions) -> dict[str, inspect.Signature]:
+    """The attention entries a build with ``options`` has, with their signatures."""
+    flash = _QKV + _FLASH_TAIL
+    varlen = _QKV + _VARLEN_BOUNDS + _FLASH_TAIL
+    sigs = {
+        "flash_attn_func": _signature(flash + _SINK),
+        "flash_attn_varlen_func": _signature(varlen + (_SINK if options.varlen_sink else [])),
+        "flash_attn_fp8_func": _signature(flash + _FP8),
+        "flash_attn_usp_func": _signature(flash + _GROUPS + [("qkv_format", None)]),
+        "flash_attn_varlen_usp_func": _signature(varlen + _GROUPS),
+        "flash_attn_fp8_usp_func": _signature(flash + _FP8 + _GROUPS),
+    }
+    if options.flex:
+        det = _DETERMINISTIC if options.flex_deterministic else []
+        sigs["flex_attention"] = _signature(_FLEX_DENSE + det)
+        if options.flex_bshd:
+            sigs["flex_attention_bshd"] = _signature(_FLEX_DENSE + det)
+        sigs["flex_attention_varlen"] = _signature(_FLEX_VARLEN_POS, _FLEX_VARLEN_KW + det)
+        sigs["create_block_mask"] = _signature(
+            [("mask_mod", _REQUIRED), ("B", _REQUIRED), ("H", _REQUIRED), ("Q_LEN", _REQUIRED),
+             ("KV_LEN", _REQUIRED), ("device", "cpu"), ("BLOCK_SIZE", 128), ("_compile", False)]
+        )
+    return sigs
+
+
+def _create_block_mask(a: dict[str, Any], _classify: MaskClassifier) -> Any:
+    """torch's own BlockMask, built eagerly (no compile) so it works on CPU."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(a["mask_mod"], a["B"], a["H"], a["Q_LEN"], a["KV_LEN"],
+                             device=a["device"], BLOCK_SIZE=a["BLOCK_SIZE"], _compile=False)
+
+
+_BODIES: dict[str, Callable[[str], Body]] = {
+    "flash_attn_func": dense_flash,
+    "flash_attn_varlen_func": varlen_flash,
+    "flash_attn_fp8_func": functools.partial(dense_flash, fp8=True),
+    "flash_attn_usp_func": dense_flash,
+    "flash_attn_varlen_usp_func": varlen_flash,
+    "flash_attn_fp8_usp_func": functools.partial(dense_flash, fp8=True),
+    "flex_attention": functools.partial(flex_dense, layout="bhsd"),
+    "flex_attention_bshd": functools.partial(flex_dense, layout="bshd"),
+    "flex_attention_varlen": flex_varlen,
+    "create_block_mask": lambda _name: _create_block_mask,
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded call: entry name and its bound arguments, defaults applied.
+
+    Tensors are the very objects the caller passed, so tests can check identity,
+    strides (``is_contiguous()``) and dtypes of what reached the kernel.
+    """
+
+    entry: str
+    args: dict[str, Any]
+
+
+class FakeTurbo:
+    """Handle on an installed fake: its module, the call log and the probe counter."""
+
+    def __init__(self, options: BuildOptions) -> None:
+        self.options = options
+        self.calls: list[Call] = []
+        self._classifier = MaskClassifier()
+        self.signatures = entry_signatures(options)
+        self.module = self._build_module()
+
+    @property
+    def probe_count(self) -> int:
+        """How many BlockMask classifications actually probed a mask_mod.
+
+        Repeated calls with the same BlockMask object and shapes are memoised and do
+        not add to it, which is what lets a test prove that BlockMasks are reused.
+        """
+        return self._classifier.probe_count
+
+    def reset(self) -> None:
+        """Forget recorded calls and zero `probe_count`; the classification memo stays,
+        as it does in a real process."""
+        self.calls.clear()
+        self._classifier.probe_count = 0
+
+    def calls_to(self, entry: str) -> list[Call]:
+        """The recorded calls of one entry, in call order."""
+        return [c for c in self.calls if c.entry == entry]
+
+    def _entry(self, name: str, signature: inspect.Signature) -> Callable[..., Any]:
+        body = _BODIES[name](name)
+        record = self.calls
+        classifier = self._classifier
+
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{name}() {exc}") from None
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            record.append(Call(name, arguments))
+            return body(arguments, classifier)
+
+        entry.__name__ = entry.__qualname__ = name
+        entry.__module__ = _PACKAGES[-1]
+        entry.__doc__ = f"CPU fake of primus_turbo.pytorch.ops.attention.{name}."
+        entry.__signature__ = signature  # type: ignore[attr-defined]
+        return entry
+
+    def _build_module(self) -> types.ModuleType:
+        module = _new_module(_PACKAGES[-1])
+        for name, signature in self.signatures.items():
+            setattr(module, name, self._entry(name, signature))
+        module.__all__ = sorted(self.signatures)  # type: ignore[attr-defined]
+        return module
+
+    def install(self) -> dict[str, types.ModuleType]:
+        """The four fake modules, keyed by name, ready for ``sys.modules``."""
+        root, pytorch, ops = (_new_module(n) for n in _PACKAGES[:3])
+        root.__version__ = "0.0.0+cpu.fake"  # type: ignore[attr-defined]
+        root.pytorch = pytorch  # type: ignore[attr-defined]
+        pytorch.ops = ops  # type: ignore[attr-defined]
+        ops.attention = self.module  # type: ignore[attr-defined]
+        for name in self.signatures:  # re-exported one level up, as upstream does
+            setattr(ops, name, getattr(self.module, name))
+        return dict(zip(_PACKAGES, (root, pytorch, ops, self.module)))
+
+
+def _new_module(name: str) -> types.ModuleType:
+    """A package-like module with a spec, so importlib.util.find_spec() sees it."""
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    module.__path__ = []  # type: ignore[attr-defined]
+    module.__fake_primus_turbo__ = True  # type: ignore[attr-defined]
+    return module
+
+
+def _owned(key: str) -> bool:
+    return key == _ROOT or key.startswith(_ROOT + ".")
+
+
+@contextlib.contextmanager
+def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True,
+                      varlen_sink: bool = True, flex: bool = True) -> Iterator[FakeTurbo]:
+    """Install the fake Primus-Turbo modules for the ``with`` block; yield the `FakeTurbo`.
+
+    Knobs select the build imitated: ``flex=False`` is an old build without any flex
+    entry (nor ``create_block_mask``); ``flex_bshd=False`` lacks ``flex_attention_bshd``;
+    ``flex_deterministic=False`` lacks ``deterministic`` on the flex entries;
+    ``varlen_sink=False`` lacks ``sink`` on ``flash_attn_varlen_func``.
+
+    Every ``primus_turbo*`` entry of ``sys.modules`` present before is put back on
+    exit, also when the block raises, and any added inside the block is dropped.
+    """
+    fake = FakeTurbo(BuildOptions(flex_bshd=flex_bshd, flex_deterministic=flex_deterministic,
+                                  varlen_sink=varlen_sink, flex=flex))
+    saved = {k: v for k, v in sys.modules.items() if _owned(k)}
+    for key in saved:
+        del sys.modules[key]
+    sys.modules.update(fake.install())
+    try:
+        yield fake
+    finally:
+        for key in [k for k in sys.modules if _owned(k)]:
+            del sys.modules[key]
+        sys.modules.update(saved)
+
+
+__all__ = ["BuildOptions", "Call", "FakeTurbo", "entry_signatures", "fake_primus_turbo"]

@@ -1,0 +1,1 @@
+"""Megatron-LM integration: layer facts, attention modules and spec providers."""

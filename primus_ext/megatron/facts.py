@@ -1,0 +1,62 @@
+"""Model-side facts of each attention layer, read with Megatron's own names.
+
+One function serves a ``TransformerConfig`` (the modules) and a Megatron-style YAML
+mapping (the CLI), so both decide windows, heads and dropout the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..plan.facts import LayerFacts
+
+
+def _get(source: Any, key: str, default: Any = None) -> Any:
+    if isinstance(source, Mapping):
+        value = source.get(key, default)
+    else:
+        value = getattr(source, key, default)
+    return default if value is None else value
+
+
+def config_window(source: Any, layer_number: int) -> Optional[tuple[int, int]]:
+    """``window_size`` of this 1-indexed layer after ``window_attn_skip_freq``, or None."""
+    window = _get(source, "window_size")
+    if not window:
+        return None
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    if not is_layer_window_attention(tuple(window), _get(source, "window_attn_skip_freq"), layer_number):
+        return None
+    return (int(window[0]), int(window[1]))
+
+
+def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
+    """`LayerFacts` of one layer from a ``TransformerConfig`` or a YAML mapping.
+
+    Heads are divided by ``tensor_model_parallel_size``: each rank sees its own.
+    """
+    heads = int(_get(source, "num_attention_heads"))
+    groups = int(_get(source, "num_query_groups", heads))
+    tp = int(_get(source, "tensor_model_parallel_size", 1))
+    head_dim = _get(source, "kv_channels")
+    if head_dim is None:
+        head_dim = int(_get(source, "hidden_size")) // heads
+    facts = dict(
+        num_heads=heads // tp,
+        num_kv_heads=max(groups // tp, 1),
+        head_dim=int(head_dim),
+        layer_number=layer_number,
+        window_size=config_window(source, layer_number),
+        softmax_scale=_get(source, "softmax_scale"),
+        attention_dropout=float(_get(source, "attention_dropout", 0.0)),
+        seq_length=_get(source, "seq_length"),
+        context_parallel_size=int(_get(source, "context_parallel_size", 1)),
+        position_embedding_type=str(_get(source, "position_embedding_type", "learned_absolute")),
+        learnable_softmax=_get(source, "softmax_type", "vanilla") == "learnable",
+    )
+    facts.update(overrides)
+    return LayerFacts(**facts)
+
+
+__all__ = ["config_window", "layer_facts"]

@@ -1,0 +1,49 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from primus_ext.attention.flex import TurboFlexAttention
+from primus_ext.plan import LayerFacts, build_plan
+from primus_ext.settings import TurboAttentionSettings
+
+FLEX_ON = {"use_turbo_attention": True, "use_turbo_flex_attention": True}
+
+
+def settings(**keys: Any) -> TurboAttentionSettings:
+    """Flex path on, reference backend, unless overridden."""
+    return TurboAttentionSettings.from_dict({**FLEX_ON, "turbo_flex_attention_backend": "reference", **keys})
+
+
+def facts(**fields: Any) -> LayerFacts:
+    base = dict(num_heads=4, num_kv_heads=2, head_dim=8, seq_length=16)
+    return LayerFacts(**{**base, **fields})
+
+
+def adapter(settings_obj: TurboAttentionSettings, facts_obj: LayerFacts | None = None, **kw: Any) -> TurboFlexAttention:
+    return TurboFlexAttention(build_plan(settings_obj, facts_obj or facts()), **kw)
+
+
+def qkv(b: int = 2, s: int = 16, hq: int = 4, hkv: int = 2, d: int = 8, dtype=torch.float64,
+        skv: int | None = None, seed: int = 0, grad: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    skv = s if skv is None else skv
+    q = torch.randn(b, s, hq, d, generator=gen, dtype=dtype)
+    k = torch.randn(b, skv, hkv, d, generator=gen, dtype=dtype)
+    v = torch.randn(b, skv, hkv, d, generator=gen, dtype=dtype)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def packed_qkv(total: int, hq: int = 4, hkv: int = 2, d: int = 8, dtype=torch.float64, seed: int = 0, grad=False):
+    q, k, v = qkv(1, total, hq, hkv, d, dtype=dtype, seed=seed)
+    q, k, v = q[0], k[0], v[0]
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v

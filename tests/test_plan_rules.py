@@ -1,0 +1,168 @@
+"""Build-time refusals (the rule table) and call-time refusals of the adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
+from primus_ext.plan import RULES, build_plan
+from primus_ext.testing import fake_primus_turbo
+
+from .helpers import adapter, facts, packed_qkv, qkv, settings
+
+
+def refused(settings_obj, facts_obj=None, **kw) -> UnsupportedConfigError:
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings_obj, facts_obj or facts(), **kw)
+    return err.value
+
+
+def test_every_rule_has_settings_reason_and_alternative():
+    codes = [r.code for r in RULES]
+    assert len(codes) == len(set(codes))
+    for rule in RULES:
+        assert rule.settings and rule.reason and rule.alternative, rule.code
+
+
+@pytest.mark.parametrize(
+    "keys, layer, expected",
+    [
+        ({"use_turbo_attention": False}, {}, "use_turbo_attention"),                          # B3
+        ({"sink_sliding_window": 8}, {"window_size": (4, 0)}, "sink_sliding_window"),          # B10
+        ({"sink_sliding_window": 8,
+          "turbo_flex_attention_mask_mod": "primus_ext.attention.masks:causal",
+          "turbo_flex_attention_mask_mod_kwargs": {}}, {}, "turbo_flex_attention_mask_mod"),   # B11
+        ({"turbo_flex_attention_mask_mod": "primus_ext.attention.masks:causal",
+          "turbo_flex_attention_mask_mod_kwargs": {}}, {"packed": True}, "turbo_flex_attention_mask_mod"),  # B17
+        ({}, {"context_parallel_size": 2}, "context_parallel_size"),                           # B22
+        ({"enable_turbo_attention_float8": True}, {}, "enable_turbo_attention_float8"),         # B23
+        ({"reset_attention_mask": True}, {}, "reset_attention_mask"),                           # B25
+        ({}, {"return_attn_probs": True}, "return_attn_probs"),                                 # B26
+        ({}, {"position_embedding_type": "alibi"}, "position_embedding_type"),                  # B27
+        ({}, {"num_kv_heads": 3}, "num_query_groups"),
+        ({}, {"attention_dropout": 1.0}, "attention_dropout"),
+    ],
+)
+def test_refusals_name_the_setting(keys, layer, expected):
+    err = refused(settings(**keys), facts(**layer))
+    assert expected in err.settings
+    assert expected in str(err)
+    assert "Alternative:" in str(err)
+
+
+def test_reset_attention_mask_points_at_thd_packing():
+    assert "THD" in str(refused(settings(reset_attention_mask=True)))
+
+
+def test_every_failure_is_reported_at_once():
+    err = refused(settings(use_turbo_attention=False, reset_attention_mask=True,
+                           enable_turbo_attention_float8=True), facts(context_parallel_size=2))
+    assert {"use_turbo_attention", "reset_attention_mask", "enable_turbo_attention_float8",
+            "context_parallel_size"} <= set(err.settings)
+    assert len(err.reasons) >= 4 and "4 reasons" in str(err) or len(err.reasons) > 4
+
+
+def test_bad_hook_is_refused_at_build_time_with_the_hook_string():
+    err = refused(settings(turbo_flex_attention_mask_mod="no_such_module_xyz:mask"))
+    assert "turbo_flex_attention_mask_mod" in err.settings and "no_such_module_xyz:mask" in str(err)
+
+
+def test_flex_off_builds_a_direct_plan_and_ignores_hooks():
+    """B1: with the switch off nothing of the flex path is consulted."""
+    plan = build_plan(settings(use_turbo_flex_attention=False,
+                               turbo_flex_attention_mask_mod="no_such_module_xyz:mask"), facts())
+    assert plan.path == "direct" and plan.mask_mod is None and plan.dense_entry == "flash_attn_func"
+
+
+# -- refusals that depend on the Turbo build ---------------------------------
+
+def turbo(**keys):
+    return settings(turbo_flex_attention_backend="turbo", **keys)
+
+
+def test_unrecognised_mask_refused_for_turbo_but_runs_on_reference():
+    keys = dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:prefix_lm",
+                turbo_flex_attention_mask_mod_kwargs={"prefix_length": 4})
+    with fake_primus_turbo():
+        err = refused(turbo(**keys))
+    assert "turbo_flex_attention_backend" in err.settings and "reference" in str(err)
+    assert build_plan(settings(**keys), facts()).pattern is None
+
+
+def test_softcap_and_other_score_mods_refused_for_turbo(tmp_path, monkeypatch):
+    (tmp_path / "scores_mod.py").write_text(
+        "import torch\n"
+        "def softcap(score, b, h, q, kv):\n    return 30.0 * torch.tanh(score / 30.0)\n"
+        "def squared(score, b, h, q, kv):\n    return score * score\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with fake_primus_turbo():
+        cap = refused(turbo(turbo_flex_attention_score_mod="scores_mod:softcap"))
+        other = refused(turbo(turbo_flex_attention_score_mod="scores_mod:squared"))
+    assert "softcap" in str(cap) and "turbo_flex_attention_score_mod" in cap.settings
+    assert "turbo_flex_attention_score_mod" in other.settings
+    build_plan(settings(turbo_flex_attention_score_mod="scores_mod:softcap"), facts())
+
+
+def test_sink_needs_power_of_two_head_dim_on_turbo():
+    with fake_primus_turbo():
+        err = refused(turbo(use_sink_attention=True), facts(head_dim=12))
+    assert "kv_channels" in err.settings
+
+
+def test_old_build_without_flex_entries_is_refused():
+    with fake_primus_turbo(flex=False):
+        err = refused(turbo(sink_sliding_window=4))
+    assert "turbo_flex_attention_backend" in err.settings
+
+
+# -- call-time refusals -------------------------------------------------------
+
+def test_return_attn_probs_refused_at_call():
+    q, k, v = qkv()
+    with pytest.raises(UnsupportedInputError, match="return_attn_probs"):
+        adapter(settings())(q, k, v, causal=True, return_attn_probs=True)
+
+
+def test_packed_with_bias_refused():
+    q, k, v = packed_qkv(6)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(UnsupportedInputError, match="bias"):
+        adapter(settings())(q, k, v, bias=torch.zeros(6, 6, dtype=q.dtype), causal=True,
+                            cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+
+
+def test_hook_plus_call_time_causal_is_not_composed():
+    run = adapter(settings(turbo_flex_attention_mask_mod="primus_ext.attention.masks:prefix_lm",
+                           turbo_flex_attention_mask_mod_kwargs={"prefix_length": 4}))
+    q, k, v = qkv()
+    with pytest.raises(UnsupportedInputError, match="turbo_flex_attention_mask_mod"):
+        run(q, k, v, causal=True)
+
+
+def test_sink_tensor_without_planned_sink_refused():
+    q, k, v = qkv()
+    with pytest.raises(UnsupportedInputError, match="use_sink_attention"):
+        adapter(settings())(q, k, v, causal=True, sink=torch.zeros(4))
+
+
+def test_causal_with_unequal_lengths_refused_on_turbo_only():
+    q, k, v = qkv(s=8, skv=12)
+    with fake_primus_turbo():
+        with pytest.raises(UnsupportedInputError, match="causal"):
+            adapter(turbo())(q, k, v, causal=True)
+    adapter(settings())(q, k, v, causal=True)  # reference: top-left, exact
+
+
+def test_probed_user_mask_is_verified_at_new_shapes(tmp_path, monkeypatch):
+    (tmp_path / "wide.py").write_text(
+        "def window(b, h, q, kv):\n    return (kv <= q) & (q - kv <= 40)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with fake_primus_turbo():
+        run = adapter(turbo(turbo_flex_attention_mask_mod="wide:window"), facts(seq_length=16))
+        assert run.plan.pattern.kind == "causal"  # the window is wider than the build grid
+        q, k, v = qkv(s=64, dtype=torch.float32)
+        with pytest.raises(UnsupportedInputError, match="wide:window"):
+            run(q, k, v)

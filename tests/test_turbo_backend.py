@@ -1,0 +1,209 @@
+"""The turbo backend through the CPU fake of Primus-Turbo: entries, arguments, caching."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from primus_ext.attention.flex import TurboFlexAttention
+from primus_ext.backends import TurboBackend, make_backend, select_backend, sink_kwargs_for
+from primus_ext.errors import UnsupportedConfigError
+from primus_ext.plan import build_plan
+from primus_ext.testing import fake_primus_turbo
+
+from . import oracle
+from .helpers import adapter, facts, packed_qkv, qkv, settings
+
+TOL = dict(atol=1e-10, rtol=1e-10)
+
+
+def turbo(**keys):
+    return settings(turbo_flex_attention_backend="turbo", **keys)
+
+
+def test_auto_picks_turbo_only_when_it_imports():
+    assert select_backend("auto")[0] == "reference"
+    with fake_primus_turbo():
+        assert select_backend("auto")[:2] == ("turbo", "auto: primus_turbo imports")
+        assert build_plan(settings(turbo_flex_attention_backend="auto"), facts()).backend == "turbo"
+
+
+def test_turbo_without_primus_turbo_is_refused_at_build_time():
+    with pytest.raises(UnsupportedConfigError, match="turbo_flex_attention_backend") as err:
+        build_plan(turbo(), facts())
+    assert "turbo_flex_attention_backend" in err.value.settings
+
+
+def test_default_causal_reaches_flash_attn_func_with_direct_arguments():
+    """B6: the flex path's default causal call is the direct call, kernel and arguments."""
+    q, k, v = qkv(dtype=torch.float32)
+    with fake_primus_turbo() as fake:
+        run = adapter(turbo())
+        out = run(q, k, v, dropout_p=0.0, softmax_scale=0.25, causal=True, deterministic=False)
+        flex_call = fake.calls[-1]
+        direct = fake.module.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=0.25, causal=True)
+        direct_call = fake.calls[-1]
+    assert [c.entry for c in fake.calls] == ["flash_attn_func", "flash_attn_func"]
+    assert flex_call.args.keys() == direct_call.args.keys()
+    for name, value in direct_call.args.items():
+        got = flex_call.args[name]
+        assert got is value if isinstance(value, torch.Tensor) else got == value, name
+    torch.testing.assert_close(out, direct)
+
+
+@pytest.mark.parametrize("bshd", [True, False])
+def test_window_uses_flex_entry_bshd_preferred_bhsd_fallback(bshd):
+    """B7: the bshd entry when present; otherwise bhsd views in and the exact inverse out."""
+    q, k, v = qkv()
+    with fake_primus_turbo(flex_bshd=bshd) as fake:
+        run = adapter(turbo(sink_sliding_window=3))
+        out = run(q, k, v, causal=True, window_size=(3, 0))
+    (call,) = fake.calls
+    assert call.entry == ("flex_attention_bshd" if bshd else "flex_attention")
+    passed_q = call.args["query"]
+    if bshd:
+        assert passed_q is q
+    else:
+        assert passed_q.shape == (2, 4, 16, 8) and passed_q.data_ptr() == q.data_ptr()
+    assert call.args["block_mask"].seq_lengths == (16, 16)
+    torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.window(3, 0)), **TOL)
+
+
+def test_non_causal_window_keeps_both_bounds_on_flash_entry():
+    """B8: (4, 4) is never run as (4, 0)."""
+    q, k, v = qkv()
+    with fake_primus_turbo() as fake:
+        out = adapter(turbo())(q, k, v, causal=False, window_size=(4, 4))
+    (call,) = fake.calls
+    assert call.entry == "flash_attn_func" and call.args["window_size"] == (4, 4)
+    assert call.args["causal"] is False
+    torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.window(4, 4)), **TOL)
+
+
+def test_block_mask_object_is_reused_so_turbo_probes_once():
+    q, k, v = qkv()
+    with fake_primus_turbo() as fake:
+        run = adapter(turbo(sink_sliding_window=3))
+        run(q, k, v, causal=True, window_size=(3, 0))
+        probes = fake.probe_count
+        run(q, k, v, causal=True, window_size=(3, 0))
+        assert fake.probe_count == probes
+        first, second = fake.calls_to("flex_attention_bshd")
+    assert first.args["block_mask"] is second.args["block_mask"]
+
+
+def test_lru_65_shapes_warn_once_and_stay_at_64():
+    with fake_primus_turbo():
+        run = adapter(turbo(sink_sliding_window=2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(3, 3 + 65):
+                q, k, v = qkv(b=1, s=s, hq=2, hkv=2, d=4, dtype=torch.float32)
+                run(q, k, v, causal=True, window_size=(2, 0))
+    assert len(run.backend.cache) == 64
+    assert sum(issubclass(w.category, RuntimeWarning) for w in caught) == 1
+
+
+def test_packed_goes_to_varlen_and_never_touches_the_lru():
+    """B16."""
+    q, k, v = packed_qkv(11)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    with fake_primus_turbo() as fake:
+        run = adapter(turbo(), facts(packed=True))
+        out = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    (call,) = fake.calls
+    assert call.entry == "flex_attention_varlen" and call.args["causal"] is True
+    assert call.args["cu_seqlens_q"] is cu
+    assert len(run.backend.cache) == 0 and run.backend.cache.misses == 0
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, oracle.packed_attention(q, k, v, [0, 4, 11]), **TOL)
+
+
+def test_sink_keyword_omitted_where_entry_lacks_it_and_refused_when_set():
+    """B13 on real signatures: flash_attn_varlen_func without `sink` (older builds)."""
+    with fake_primus_turbo(varlen_sink=False) as fake:
+        ops = fake.module
+        assert sink_kwargs_for(ops.flash_attn_varlen_func, None, where="packed") == {}
+        with pytest.raises(UnsupportedConfigError, match="use_sink_attention"):
+            sink_kwargs_for(ops.flash_attn_varlen_func, torch.zeros(4), where="packed")
+        assert sink_kwargs_for(ops.flash_attn_func, None, where="dense") == {"sink": None}
+
+
+def test_packed_entry_without_sink_is_probed_separately_from_dense():
+    """B13: a build whose packed entry lacks `sink` keeps sinks for dense-only training."""
+    q, k, v = packed_qkv(6)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with fake_primus_turbo() as fake:
+        real = fake.module.flex_attention_varlen
+
+        def flex_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, *, causal=False, window_size=(-1, -1), scale=None,
+                                  alibi_slopes=None, dropout_p=0.0, softcap=None, return_lse=False):
+            return real(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal=causal, window_size=window_size, scale=scale, alibi_slopes=alibi_slopes,
+                        dropout_p=dropout_p, softcap=softcap, return_lse=return_lse)
+
+        ops = SimpleNamespace(flash_attn_func=fake.module.flash_attn_func,
+                              flex_attention_bshd=fake.module.flex_attention_bshd,
+                              flex_attention_varlen=flex_attention_varlen)
+        backend = TurboBackend(ops=ops)
+        run = TurboFlexAttention(build_plan(turbo(), facts(packed=True), backend=backend), backend)
+        # `sink=None` would be a TypeError against this signature: the call proves it was omitted.
+        run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+        assert fake.calls[-1].entry == "flex_attention_varlen"
+        with pytest.raises(UnsupportedConfigError, match="use_sink_attention"):
+            build_plan(turbo(use_sink_attention=True), facts(packed=True), backend=backend)
+        build_plan(turbo(use_sink_attention=True), facts(packed=False), backend=backend)
+
+
+def test_bf16_sink_reaches_kernel_as_fp32_and_gets_gradient():
+    """B12."""
+    q, k, v = qkv(dtype=torch.float32)
+    sink = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    with fake_primus_turbo() as fake:
+        run = adapter(turbo(use_sink_attention=True))
+        run(q, k, v, causal=True, sink=sink).sum().backward()
+    passed = fake.calls[-1].args["sink"]
+    assert passed.dtype == torch.float32
+    assert sink.grad is not None and sink.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("has_det", [True, False])
+def test_deterministic_threaded_or_refused_by_capability(has_det):
+    """B24."""
+    with fake_primus_turbo(flex_deterministic=has_det) as fake:
+        if not has_det:
+            with pytest.raises(UnsupportedConfigError, match="deterministic_mode"):
+                build_plan(turbo(deterministic_mode=True, sink_sliding_window=3), facts())
+            return
+        run = adapter(turbo(deterministic_mode=True, sink_sliding_window=3))
+        q, k, v = qkv()
+        run(q, k, v, causal=True, window_size=(3, 0))
+        pq, pk, pv = packed_qkv(6)
+        cu = torch.tensor([0, 6], dtype=torch.int32)
+        run(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    assert [c.args["deterministic"] for c in fake.calls] == [True, True]
+
+
+def test_documents_hook_runs_on_varlen_with_flattened_batch():
+    q, k, v = qkv()
+    with fake_primus_turbo() as fake:
+        run = adapter(turbo(turbo_flex_attention_mask_mod="primus_ext.attention.masks:packed_documents",
+                            turbo_flex_attention_mask_mod_kwargs={"cu_seqlens": [0, 6, 16]}))
+        out = run(q, k, v)
+    (call,) = fake.calls
+    assert call.entry == "flex_attention_varlen"
+    assert call.args["cu_seqlens_q"].tolist() == [0, 6, 16, 22, 32]
+    torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.documents([0, 6, 16])), **TOL)
+
+
+def test_turbo_and_reference_agree_through_make_backend():
+    q, k, v = qkv()
+    with fake_primus_turbo():
+        plan = build_plan(turbo(sink_sliding_window=5), facts())
+        fast = TurboFlexAttention(plan, make_backend("turbo"))(q, k, v, causal=True, window_size=(5, 0))
+    slow = adapter(settings(sink_sliding_window=5))(q, k, v, causal=True, window_size=(5, 0))
+    torch.testing.assert_close(fast, slow, **TOL)

@@ -1,0 +1,369 @@
+"""The YAML keys of the Turbo attention path, as one validated frozen dataclass.
+
+Primus module configs are flat mappings that mix our keys with Megatron's own
+(``num_layers``, ``seq_length``, ``window_size``...) and with other Primus-Turbo
+switches (``use_turbo_gemm``...).  `TurboAttentionSettings` picks out our keys and
+leaves every other key alone, *except* keys that look like a misspelling of ours:
+a typo such as ``use_turbo_flex_atention`` would otherwise be dropped and the model
+would silently run plain attention, so it is refused with a "did you mean" hint.
+
+Validation happens on every construction path (``__init__``, `from_dict`,
+`from_yaml`, `from_args`, `replace`) and collects *all* failures into a single
+`UnsupportedConfigError`, so a user fixes a config in one round trip.
+
+Hook conventions (decided here, relied on by `primus_ext.settings.hooks`):
+``turbo_flex_attention_mask_mod_kwargs: null`` means the named attribute *is* the
+mask_mod; a mapping (even ``{}``) means the attribute is a factory called with
+those keyword arguments, e.g. ``"primus_ext.attention.masks:causal"`` with ``{}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import yaml
+
+from ..errors import Reason, UnsupportedConfigError
+
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "turbo", "reference")
+
+# One ``module.path:attr.path`` made of Python identifiers; nothing else is accepted,
+# because the string is only ever imported and walked, never evaluated.
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
+HOOK_PATTERN = re.compile(rf"^{_DOTTED}:{_DOTTED}$")
+
+# Unknown keys starting with these are assumed to be misspellings of ours.  The broad
+# ``use_turbo_`` prefix is shared with Primus's GEMM/MoE/norm switches, so it only counts
+# when the key also mentions attention (``att``/``flex``/``sink``): a future Primus switch
+# such as ``use_turbo_fp4_gemm`` must not stop a training run that loads our settings.
+_OUR_PREFIXES: tuple[str, ...] = ("turbo_flex_attention", "sink_")
+_SHARED_PREFIX = "use_turbo_"
+_ATTENTION_WORDS: tuple[str, ...] = ("att", "flex", "sink")
+
+# Keys of others that resemble ours: Primus-Turbo switches sharing the ``use_turbo_``
+# prefix (GEMM, MoE, norm) and Megatron attention fields.  They pass through untouched.
+FOREIGN_KEYS: frozenset[str] = frozenset(
+    {
+        "attention_backend",
+        "use_kitchen_attention",
+        "kitchen_attention_backend",
+        "use_turbo_autotune",
+        "use_turbo_gemm",
+        "use_turbo_grouped_gemm",
+        "use_turbo_fused_act_with_probs",
+        "use_turbo_deepep",
+        "use_turbo_mega_moe",
+        "use_turbo_rms_norm",
+        "use_turbo_norm_te_linear",
+        "use_turbo_parallel_linear",
+        "use_turbo_grouped_mlp",
+    }
+)
+
+_SUGGEST_CUTOFF = 0.8
+
+
+def _meta(doc: str, type_text: str, spec: str) -> dict[str, str]:
+    return {"doc": doc, "type": type_text, "spec": spec}
+
+
+@dataclass(frozen=True)
+class TurboAttentionSettings:
+    """Every Turbo-attention YAML key, validated; field names are the YAML keys."""
+
+    use_turbo_attention: bool = field(default=False, metadata=_meta(
+        "Route Megatron core attention to Primus-Turbo kernels (the flex path needs it, B3).",
+        "bool", "B1, B3"))
+    use_turbo_flex_attention: bool = field(default=False, metadata=_meta(
+        "Run attention through the FlexAttention-style path (masks as mask_mods); off = unchanged.",
+        "bool", "B1, B3"))
+    turbo_flex_attention_mask_mod: Optional[str] = field(default=None, metadata=_meta(
+        "Hook 'package.module:attr' giving mask_mod(b, h, q_idx, kv_idx) -> bool tensor.",
+        "str | null", "B2, B11, B17"))
+    turbo_flex_attention_mask_mod_kwargs: Optional[dict] = field(default=None, metadata=_meta(
+        "If a mapping (even {}), the mask_mod hook is a factory called with these kwargs.",
+        "mapping | null", "B2"))
+    turbo_flex_attention_score_mod: Optional[str] = field(default=None, metadata=_meta(
+        "Hook 'package.module:attr' giving score_mod(score, b, h, q_idx, kv_idx) -> float tensor.",
+        "str | null", "B2, B17"))
+    turbo_flex_attention_score_mod_kwargs: Optional[dict] = field(default=None, metadata=_meta(
+        "If a mapping (even {}), the score_mod hook is a factory called with these kwargs.",
+        "mapping | null", "B2"))
+    turbo_flex_attention_backend: str = field(default="auto", metadata=_meta(
+        "Flex backend: turbo (Primus-Turbo), reference (exact torch math), auto (turbo if it imports).",
+        "auto | turbo | reference", "B7, B8"))
+    use_sink_attention: bool = field(default=False, metadata=_meta(
+        "GPT-OSS style learned sinks: one fp32 logit per query head joins the softmax.",
+        "bool", "B12, B13, B15"))
+    sink_sliding_window: int = field(default=0, metadata=_meta(
+        "0 = no window; W > 0 = causal sliding window (W, 0): the token plus W to its left.",
+        "int >= 0", "B10, B11, B14"))
+    sink_window_even_layers_only: bool = field(default=False, metadata=_meta(
+        "Apply sink_sliding_window only on 1-indexed odd layers (0-indexed even), as GPT-OSS.",
+        "bool", "B14"))
+    enable_turbo_attention_float8: bool = field(default=False, metadata=_meta(
+        "Primus-Turbo fp8 attention (direct path only; refused on the flex path).",
+        "bool", "B9, B23"))
+    deterministic_mode: bool = field(default=False, metadata=_meta(
+        "Deterministic kernels; refused when the selected entry has no 'deterministic' parameter.",
+        "bool", "B24"))
+    reset_attention_mask: bool = field(default=False, metadata=_meta(
+        "Megatron's document-boundary mask tensor; refused on every Turbo path (use THD packing).",
+        "bool", "B25"))
+
+    def __post_init__(self) -> None:
+        values = {name: getattr(self, name) for name in SETTING_KEYS}
+        reasons = _problems(values)
+        if reasons:
+            raise UnsupportedConfigError(reasons, context="Turbo attention settings")
+        for name in _KWARGS_KEYS:  # private copies: later edits of the caller's dict do not leak in
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, copy.deepcopy(dict(value)))
+
+    def __hash__(self) -> int:
+        # The kwargs are dicts (unhashable); hash a frozen rendering so settings can key caches.
+        return hash(tuple((k, _freeze(v)) for k, v in self.to_dict().items()))
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> "TurboAttentionSettings":
+        """Build from a flat mapping; foreign keys are ignored, look-alikes of ours refused."""
+        if not isinstance(mapping, Mapping):
+            raise UnsupportedConfigError(Reason(
+                settings=(), reason=f"settings must be a mapping of keys to values, got {type(mapping).__name__}.",
+                alternative="write the keys as a flat YAML mapping (key: value per line)."))
+        ours = {k: v for k, v in mapping.items() if k in _KEY_SET}
+        others = [k for k in mapping if k not in _KEY_SET and isinstance(k, str)]
+        return cls._build(ours, lookalike_reasons(others))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> "TurboAttentionSettings":
+        """Load a flat YAML mapping (``yaml.safe_load``); an empty file means all defaults."""
+        with open(path, encoding="utf-8") as handle:
+            try:
+                data = yaml.safe_load(handle)
+            except yaml.YAMLError as exc:
+                raise UnsupportedConfigError(Reason(
+                    settings=(), reason=f"{os.fspath(path)} is not valid YAML: {exc}",
+                    alternative="fix the YAML syntax.")) from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise UnsupportedConfigError(Reason(
+                settings=(), reason=f"{os.fspath(path)} must hold a flat mapping, got {type(data).__name__}.",
+                alternative="write one 'key: value' per line at the top level."))
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_args(cls, namespace: Any) -> "TurboAttentionSettings":
+        """Read our keys from an argparse.Namespace (or any object) with getattr.
+
+        Missing attributes take their default.  When the object exposes its attributes
+        through ``vars()`` (Namespace, SimpleNamespace), look-alike keys are refused too.
+        """
+        ours = {k: getattr(namespace, k) for k in SETTING_KEYS if hasattr(namespace, k)}
+        try:
+            others = [k for k in vars(namespace) if k not in _KEY_SET]
+        except TypeError:
+            others = []
+        return cls._build(ours, lookalike_reasons(others))
+
+    @classmethod
+    def _build(cls, ours: Mapping[str, Any], extra: list[Reason]) -> "TurboAttentionSettings":
+        values = {**_DEFAULTS, **ours}
+        reasons = extra + _problems(values)
+        if reasons:
+            raise UnsupportedConfigError(reasons, context="Turbo attention settings")
+        return cls(**values)
+
+    # ---------------------------------------------------------------------- helpers
+    def to_dict(self) -> dict[str, Any]:
+        """Plain ``{key: value}`` in declaration order (kwargs deep-copied), YAML-dumpable."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in SETTING_KEYS}
+
+    def replace(self, **changes: Any) -> "TurboAttentionSettings":
+        """A validated copy with ``changes`` applied; every unknown key is refused."""
+        unknown = [k for k in changes if k not in _KEY_SET]
+        reasons = [_unknown_reason(k, _suggest(k)) for k in unknown]
+        known = {k: v for k, v in changes.items() if k in _KEY_SET}
+        return self._build({**self.to_dict(), **known}, reasons)
+
+
+SETTING_KEYS: tuple[str, ...] = tuple(f.name for f in fields(TurboAttentionSettings))
+_KEY_SET = frozenset(SETTING_KEYS)
+_KWARGS_KEYS = ("turbo_flex_attention_mask_mod_kwargs", "turbo_flex_attention_score_mod_kwargs")
+_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(TurboAttentionSettings) if f.default is not MISSING
+}
+
+
+def describe_keys() -> list[tuple[str, str, Any, str]]:
+    """``(key, type text, default, one-line doc)`` per key, for the CLI and the docs."""
+    return [(f.name, f.metadata["type"], f.default, f.metadata["doc"])
+            for f in fields(TurboAttentionSettings)]
+
+
+def spec_refs(key: str) -> str:
+    """Behaviour-spec items (``"B1, B3"``) a key relates to."""
+    return {f.name: f.metadata["spec"] for f in fields(TurboAttentionSettings)}[key]
+
+
+# -------------------------------------------------------------------- validation
+def _type_name(value: Any) -> str:
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _check_bool(key: str, value: Any) -> Optional[Reason]:
+    if isinstance(value, bool):
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be true or false, got {_type_name(value)}.",
+                  alternative=f"write '{key}: true' or '{key}: false' (a YAML boolean, unquoted).")
+
+
+def _check_window(key: str, value: Any) -> Optional[Reason]:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return Reason(settings=(key,), reason=f"{key} must be an integer, got {_type_name(value)}.",
+                      alternative=f"write '{key}: 0' for no window or a window width such as 128.")
+    if value < 0:
+        return Reason(settings=(key,), reason=f"{key} must be >= 0, got {value}.",
+                      alternative="use 0 for no window, or W > 0 for a causal window of W keys "
+                                  "to the left of each token.")
+    return None
+
+
+def _check_backend(key: str, value: Any) -> Optional[Reason]:
+    if isinstance(value, str) and value in BACKEND_CHOICES:
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be one of {', '.join(BACKEND_CHOICES)}; "
+                                          f"got {_type_name(value)}.",
+                  alternative=f"write '{key}: auto' unless you need a specific backend.")
+
+
+def _check_hook(key: str, value: Any) -> Optional[Reason]:
+    if value is None or (isinstance(value, str) and HOOK_PATTERN.match(value)):
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be null or a 'package.module:attr' string, "
+                                          f"got {_type_name(value)}.",
+                  alternative=f"for example {key}: \"primus_ext.attention.masks:prefix_lm\".")
+
+
+def _check_kwargs(key: str, value: Any) -> Optional[Reason]:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return Reason(settings=(key,), reason=f"{key} must be null or a mapping of keyword "
+                                              f"arguments, got {_type_name(value)}.",
+                      alternative=f"for example {key}: {{prefix_length: 64}}.")
+    bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        return Reason(settings=(key,), reason=f"{key} keys must be Python identifiers "
+                                              f"(keyword-argument names); got {bad!r}.",
+                      alternative="use keyword-argument names such as prefix_length.")
+    return None
+
+
+_CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
+    "turbo_flex_attention_mask_mod": _check_hook,
+    "turbo_flex_attention_mask_mod_kwargs": _check_kwargs,
+    "turbo_flex_attention_score_mod": _check_hook,
+    "turbo_flex_attention_score_mod_kwargs": _check_kwargs,
+    "turbo_flex_attention_backend": _check_backend,
+    "sink_sliding_window": _check_window,
+}
+
+
+def _problems(values: Mapping[str, Any]) -> list[Reason]:
+    """Per-key type checks, then the structural rules between our own keys.
+
+    Semantic rules (B3 and the rest of the spec) belong to the plan builder, which needs
+    layer facts too and reports every failing rule in one error; settings only refuse
+    what is malformed.  With ``use_turbo_flex_attention: false`` the flex keys are inert
+    on purpose (B1): the switch can be flipped for an A/B run without deleting hooks.
+    """
+    reasons: list[Reason] = []
+    ok: dict[str, Any] = {}
+    for key in SETTING_KEYS:
+        reason = _CHECKS.get(key, _check_bool)(key, values[key])
+        if reason is None:
+            ok[key] = values[key]
+        else:
+            reasons.append(reason)
+
+    for hook in ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"):
+        kw = f"{hook}_kwargs"
+        if ok.get(hook, "set") is None and ok.get(kw) is not None:
+            reasons.append(Reason(
+                settings=(kw, hook),
+                reason=f"{kw} is set but {hook} is null, so the arguments would be ignored.",
+                alternative=f"name the factory in {hook}, or remove {kw}."))
+    return reasons
+
+
+# -------------------------------------------------------------- look-alike keys
+def _suggest(key: str) -> Optional[str]:
+    return max(SETTING_KEYS, key=lambda ours: _similarity(key, ours)) if key else None
+
+
+def _unknown_reason(key: str, suggestion: Optional[str]) -> Reason:
+    hint = f"did you mean `{suggestion}`?" if suggestion else ""
+    return Reason(settings=(key,), reason=f"unknown Turbo attention key `{key}`; {hint}".rstrip("; "),
+                  alternative=f"rename it to `{suggestion}`, or remove it." if suggestion else "remove the key.")
+
+
+def _similarity(a: str, b: str) -> float:
+    # difflib's ratio is not symmetric; taking the lower side keeps Megatron's
+    # ``use_kitchen_attention`` (0.82 one way, 0.77 the other) from passing for ours.
+    return min(difflib.SequenceMatcher(None, a, b).ratio(), difflib.SequenceMatcher(None, b, a).ratio())
+
+
+def _close_to(key: str, candidates: Iterable[str]) -> bool:
+    return any(_similarity(key, c) >= _SUGGEST_CUTOFF for c in candidates)
+
+
+def looks_like_ours(key: str) -> bool:
+    """True for a key that is not ours but probably meant to be (typo or our prefix)."""
+    if key in _KEY_SET or key in FOREIGN_KEYS:
+        return False
+    if _close_to(key, SETTING_KEYS):
+        return True
+    if _close_to(key, FOREIGN_KEYS):  # a typo of another Primus switch is Primus's business
+        return False
+    if key.startswith(_SHARED_PREFIX):
+        return any(word in key for word in _ATTENTION_WORDS)
+    return key.startswith(_OUR_PREFIXES)
+
+
+def lookalike_reasons(keys: list[str]) -> list[Reason]:
+    """One "did you mean" reason per key in ``keys`` that looks like one of ours."""
+    return [_unknown_reason(k, _suggest(k)) for k in keys if looks_like_ours(k)]
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+__all__ = [
+    "BACKEND_CHOICES",
+    "FOREIGN_KEYS",
+    "HOOK_PATTERN",
+    "SETTING_KEYS",
+    "TurboAttentionSettings",
+    "describe_keys",
+    "lookalike_reasons",
+    "looks_like_ours",
+    "spec_refs",
+]

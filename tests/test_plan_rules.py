@@ -70,9 +70,51 @@ def test_bad_hook_is_refused_at_build_time_with_the_hook_string():
 
 def test_flex_off_builds_a_direct_plan_and_ignores_hooks():
     """B1: with the switch off nothing of the flex path is consulted."""
-    plan = build_plan(settings(use_turbo_flex_attention=False,
-                               turbo_flex_attention_mask_mod="no_such_module_xyz:mask"), facts())
-    assert plan.path == "direct" and plan.mask_mod is None and plan.dense_entry == "flash_attn_func"
+    with fake_primus_turbo():
+        plan = build_plan(settings(use_turbo_flex_attention=False,
+                                   turbo_flex_attention_mask_mod="no_such_module_xyz:mask"), facts())
+    assert plan.path == "direct" and plan.mask_mod is None
+    assert (plan.dense_entry, plan.packed_entry) == ("flash_attn_func", "flash_attn_varlen_func")
+
+
+def test_direct_path_without_primus_turbo_is_refused():
+    err = refused(settings(use_turbo_flex_attention=False))
+    assert "use_turbo_attention" in err.settings and "reference" in str(err)
+
+
+@pytest.mark.parametrize("fp8, cp, dense, packed", [
+    (False, 1, "flash_attn_func", "flash_attn_varlen_func"),
+    (False, 2, "flash_attn_usp_func", None),
+    (True, 1, "flash_attn_fp8_func", None),
+    (True, 2, "flash_attn_fp8_usp_func", None),
+])
+def test_direct_entries_follow_fp8_and_context_parallel(fp8, cp, dense, packed):
+    with fake_primus_turbo():
+        plan = build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=fp8),
+                          facts(context_parallel_size=cp, cp_comm_type="a2a"))
+    assert (plan.dense_entry, plan.packed_entry) == (dense, packed)
+
+
+@pytest.mark.parametrize("keys, layer, expected", [
+    ({"enable_turbo_attention_float8": True, "sink_sliding_window": 4}, {}, "enable_turbo_attention_float8"),  # B9
+    ({"enable_turbo_attention_float8": True}, {"window_size": (4, 0)}, "window_size"),                        # B9
+    ({"use_sink_attention": True, "enable_turbo_attention_float8": True}, {}, "use_sink_attention"),          # B13
+    ({"use_sink_attention": True}, {"context_parallel_size": 2, "cp_comm_type": "p2p"}, "use_sink_attention"),
+    ({}, {"context_parallel_size": 2, "cp_comm_type": "p2p", "packed": True}, "context_parallel_size"),      # B18
+    ({}, {"context_parallel_size": 2, "cp_comm_type": "all_gather"}, "cp_comm_type"),
+    ({}, {"attn_mask_type": "padding"}, "attn_mask_type"),
+])
+def test_direct_path_refusals(keys, layer, expected):
+    with fake_primus_turbo():
+        err = refused(settings(use_turbo_flex_attention=False, **keys), facts(**layer))
+    assert expected in err.settings
+
+
+def test_direct_varlen_without_sink_refuses_sinks_only_for_packed_layers():
+    with fake_primus_turbo(varlen_sink=False):
+        err = refused(settings(use_turbo_flex_attention=False, use_sink_attention=True), facts(packed=True))
+        assert "use_sink_attention" in err.settings
+        build_plan(settings(use_turbo_flex_attention=False, use_sink_attention=True), facts(packed=False))
 
 
 # -- refusals that depend on the Turbo build ---------------------------------

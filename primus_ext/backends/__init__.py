@@ -17,6 +17,15 @@ from .turbo import TurboBackend, load_ops
 BACKEND_CHOICES = ("auto", "turbo", "reference")
 
 
+def turbo_import_problem() -> str:
+    """Empty when Primus-Turbo's ops import, else what went wrong (for refusals)."""
+    try:
+        load_ops()
+    except Exception as exc:  # any import failure means the build is unusable here
+        return f"`import primus_turbo.pytorch.ops` failed ({type(exc).__name__}: {exc})"
+    return ""
+
+
 def select_backend(choice: str) -> Tuple[str, str, str]:
     """Resolve ``turbo_flex_attention_backend`` to ``(name, why, problem)``.
 
@@ -24,11 +33,7 @@ def select_backend(choice: str) -> Tuple[str, str, str]:
     """
     if choice == "reference":
         return "reference", "turbo_flex_attention_backend: reference", ""
-    try:
-        load_ops()
-        problem = ""
-    except Exception as exc:  # any import failure means the build is unusable here
-        problem = f"`import primus_turbo.pytorch.ops` failed ({type(exc).__name__}: {exc})"
+    problem = turbo_import_problem()
     if choice == "turbo":
         return "turbo", "turbo_flex_attention_backend: turbo", problem
     if problem:
@@ -56,4 +61,5 @@ __all__ = [
     "make_backend",
     "select_backend",
     "sink_kwargs_for",
+    "turbo_import_problem",
 ]

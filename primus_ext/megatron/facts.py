@@ -53,7 +53,7 @@ def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
         seq_length=_get(source, "seq_length"),
         context_parallel_size=int(_get(source, "context_parallel_size", 1)),
         position_embedding_type=str(_get(source, "position_embedding_type", "learned_absolute")),
-        learnable_softmax=_get(source, "softmax_type", "vanilla") == "learnable",
+        softmax_type=str(_get(source, "softmax_type", "vanilla")),
     )
     facts.update(overrides)
     return LayerFacts(**facts)

@@ -7,8 +7,10 @@ from typing import Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
 from ..attention.recognition import recognize_mask, recognize_score
-from ..backends import AttentionBackend, make_backend, select_backend
+from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
+from ..backends.direct import DirectEntries, choose_direct
+from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError
 from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
@@ -47,6 +49,16 @@ def _backend_for(settings: TurboAttentionSettings, backend: Optional[AttentionBa
     return name, why, problem, caps
 
 
+def _direct_for(settings: TurboAttentionSettings, facts: LayerFacts) -> Tuple[Optional[DirectEntries], str]:
+    """The direct-path entries of the installed Primus-Turbo, or why there are none."""
+    problem = turbo_import_problem()
+    if problem:
+        return None, problem
+    entries = choose_direct(load_ops(), fp8=settings.enable_turbo_attention_float8,
+                            context_parallel=facts.context_parallel_size > 1)
+    return entries, ""
+
+
 def build_plan(
     settings: TurboAttentionSettings,
     facts: LayerFacts,
@@ -61,6 +73,7 @@ def build_plan(
     reasons: list[Reason] = []
     mask_mod = score_mod = None
     mask_rec = score_rec = None
+    direct: Optional[DirectEntries] = None
     if flex:
         name, why, problem, caps = _backend_for(settings, backend)
         try:
@@ -74,10 +87,12 @@ def build_plan(
             score_rec = recognize_score(score_mod, facts.num_heads)
     else:
         name, why, problem, caps = "turbo", "direct path", "", None
+        if settings.use_turbo_attention or facts.turbo_module:
+            direct, problem = _direct_for(settings, facts)
     window = layer_window(settings, facts)
     ctx = RuleInput(
         settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
-        window=window, mask_recognition=mask_rec, score_recognition=score_rec,
+        window=window, mask_recognition=mask_rec, score_recognition=score_rec, direct=direct,
     )
     reasons.extend(failing_reasons(ctx))
     if reasons:
@@ -108,8 +123,8 @@ def build_plan(
         score_hook=settings.turbo_flex_attention_score_mod if flex else None,
         score_recognised=score_rec.kind if score_rec else None,
         alibi_slopes=score_rec.alibi_slopes if score_rec and score_rec.kind == "alibi" else None,
-        dense_entry=caps.dense_entry if caps else "flash_attn_func",
-        packed_entry=caps.packed_entry if caps else "flash_attn_varlen_func",
+        dense_entry=caps.dense_entry if caps else (direct.dense if direct else None),
+        packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
         mask_mod=mask_mod,
         score_mod=score_mod,
         verify_shapes=mask_mod is not None and not hasattr(mask_mod, "primus_pattern") and pattern is not None,

@@ -29,9 +29,14 @@ class LayerFacts:
     position_embedding_type: str = "learned_absolute"
     has_attention_bias: bool = False
     return_attn_probs: bool = False
-    learnable_softmax: bool = False
+    softmax_type: str = "vanilla"
+    """Megatron's ``softmax_type``: ``learnable`` / ``off-by-one`` are sinks (learned / fixed 0)."""
+    attn_mask_type: str = "causal"
+    cp_comm_type: Optional[str] = None
     packed: Optional[bool] = None
     """``True``: only thd calls; ``False``: only dense calls; ``None``: either may come."""
+    turbo_module: bool = False
+    """Built by a Primus-Turbo attention module, so some Turbo path runs whatever the switches say."""
 
     @property
     def kv_heads(self) -> int:

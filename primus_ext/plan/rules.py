@@ -13,6 +13,7 @@ from typing import Callable, Optional, Tuple
 
 from ..attention.recognition import MaskRecognition, ScoreRecognition
 from ..backends.base import BackendCapabilities
+from ..backends.direct import DirectEntries
 from ..errors import Reason
 from ..settings import TurboAttentionSettings
 from .facts import LayerFacts
@@ -30,6 +31,7 @@ class RuleInput:
     window: Optional[Tuple[int, int]] = None
     mask_recognition: Optional[MaskRecognition] = None
     score_recognition: Optional[ScoreRecognition] = None
+    direct: Optional[DirectEntries] = None
 
     @property
     def flex(self) -> bool:
@@ -38,7 +40,13 @@ class RuleInput:
     @property
     def turbo_path(self) -> bool:
         """Any Primus-Turbo attention path (flex or direct) is in use."""
-        return self.settings.use_turbo_attention or self.settings.use_turbo_flex_attention
+        s = self.settings
+        return s.use_turbo_attention or s.use_turbo_flex_attention or self.facts.turbo_module
+
+    @property
+    def on_direct(self) -> bool:
+        """The direct (flex off) Turbo path is in use."""
+        return self.turbo_path and not self.flex
 
     @property
     def on_turbo(self) -> bool:
@@ -47,7 +55,7 @@ class RuleInput:
 
     @property
     def sink(self) -> bool:
-        return self.settings.use_sink_attention or self.facts.learnable_softmax
+        return self.settings.use_sink_attention or self.facts.softmax_type in ("learnable", "off-by-one")
 
     @property
     def may_pack(self) -> bool:
@@ -75,6 +83,10 @@ class RuleInput:
             "heads": self.facts.num_heads,
             "kv_heads": self.facts.kv_heads,
             "dropout": self.facts.attention_dropout,
+            "mask_type": self.facts.attn_mask_type,
+            "cp_comm": self.facts.cp_comm_type,
+            "direct_dense": self.direct.dense if self.direct else None,
+            "direct_packed": self.direct.packed if self.direct else None,
         }
 
 
@@ -101,6 +113,10 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+SUPPORTED_MASK_TYPES = ("causal", "no_mask", "causal_bottom_right")
+SUPPORTED_CP_COMM = (None, "a2a", "p2p")
+
+
 RULES: Tuple[Rule, ...] = (
     Rule("B3", ("use_turbo_flex_attention", "use_turbo_attention"),
          "use_turbo_flex_attention needs the Turbo attention module, but use_turbo_attention is false.",
@@ -118,6 +134,44 @@ RULES: Tuple[Rule, ...] = (
     Rule("dropout", ("attention_dropout",),
          "attention_dropout={dropout} is outside [0, 1).", "use a probability in [0, 1).",
          lambda c: not 0.0 <= c.facts.attention_dropout < 1.0),
+    Rule("direct", ("use_turbo_attention",),
+         "the direct Turbo path needs Primus-Turbo, which cannot be used here: {problem}",
+         "install Primus-Turbo (ROCm), or set use_turbo_flex_attention: true with "
+         "turbo_flex_attention_backend: reference (exact torch math on any device).",
+         lambda c: c.on_direct and c.direct is None),
+    Rule("mask-type", ("attn_mask_type",),
+         "attn_mask_type={mask_type} needs a dense attention_mask tensor (padding or arbitrary), "
+         "which no Turbo entry takes; it would be ignored.",
+         "use a causal or no_mask layer, with THD packing for variable-length documents.",
+         lambda c: c.turbo_path and c.facts.attn_mask_type not in SUPPORTED_MASK_TYPES),
+    Rule("cp-comm", ("cp_comm_type", "context_parallel_size"),
+         "cp_comm_type={cp_comm} has no Primus-Turbo context-parallel entry (a2a -> Ulysses, "
+         "p2p -> ring).",
+         "set cp_comm_type to a2a or p2p.",
+         lambda c: c.on_direct and c.facts.context_parallel_size > 1
+         and c.facts.cp_comm_type not in SUPPORTED_CP_COMM),
+    Rule("B9", ("enable_turbo_attention_float8", "window_size", "sink_sliding_window"),
+         "the fp8 attention kernel only takes window_size=(-1, -1); the window {window} of layer "
+         "{layer} would be dropped.",
+         "set enable_turbo_attention_float8: false, or remove the window.",
+         lambda c: c.on_direct and c.settings.enable_turbo_attention_float8 and c.window is not None),
+    Rule("B13-direct", ("use_sink_attention",),
+         "a learned sink is configured but the direct entry {direct_dense} has no `sink` "
+         "parameter (fp8 and context-parallel entries lack it); the sink would be dropped.",
+         "set enable_turbo_attention_float8: false and context_parallel_size: 1, or "
+         "use_sink_attention: false.",
+         lambda c: c.on_direct and c.sink and c.direct is not None and c.may_dense and not c.direct.sink_dense),
+    Rule("B13-direct-packed", ("use_sink_attention",),
+         "a learned sink is configured but the packed entry {direct_packed} of this Primus-Turbo "
+         "build has no `sink` parameter; packed batches would drop it.",
+         "upgrade Primus-Turbo, or train unpacked.",
+         lambda c: c.on_direct and c.sink and c.direct is not None and c.facts.packed is True
+         and c.direct.packed is not None and not c.direct.sink_packed),
+    Rule("B18", ("context_parallel_size", "enable_turbo_attention_float8"),
+         "packed (thd) batches on the direct path go to flash_attn_varlen_func, which exists only "
+         "at context_parallel_size 1 and without fp8 (selected entry: {direct_dense}).",
+         "set context_parallel_size: 1 and enable_turbo_attention_float8: false, or train unpacked.",
+         lambda c: c.on_direct and c.direct is not None and c.facts.packed is True and c.direct.packed is None),
     Rule("B10", ("window_size", "sink_sliding_window"),
          "both window_size and sink_sliding_window set a sliding window; they are two sources "
          "for one quantity with different per-layer rules.",

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..backends import AttentionBackend, make_backend
-from ..backends.base import KernelCall, Output
+from ..backends.base import KernelCall, Output, fp32_sink
 from ..errors import Reason, UnsupportedInputError
 from .block_mask_cache import BlockMaskCache
 from .pattern import Pattern, pattern_from_flash_args
@@ -92,8 +92,7 @@ class TurboFlexAttention:
         if sink.dim() != 1 or sink.shape[0] != heads:
             raise _refuse(("use_sink_attention",), f"the sink must hold one logit per local query head "
                           f"({heads}), got shape {tuple(sink.shape)}.")
-        # A differentiable cast: a bf16 parameter still receives its gradient (B12).
-        return sink if sink.dtype == torch.float32 else sink.float()
+        return fp32_sink(sink)
 
     def _alibi_slopes(self, alibi_slopes: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
         planned = self.plan.alibi_slopes

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
@@ -83,4 +84,12 @@ class AttentionBackend(Protocol):
     ) -> Output: ...
 
 
-__all__ = ["AttentionBackend", "BackendCapabilities", "KernelCall", "Output"]
+def fp32_sink(sink: Optional[Tensor]) -> Optional[Tensor]:
+    """The sink as the kernels take it: fp32, cast differentiably so a bf16 parameter
+    still receives its gradient (B12)."""
+    if sink is None or sink.dtype == torch.float32:
+        return sink
+    return sink.float()
+
+
+__all__ = ["AttentionBackend", "BackendCapabilities", "KernelCall", "Output", "fp32_sink"]

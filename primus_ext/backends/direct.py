@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 
 from torch import Tensor
 
+from .base import fp32_sink
 from .capabilities import entry_accepts, sink_kwargs_for
 
 CP_GROUP_KWARGS = ("ulysses_group", "ring_group")
@@ -75,7 +76,7 @@ class DirectRunner:
         if self.entries.takes_window:
             kwargs["window_size"] = window
         kwargs.update(self.cp_groups)
-        kwargs.update(sink_kwargs_for(self.dense, sink, where="dense"))
+        kwargs.update(sink_kwargs_for(self.dense, fp32_sink(sink), where="dense"))
         return self.dense(q, k, v, **kwargs)
 
     def packed_call(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: Any,
@@ -85,7 +86,7 @@ class DirectRunner:
         return self.packed_entry(
             q, k, v, cu_q, cu_kv, max_q, max_kv,
             dropout_p=dropout_p, softmax_scale=scale, causal=causal, window_size=window,
-            deterministic=deterministic, **sink_kwargs_for(self.packed_entry, sink, where="packed"),
+            deterministic=deterministic, **sink_kwargs_for(self.packed_entry, fp32_sink(sink), where="packed"),
         )
 
 

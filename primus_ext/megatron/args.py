@@ -1,0 +1,67 @@
+"""Settings from Megatron's command line, without globals in the modules.
+
+Modules receive `TurboAttentionSettings` explicitly (spec providers bind them).  For
+Primus, where modules are built from Megatron's global args, a module built with no
+settings reads them from ``megatron.training.get_args()`` when that exists.
+`add_turbo_attention_args` is an ``extra_args_provider`` adding every key as a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Optional
+
+from ..settings import TurboAttentionSettings, describe_keys
+
+
+def _megatron_args() -> Optional[Any]:
+    try:
+        from megatron.training import get_args  # not part of the megatron-core wheel
+    except ImportError:
+        return None
+    try:
+        return get_args()
+    except Exception:  # args not parsed yet (e.g. a unit test building a layer)
+        return None
+
+
+def megatron_arg(name: str, default: Any = None) -> Any:
+    """One Megatron command-line argument, or ``default`` outside a Megatron-LM run."""
+    args = _megatron_args()
+    value = getattr(args, name, None) if args is not None else None
+    return default if value is None else value
+
+
+def settings_or_megatron_args(settings: Optional[TurboAttentionSettings]) -> TurboAttentionSettings:
+    """The given settings; else those of Megatron-LM's parsed args; else the defaults."""
+    if settings is not None:
+        return settings
+    args = _megatron_args()
+    return TurboAttentionSettings.from_args(args) if args is not None else TurboAttentionSettings()
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: one flag per settings key, dest = the YAML key.
+
+    Booleans are switches (``--use-turbo-flex-attention``); hook kwargs take JSON.
+    """
+    group = parser.add_argument_group("primus_ext turbo attention")
+    for key, type_text, default, doc in describe_keys():
+        help_text = f"{doc} (default: {default})"
+        if isinstance(default, bool):
+            group.add_argument(_flag(key), dest=key, action="store_true", default=default, help=help_text)
+        elif key.endswith("_kwargs"):
+            group.add_argument(_flag(key), dest=key, type=json.loads, default=default, help=help_text + " JSON.")
+        elif isinstance(default, int):
+            group.add_argument(_flag(key), dest=key, type=int, default=default, help=help_text)
+        else:
+            group.add_argument(_flag(key), dest=key, type=str, default=default, help=help_text)
+    return parser
+
+
+__all__ = ["add_turbo_attention_args", "megatron_arg", "settings_or_megatron_args"]

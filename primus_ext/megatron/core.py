@@ -1,0 +1,187 @@
+"""The forward core shared by both Turbo attention modules.
+
+Megatron's contract in: ``query, key, value`` sbhd ``[S, B, H, D]`` (or thd
+``[T, H, D]`` with ``packed_seq_params.qkv_format == "thd"``), ``attention_mask``,
+``attn_mask_type``, ``attention_bias``, ``packed_seq_params``.  Megatron's contract
+out: ``[S, B, H * Dv]`` (or ``[T, H * Dv]``).  In between, one kernel call on the
+flex adapter or the direct entries, chosen and checked at construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..attention.flex import TurboFlexAttention
+from ..backends.direct import DirectRunner, choose_direct
+from ..backends.turbo import load_ops
+from ..errors import Reason, UnsupportedInputError
+from ..plan import AttentionPlan, build_plan
+from ..settings import TurboAttentionSettings
+from .args import megatron_arg, settings_or_megatron_args
+from .facts import layer_facts
+
+
+def needs_contiguous_bshd(device: Optional[torch.device] = None) -> bool:
+    """True on gfx942, whose flash backward mishandles the strided sbhd->bshd view.
+
+    Read once at construction so that a compiled region sees a constant.
+    """
+    if torch.version.hip is None or not torch.cuda.is_available():
+        return False
+    arch = getattr(torch.cuda.get_device_properties(device or torch.cuda.current_device()), "gcnArchName", "")
+    return str(arch).startswith("gfx942")
+
+
+def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
+    return UnsupportedInputError(Reason(settings, reason, alternative), context="Megatron core attention")
+
+
+def cp_group_kwargs(cp_comm_type: Optional[str], pg_collection: Any, cp_size: int) -> dict:
+    """Process groups for the context-parallel (usp) entries; empty at CP size 1."""
+    if cp_size <= 1:
+        return {}
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    return {"ring_group": group} if cp_comm_type == "p2p" else {"ulysses_group": group}
+
+
+class TurboAttentionCore:
+    """Plan + kernel binding of one layer; `forward` speaks Megatron's contract."""
+
+    default_qkv_format = "sbhd"
+
+    def __init__(self, *, config: Any, layer_number: int, attn_mask_type: Any, attention_dropout: Optional[float],
+                 softmax_scale: Optional[float], k_channels: Optional[int], v_channels: Optional[int],
+                 cp_comm_type: Optional[str], pg_collection: Any,
+                 settings: Optional[TurboAttentionSettings]) -> None:
+        self.settings = settings_or_megatron_args(settings)
+        tp = pg_collection.tp.size() if getattr(pg_collection, "tp", None) is not None \
+            else int(config.tensor_model_parallel_size)
+        heads = config.num_attention_heads // tp
+        groups = (config.num_query_groups or config.num_attention_heads) // tp
+        self.attn_mask_type = attn_mask_type
+        mask_name = getattr(attn_mask_type, "name", str(attn_mask_type))
+        self.dropout = float(config.attention_dropout if attention_dropout is None else attention_dropout)
+        self.facts = layer_facts(
+            config, max(1, layer_number),
+            num_heads=heads,
+            num_kv_heads=max(groups, 1),
+            head_dim=int(k_channels or config.kv_channels),
+            head_dim_v=int(v_channels or config.kv_channels),
+            causal=mask_name in ("causal", "causal_bottom_right"),
+            attn_mask_type=mask_name,
+            attention_dropout=self.dropout,
+            softmax_scale=softmax_scale if softmax_scale is not None else config.softmax_scale,
+            cp_comm_type=cp_comm_type,
+            position_embedding_type=getattr(config, "position_embedding_type", None)
+            or megatron_arg("position_embedding_type", "learned_absolute"),
+            turbo_module=True,
+        )
+        self.plan: AttentionPlan = build_plan(self.settings, self.facts)
+        self.contiguous = needs_contiguous_bshd() if torch.cuda.is_available() else False
+        self.adapter: Optional[TurboFlexAttention] = None
+        self.runner: Optional[DirectRunner] = None
+        if self.plan.flex:
+            self.adapter = TurboFlexAttention(self.plan)
+        else:
+            entries = choose_direct(load_ops(), fp8=self.settings.enable_turbo_attention_float8,
+                                    context_parallel=self.facts.context_parallel_size > 1)
+            groups_kw = cp_group_kwargs(cp_comm_type, pg_collection, self.facts.context_parallel_size)
+            self.runner = DirectRunner(load_ops(), entries, groups_kw)
+
+    @property
+    def local_heads(self) -> int:
+        return self.facts.num_heads
+
+    # -- input checks ------------------------------------------------------------
+    def _check_call(self, attn_mask_type: Any, attention_bias: Optional[Tensor]) -> None:
+        if attention_bias is not None:
+            raise _refuse(("position_embedding_type", "attention_bias"),
+                          "an attention_bias tensor (ALiBi) reached core attention; Primus-Turbo attention "
+                          "cannot take a dense bias, so it would be ignored.",
+                          "give ALiBi as turbo_flex_attention_score_mod, or use another position embedding.")
+        if attn_mask_type is not None and attn_mask_type != self.attn_mask_type:
+            raise _refuse(("attn_mask_type",),
+                          f"the call asks for attn_mask_type={attn_mask_type} but the layer was built and "
+                          f"checked for {self.attn_mask_type}.", "build the layer with the mask type it runs.")
+
+    def _packing(self, packed_seq_params: Any) -> Optional[Any]:
+        """The packed params when this call is thd, None when dense; refuse anything ambiguous."""
+        if packed_seq_params is None:
+            return None
+        fmt = packed_seq_params.qkv_format or self.default_qkv_format
+        has_bounds = packed_seq_params.cu_seqlens_q is not None or packed_seq_params.cu_seqlens_kv is not None
+        if self.plan.packed_entry is None:
+            raise _refuse(("packed_seq_params", "context_parallel_size", "enable_turbo_attention_float8"),
+                          "packed_seq_params were passed but this layer's path has no packed kernel "
+                          f"({self.plan.dense_entry}); they would be ignored.",
+                          "use context_parallel_size: 1 without fp8 for packed training, or do not pack.")
+        if fmt != "thd":
+            if has_bounds:
+                raise _refuse(("packed_seq_params",), f"packed_seq_params carry cu_seqlens but qkv_format="
+                              f"{fmt!r}; the document boundaries would be ignored.", "set qkv_format='thd'.")
+            return None
+        if packed_seq_params.cu_seqlens_q is None or packed_seq_params.cu_seqlens_kv is None:
+            raise _refuse(("packed_seq_params",), "qkv_format='thd' without cu_seqlens_q/cu_seqlens_kv.")
+        for plain, padded in (("cu_seqlens_q", "cu_seqlens_q_padded"), ("cu_seqlens_kv", "cu_seqlens_kv_padded")):
+            pad = getattr(packed_seq_params, padded)
+            ref = getattr(packed_seq_params, plain)
+            # One host comparison per batch, only when padded boundaries are given (B19).
+            if pad is not None and pad is not ref and not torch.equal(pad.to(ref.device), ref):
+                raise _refuse((padded,), f"{padded} differ from {plain}; the kernel takes one pair of "
+                              "boundaries, so per-sequence padding would be attended as tokens.",
+                              "pack without per-sequence padding (padded == unpadded boundaries).")
+        return packed_seq_params
+
+    # -- forward -----------------------------------------------------------------
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Any = None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params: Any = None, *, sink: Optional[Tensor] = None, training: bool = False) -> Tensor:
+        self._check_call(attn_mask_type, attention_bias)
+        packed = self._packing(packed_seq_params)
+        dropout_p = self.dropout if training else 0.0  # B30
+        plan = self.plan
+        hooked = plan.mask_mod is not None
+        causal = plan.causal and not hooked
+        window = (-1, -1) if hooked else plan.window
+        if packed is not None:
+            squeeze = query.dim() == 4
+            q, k, v = (t.squeeze(1) if squeeze else t for t in (query, key, value))
+            out = self._packed(q, k, v, packed, dropout_p, causal, window, sink)
+            out = out.reshape(out.shape[0], -1)
+            return out.unsqueeze(1) if squeeze else out
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        if self.contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if self.adapter is not None:
+            out = self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
+                               deterministic=plan.deterministic)
+        else:
+            assert self.runner is not None
+            out = self.runner.dense_call(q, k, v, dropout_p=dropout_p, scale=plan.scale, causal=causal,
+                                         window=window, sink=sink, deterministic=plan.deterministic)
+        out = out.transpose(0, 1)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: Any, dropout_p: float, causal: bool,
+                window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:
+        cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        max_q = params.max_seqlen_q if params.max_seqlen_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else int((cu_kv[1:] - cu_kv[:-1]).max())
+        if self.adapter is not None:
+            return self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
+                                deterministic=self.plan.deterministic, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                max_seqlen_q=max_q, max_seqlen_kv=max_kv)
+        assert self.runner is not None
+        return self.runner.packed_call(q, k, v, cu_q, cu_kv, max_q, max_kv, dropout_p=dropout_p,
+                                       scale=self.plan.scale, causal=causal, window=window, sink=sink,
+                                       deterministic=self.plan.deterministic)
+
+
+__all__ = ["TurboAttentionCore", "cp_group_kwargs", "needs_contiguous_bshd"]

@@ -1,0 +1,52 @@
+"""Spec providers: settings reach the attention modules explicitly, not through globals."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ..settings import TurboAttentionSettings
+from .local import PrimusTurboLocalAttention
+
+
+class PrimusTurboLocalSpecProvider(LocalSpecProvider):
+    """megatron-core's local provider whose core attention is Turbo attention bound to ``settings``."""
+
+    def __init__(self, settings: Optional[TurboAttentionSettings] = None) -> None:
+        super().__init__()
+        self.settings = settings
+
+    def core_attention(self) -> Callable[..., Any]:
+        return functools.partial(PrimusTurboLocalAttention, settings=self.settings)
+
+
+def use_core_attention(layer_spec: ModuleSpec, core_attention: Callable[..., Any]) -> ModuleSpec:
+    """Put ``core_attention`` into a transformer-layer spec built by megatron-core."""
+    layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+    return layer_spec
+
+
+def get_gpt_layer_primus_turbo_local_spec(settings: Optional[TurboAttentionSettings] = None,
+                                          **kwargs: Any) -> ModuleSpec:
+    """megatron-core's ``get_gpt_layer_local_spec(**kwargs)`` with Turbo core attention."""
+    provider = PrimusTurboLocalSpecProvider(settings)
+    return use_core_attention(get_gpt_layer_local_spec(**kwargs), provider.core_attention())
+
+
+def primus_turbo_te_core_attention(settings: Optional[TurboAttentionSettings] = None) -> Callable[..., Any]:
+    """The TransformerEngine-based Turbo core attention bound to ``settings`` (imports TE)."""
+    from .te import te_attention_class
+
+    return functools.partial(te_attention_class(), settings=settings)
+
+
+__all__ = [
+    "PrimusTurboLocalSpecProvider",
+    "get_gpt_layer_primus_turbo_local_spec",
+    "primus_turbo_te_core_attention",
+    "use_core_attention",
+]

@@ -9,7 +9,8 @@ import torch
 
 from primus_ext.attention import masks, recognition
 from primus_ext.attention.pattern import CAUSAL, FULL, Pattern
-from primus_ext.attention.recognition import recognize_mask, recognize_score, verify_pattern
+from primus_ext.attention.recognition import recognize_mask, verify_pattern
+from primus_ext.attention.score_recognition import recognize_score
 
 
 def user_window(left: int, right: int):

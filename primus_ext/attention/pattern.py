@@ -100,6 +100,17 @@ class Pattern:
         return pattern_mask
 
 
+def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device: torch.device):
+    """Broadcastable ``(b, h, q_idx, kv_idx)`` index tensors of shape ``[B, H, Sq, Skv]``."""
+    kw = dict(device=device, dtype=torch.int64)
+    return (
+        torch.arange(batch, **kw).view(-1, 1, 1, 1),
+        torch.arange(heads, **kw).view(1, -1, 1, 1),
+        torch.arange(q_len, **kw).view(1, 1, -1, 1),
+        torch.arange(kv_len, **kw).view(1, 1, 1, -1),
+    )
+
+
 FULL = Pattern(-1, -1)
 CAUSAL = Pattern(-1, 0)
 
@@ -115,4 +126,4 @@ def pattern_from_flash_args(causal: bool, window_size: tuple[int, int]) -> Patte
     return Pattern(left, right)
 
 
-__all__ = ["CAUSAL", "FULL", "MaskMod", "Pattern", "ScoreMod", "pattern_from_flash_args"]
+__all__ = ["CAUSAL", "FULL", "MaskMod", "Pattern", "ScoreMod", "index_grid", "pattern_from_flash_args"]

@@ -13,18 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention.pattern import MaskMod, Pattern, ScoreMod
-
-
-def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device: torch.device):
-    """Broadcastable ``(b, h, q_idx, kv_idx)`` index tensors of shape ``[B, H, Sq, Skv]``."""
-    kw = dict(device=device, dtype=torch.int64)
-    return (
-        torch.arange(batch, **kw).view(-1, 1, 1, 1),
-        torch.arange(heads, **kw).view(1, -1, 1, 1),
-        torch.arange(q_len, **kw).view(1, 1, -1, 1),
-        torch.arange(kv_len, **kw).view(1, 1, 1, -1),
-    )
+from ..attention.pattern import MaskMod, Pattern, ScoreMod, index_grid
 
 
 def mask_from_mask_mod(mask_mod: MaskMod, batch: int, heads: int, q_len: int, kv_len: int,

@@ -6,7 +6,8 @@ import logging
 from typing import Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
-from ..attention.recognition import recognize_mask, recognize_score
+from ..attention.recognition import recognize_mask
+from ..attention.score_recognition import recognize_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
 from ..backends.direct import DirectEntries, choose_direct

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-from ..attention.recognition import MaskRecognition, ScoreRecognition
+from ..attention.recognition import MaskRecognition
+from ..attention.score_recognition import ScoreRecognition
 from ..backends.base import BackendCapabilities
 from ..backends.direct import DirectEntries
 from ..errors import Reason

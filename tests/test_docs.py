@@ -1,0 +1,33 @@
+"""The docs cannot drift from the code: every key and every refusal rule is documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from primus_ext.plan import RULES
+from primus_ext.settings import SETTING_KEYS
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def test_every_setting_key_is_in_the_yaml_reference():
+    text = (DOCS / "yaml_reference.md").read_text()
+    missing = [key for key in SETTING_KEYS if f"`{key}`" not in text]
+    assert not missing, f"undocumented keys: {missing}"
+
+
+def test_refusal_table_matches_the_rules():
+    text = (DOCS / "refusals.md").read_text().split("## Refused at call time")[0]
+    documented = set(re.findall(r"^\| `([\w-]+)` \|", text, flags=re.M))
+    codes = {rule.code for rule in RULES}
+    assert documented == codes, (sorted(codes - documented), sorted(documented - codes))
+
+
+def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
+    root = DOCS.parent
+    readme = (root / "README.md").read_text()
+    test_cmd = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+    assert "bash scripts/setup.sh && .venv/bin/primus-ext" in readme
+    assert test_cmd in readme
+    assert test_cmd in (root / ".ci" / "run").read_text()

@@ -156,7 +156,10 @@ class _Resolver:
     # ----------------------------------------------------------------------- probe
     def probe(self, hook: Callable[..., Tensor]) -> None:
         b, h, q_idx, kv_idx = index_grid(*PROBE_SHAPE, device=self.device)
-        score = torch.randn(PROBE_SHAPE, device=self.device, dtype=torch.float32)
+        # A private generator: probing at model-build time must not advance the global RNG,
+        # or configuring a hook would change every weight initialised after this layer.
+        gen = torch.Generator().manual_seed(0)
+        score = torch.randn(PROBE_SHAPE, generator=gen, dtype=torch.float32).to(self.device)
         args = (b, h, q_idx, kv_idx) if self.kind == "mask_mod" else (score, b, h, q_idx, kv_idx)
         try:
             with torch.no_grad():

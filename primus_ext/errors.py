@@ -6,8 +6,9 @@ alternative.  Build-time refusals collect *every* failing reason and raise once.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 
 class PrimusExtError(Exception):
@@ -36,13 +37,31 @@ class _ReasonedError(PrimusExtError, ValueError):
     headline = "primus_ext refused this configuration"
 
     def __init__(self, reasons: Reason | str | Iterable[Reason], *, context: str = "") -> None:
+        message: Optional[str] = None
         if isinstance(reasons, str):
-            reasons = [Reason(settings=(), reason=reasons)]
+            rewrapped = self._rewrapping(reasons)
+            if rewrapped is not None:
+                reasons, context, message = rewrapped.reasons, rewrapped.context, reasons
+            else:
+                reasons = [Reason(settings=(), reason=reasons)]
         elif isinstance(reasons, Reason):
             reasons = [reasons]
         self.reasons: Sequence[Reason] = tuple(reasons)
         self.context = context
-        super().__init__(self._message())
+        super().__init__(self._message() if message is None else message)
+
+    @classmethod
+    def _rewrapping(cls, message: str) -> Optional["_ReasonedError"]:
+        """The error being handled when ``message`` re-raises it as ``type(e)(f"{e} ...")``.
+
+        megatron-core's ``build_module`` does exactly that to every error raised while a
+        module is built; without this the reasons (and ``.settings``) would be lost and the
+        headline repeated once per nesting level.
+        """
+        current = sys.exc_info()[1]
+        if type(current) is cls and message.startswith(str(current)):
+            return current  # type: ignore[return-value]
+        return None
 
     @property
     def settings(self) -> tuple[str, ...]:

@@ -61,3 +61,58 @@ def train(model: GPTModel, data: Sequence[torch.Tensor], *, lr: float = 1e-2) ->
 
 def attention_modules(model: GPTModel) -> list[Any]:
     return [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+
+# -- helpers added for the end-to-end training and packing tests -------------------------
+def parameters(model: GPTModel) -> dict[str, torch.Tensor]:
+    """Detached copies of every parameter, by name (to compare models bit for bit)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def positions(tokens: torch.Tensor) -> torch.Tensor:
+    """Learned-absolute position ids 0..S-1 for a [B, S] batch."""
+    return torch.arange(tokens.shape[1]).expand_as(tokens)
+
+
+def documents(lengths: Sequence[int], *, seed: int = 3) -> list[torch.Tensor]:
+    """One [1, L] token tensor per document length."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (1, n), generator=gen) for n in lengths]
+
+
+def pack(docs: Sequence[torch.Tensor], *, pad_to: int = 1, pad_token: int = 0):
+    """Pack [1, L] documents into one THD row.
+
+    Returns ``(tokens [1, T], position_ids [1, T], cu_seqlens, cu_seqlens_padded)``:
+    positions restart at 0 in every document; each document is followed by padding up
+    to a multiple of ``pad_to`` (none with the default 1).  ``cu_seqlens`` counts real
+    tokens, ``cu_seqlens_padded`` the offsets in the packed row (int32, like Megatron).
+    """
+    rows, pos, real, padded = [], [], [0], [0]
+    for doc in docs:
+        n = doc.shape[1]
+        width = -(-n // pad_to) * pad_to
+        rows.append(torch.cat([doc, torch.full((1, width - n), pad_token, dtype=doc.dtype)], dim=1))
+        pos.append(torch.arange(width))
+        real.append(real[-1] + n)
+        padded.append(padded[-1] + width)
+    return (torch.cat(rows, dim=1), torch.cat(pos).unsqueeze(0),
+            torch.tensor(real, dtype=torch.int32), torch.tensor(padded, dtype=torch.int32))
+
+
+def thd_params(cu_seqlens: torch.Tensor, **extra: Any):
+    """Megatron's ``PackedSeqParams`` for a THD batch with equal q/kv boundaries."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest, **extra)
+
+
+def logits(model: GPTModel, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+           packed_seq_params: Any = None) -> torch.Tensor:
+    """Eval-mode logits [B, S, V] without autograd."""
+    model.eval()
+    with torch.no_grad():
+        pos = positions(tokens) if position_ids is None else position_ids
+        return model(tokens, pos, None, packed_seq_params=packed_seq_params)

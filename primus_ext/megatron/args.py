@@ -48,10 +48,17 @@ def _flag(key: str) -> str:
 def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider``: one flag per settings key, dest = the YAML key.
 
-    Booleans are switches (``--use-turbo-flex-attention``); hook kwargs take JSON.
+    Booleans are switches (``--use-turbo-flex-attention``); hook kwargs take JSON.  A flag
+    the parser already has with the same dest is shared, not added again: Megatron-LM
+    defines ``--reset-attention-mask`` and ``--deterministic-mode`` itself before it
+    calls the extra_args_provider, and argparse refuses a second definition.
     """
     group = parser.add_argument_group("primus_ext turbo attention")
+    existing = parser._option_string_actions  # argparse's flag -> action table
     for key, type_text, default, doc in describe_keys():
+        known = existing.get(_flag(key))
+        if known is not None and known.dest == key:
+            continue
         help_text = f"{doc} (default: {default})"
         if isinstance(default, bool):
             group.add_argument(_flag(key), dest=key, action="store_true", default=default, help=help_text)

@@ -41,6 +41,24 @@ def settings_or_megatron_args(settings: Optional[TurboAttentionSettings]) -> Tur
     return TurboAttentionSettings.from_args(args) if args is not None else TurboAttentionSettings()
 
 
+def with_megatron_flags(settings: TurboAttentionSettings, config: Any) -> TurboAttentionSettings:
+    """Settings plus the Megatron flags that mean the same thing.
+
+    ``reset_attention_mask`` and ``deterministic_mode`` are Megatron-LM arguments too
+    (``deterministic_mode`` also a ``TransformerConfig`` field).  When Megatron turns
+    one on, the plan must see it even if the Turbo settings were passed explicitly;
+    otherwise a run could build with document boundaries silently ignored.
+    """
+    changes = {}
+    if not settings.reset_attention_mask and megatron_arg("reset_attention_mask", False):
+        changes["reset_attention_mask"] = True
+    if not settings.deterministic_mode and (
+        getattr(config, "deterministic_mode", False) or megatron_arg("deterministic_mode", False)
+    ):
+        changes["deterministic_mode"] = True
+    return settings.replace(**changes) if changes else settings
+
+
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
@@ -71,4 +89,4 @@ def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
-__all__ = ["add_turbo_attention_args", "megatron_arg", "settings_or_megatron_args"]
+__all__ = ["add_turbo_attention_args", "megatron_arg", "settings_or_megatron_args", "with_megatron_flags"]

@@ -20,7 +20,7 @@ from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
 from ..settings import TurboAttentionSettings
-from .args import megatron_arg, settings_or_megatron_args
+from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
 from .facts import layer_facts
 
 
@@ -60,7 +60,7 @@ class TurboAttentionCore:
                  softmax_scale: Optional[float], k_channels: Optional[int], v_channels: Optional[int],
                  cp_comm_type: Optional[str], pg_collection: Any,
                  settings: Optional[TurboAttentionSettings]) -> None:
-        self.settings = settings_or_megatron_args(settings)
+        self.settings = with_megatron_flags(settings_or_megatron_args(settings), config)
         tp = pg_collection.tp.size() if getattr(pg_collection, "tp", None) is not None \
             else int(config.tensor_model_parallel_size)
         heads = config.num_attention_heads // tp

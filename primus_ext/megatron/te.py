@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-_CLASSES: dict[int, type] = {}
+_CLASSES: dict[type, type] = {}  # TE's DotProductAttention -> our subclass of it
 
 
 def te_attention_class() -> type:
-    """Build (once per TransformerEngine module object) the TE-based Turbo attention class."""
+    """Build (once per TransformerEngine base class) the TE-based Turbo attention class."""
     import transformer_engine.pytorch as te
 
-    cached = _CLASSES.get(id(te))
+    cached = _CLASSES.get(te.DotProductAttention)
     if cached is not None:
         return cached
 
@@ -75,7 +75,7 @@ def te_attention_class() -> type:
             return sharded_sink_state_dict(self, prefix, sharded_offsets, metadata,
                                            getattr(self.pg_collection, "tp", None))
 
-    _CLASSES[id(te)] = PrimusTurboAttention
+    _CLASSES[te.DotProductAttention] = PrimusTurboAttention
     return PrimusTurboAttention
 
 

@@ -158,3 +158,28 @@ def test_megatron_lm_args_reach_a_module_built_without_settings(monkeypatch):
     with pytest.raises(UnsupportedConfigError) as info:
         PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self")
     assert "position_embedding_type" in info.value.settings
+
+
+def test_megatron_reset_attention_mask_is_seen_even_with_explicit_settings(monkeypatch):
+    """B25: Megatron-LM's own --reset-attention-mask cannot be hidden by explicit Turbo settings."""
+    explicit = TurboAttentionSettings.from_dict(dict(use_turbo_attention=True, use_turbo_flex_attention=True,
+                                                     turbo_flex_attention_backend="reference"))
+    PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=explicit)
+    fake_megatron_training(monkeypatch, lambda: megatron_lm_namespace(reset_attention_mask=True))
+    with pytest.raises(UnsupportedConfigError) as info:
+        PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=explicit)
+    assert "reset_attention_mask" in info.value.settings and "THD" in str(info.value)
+
+
+def test_config_deterministic_mode_reaches_the_plan():
+    """B24: TransformerConfig.deterministic_mode counts like the Turbo key."""
+    from primus_ext.testing import fake_primus_turbo
+
+    explicit = TurboAttentionSettings.from_dict(dict(use_turbo_attention=True, use_turbo_flex_attention=True,
+                                                     turbo_flex_attention_backend="turbo", sink_sliding_window=4))
+    with fake_primus_turbo(flex_deterministic=False):
+        PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=explicit)
+        with pytest.raises(UnsupportedConfigError) as info:
+            PrimusTurboLocalAttention(gpt.config(deterministic_mode=True), 1, AttnMaskType.causal, "self",
+                                      settings=explicit)
+    assert "deterministic_mode" in info.value.settings

@@ -1,0 +1,52 @@
+"""``primus-ext``: the command line.
+
+* ``primus-ext check CONFIG.yaml``: each layer's plan, or every reason it cannot run.
+* ``primus-ext demo [CONFIG.yaml]``: a tiny Megatron GPT trained on CPU through the flex path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Optional, Sequence
+
+from ..errors import PrimusExtError
+
+# megatron-core announces at import that GPU-only packages are missing; on a laptop
+# that is expected and not the user's concern.
+_QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="primus-ext", description="FlexAttention masks on Primus-Turbo kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="print each layer's attention plan for a Megatron YAML")
+    check.add_argument("config", help="Megatron-style YAML with model-shape and Turbo keys")
+    check.add_argument("--seq-len", type=int, default=None, help="override seq_length")
+    check.add_argument("--picture", default=None, help="write the attention pattern of each layer kind to this PNG")
+    demo = sub.add_parser("demo", help="train a tiny Megatron GPT on CPU through the flex path")
+    demo.add_argument("config", nargs="?", default=None, help="YAML (default: the embedded example)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    for text in _QUIET:
+        warnings.filterwarnings("ignore", message=text)
+    try:
+        if args.command == "check":
+            from .check import run_check
+
+            return run_check(args.config, args.seq_len, args.picture)
+        from .demo import run_demo
+
+        return run_demo(args.config, args.steps)
+    except (PrimusExtError, OSError) as exc:
+        print(f"primus-ext: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -35,6 +35,8 @@ def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
     """`LayerFacts` of one layer from a ``TransformerConfig`` or a YAML mapping.
 
     Heads are divided by ``tensor_model_parallel_size``: each rank sees its own.
+    ``packed_sequences`` (true / false / absent) says whether batches arrive packed as
+    THD, so packed-only capabilities are checked at build time.
     """
     heads = int(_get(source, "num_attention_heads"))
     groups = int(_get(source, "num_query_groups", heads))
@@ -54,6 +56,7 @@ def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
         context_parallel_size=int(_get(source, "context_parallel_size", 1)),
         position_embedding_type=str(_get(source, "position_embedding_type", "learned_absolute")),
         softmax_type=str(_get(source, "softmax_type", "vanilla")),
+        packed=_get(source, "packed_sequences"),
     )
     facts.update(overrides)
     return LayerFacts(**facts)

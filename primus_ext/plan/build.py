@@ -126,6 +126,7 @@ def build_plan(
         alibi_slopes=score_rec.alibi_slopes if score_rec and score_rec.kind == "alibi" else None,
         dense_entry=caps.dense_entry if caps else (direct.dense if direct else None),
         packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
+        packed=facts.packed,
         mask_mod=mask_mod,
         score_mod=score_mod,
         verify_shapes=mask_mod is not None and not hasattr(mask_mod, "primus_pattern") and pattern is not None,

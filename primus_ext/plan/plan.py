@@ -40,6 +40,8 @@ class AttentionPlan:
     alibi_slopes: Optional[Tuple[float, ...]] = None
     dense_entry: Optional[str] = None
     packed_entry: Optional[str] = None
+    packed: Optional[bool] = None
+    """From `LayerFacts.packed`: only thd batches (True), only dense (False), either (None)."""
     mask_mod: Optional[MaskMod] = field(default=None, compare=False, repr=False)
     score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
     verify_shapes: bool = False

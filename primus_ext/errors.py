@@ -22,6 +22,8 @@ class Reason:
     settings: tuple[str, ...]
     reason: str
     alternative: str = ""
+    code: str = ""
+    """The rule that failed (a behaviour number such as ``B22``, or a rule name)."""
 
     def render(self) -> str:
         keys = ", ".join(self.settings)
@@ -62,6 +64,11 @@ class _ReasonedError(PrimusExtError, ValueError):
         if type(current) is cls and message.startswith(str(current)):
             return current  # type: ignore[return-value]
         return None
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        """The failing rules' codes, in order."""
+        return tuple(r.code for r in self.reasons if r.code)
 
     @property
     def settings(self) -> tuple[str, ...]:

@@ -103,7 +103,7 @@ class Rule:
 
     def render(self, ctx: RuleInput) -> Reason:
         fields = ctx.fields()
-        return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields))
+        return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields), self.code)
 
 
 def _score_kind(ctx: RuleInput) -> str:

@@ -24,6 +24,8 @@ a pathological mix of shapes and is reported once with a ``RuntimeWarning``.
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 from collections import OrderedDict
 from typing import Hashable, Union
@@ -166,4 +168,14 @@ class BlockMaskCache:
         self._entries.clear()
 
 
-__all__ = ["BLOCK_SIZE", "BlockMaskCache", "build_block_mask", "window_block_tables"]
+@functools.lru_cache(maxsize=None)
+def shared_block_mask_cache() -> BlockMaskCache:
+    """One cache for all layers of a process (the Megatron modules use it).
+
+    Layers with the same pattern and shape then share one BlockMask object: one
+    build, one Turbo probe, one copy in memory instead of one per layer.
+    """
+    return BlockMaskCache()
+
+
+__all__ = ["shared_block_mask_cache", "BLOCK_SIZE", "BlockMaskCache", "build_block_mask", "window_block_tables"]

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..attention.block_mask_cache import shared_block_mask_cache
 from ..attention.flex import TurboFlexAttention
 from ..backends.direct import DirectRunner, choose_direct
 from ..backends.turbo import load_ops
@@ -88,7 +89,7 @@ class TurboAttentionCore:
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None
         if self.plan.flex:
-            self.adapter = TurboFlexAttention(self.plan)
+            self.adapter = TurboFlexAttention(self.plan, cache=shared_block_mask_cache())
         else:
             entries = choose_direct(load_ops(), fp8=self.settings.enable_turbo_attention_float8,
                                     context_parallel=self.facts.context_parallel_size > 1)

@@ -340,3 +340,19 @@ def test_direct_default_causal_calls_flash_attn_func_with_todays_arguments():
         )
         assert call.args["q"].shape == (batch, seq, HEADS, 16)  # bshd views of Megatron's sbhd
         assert call.args["k"].shape == call.args["v"].shape == (batch, seq, 2, 16)
+
+
+def test_layers_share_one_block_mask_per_pattern_and_shape():
+    """The Megatron modules share a process-wide cache: one BlockMask per (pattern, shape)."""
+    from primus_ext.attention.block_mask_cache import shared_block_mask_cache
+    from primus_ext.testing import fake_primus_turbo
+
+    cache = shared_block_mask_cache()
+    cache.clear()
+    turbo = gpt.settings(use_turbo_flex_attention=True, turbo_flex_attention_backend="turbo", sink_sliding_window=4)
+    with fake_primus_turbo() as fake:
+        model = gpt.build_gpt(turbo, gpt.config(num_layers=3))
+        gpt.train(model, gpt.batches(1))
+    masks = [c.args["block_mask"] for c in fake.calls_to("flex_attention_bshd")]
+    assert len(masks) == 3 and all(m is masks[0] for m in masks)
+    assert len(cache) == 1

@@ -1,42 +1,249 @@
 """``primus-ext check``: what each layer of a Megatron YAML will run, or why it cannot.
 
-Reads the Turbo keys and the model-shape keys of one Megatron-style YAML, builds every
-layer's plan without allocating a model, and prints one line per layer.  Exit 0 when
-every layer can run, 2 on a refusal.
+Reads the Turbo keys and Megatron's model-shape keys from one YAML, builds every
+layer's plan without allocating a model (hooks are imported and probed, kernels are
+not called), and prints:
+
+* a table, one row per layer: path, backend, kernel entries, causal, window, sink,
+  packing and what each hook was recognised as;
+* an ASCII picture of the attention pattern of each distinct layer kind
+  (`primus_ext.cli.render`), and with ``--picture`` the same pictures as a PNG;
+* on refusal, every reason of every layer (with the settings it reads and the
+  alternative), layers with the same reasons reported together.
+
+Exit status: 0 when every layer can run, 2 on any refusal or unusable settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import yaml
 
-from ..errors import UnsupportedConfigError
+from ..errors import PrimusExtError, Reason, UnsupportedConfigError
 from ..megatron.facts import layer_facts
 from ..plan import build_plan
+from ..plan.build import DEFAULT_PROBE_LEN, layer_window
+from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
+from .render import ascii_grid, layer_kinds, layer_list, write_png
+
+REFUSED = 2
+
+COLUMNS = ("layer", "path", "backend", "dense entry", "packed entry", "causal", "window", "sink",
+           "packing", "hooks (recognised as)")
+
+LEGEND = ("entries: '-' = this layer gets no such batches (packed_sequences), "
+          "'none' = the installed kernels have no such entry")
 
 
-def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None) -> int:
+def _load(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
-        config = yaml.safe_load(fh) or {}
+        try:
+            data = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise PrimusExtError(f"{path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise PrimusExtError(f"{path} must hold a flat mapping of keys to values, got {type(data).__name__}")
+    return dict(data)
+
+
+def _model_problems(config: Mapping[str, Any]) -> list[str]:
+    """What is missing or malformed among the model-shape keys the plans need."""
+    problems = []
+
+    def positive(key: str) -> bool:
+        value = config.get(key)
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    if not positive("num_attention_heads"):
+        problems.append("num_attention_heads must be a positive integer")
+    if not positive("kv_channels") and not positive("hidden_size"):
+        problems.append("kv_channels or hidden_size must be a positive integer (the head dim comes from one)")
+    for key in ("num_layers", "num_query_groups", "seq_length", "tensor_model_parallel_size",
+                "context_parallel_size"):
+        if config.get(key) is not None and not positive(key):
+            problems.append(f"{key} must be a positive integer, got {config[key]!r}")
+    return problems
+
+
+Outcome = Union[AttentionPlan, UnsupportedConfigError]
+
+
+def _plans(settings: TurboAttentionSettings, config: Mapping[str, Any]) -> list[tuple[int, Outcome]]:
+    """Each layer's plan or refusal.
+
+    Probing a mask hook at a long seq_length takes a while, so a layer whose facts and
+    window equal an earlier runnable layer's reuses that plan under its own number
+    (the layer number enters a plan only through the window).  Refused layers are
+    always built afresh, because their reasons quote the layer number.
+    """
+    out: list[tuple[int, Outcome]] = []
+    runnable: dict[tuple, AttentionPlan] = {}
+    for layer in range(1, int(config.get("num_layers") or 1) + 1):
+        facts = layer_facts(config, layer)
+        key = (dataclasses.replace(facts, layer_number=0), layer_window(settings, facts))
+        if key in runnable:
+            out.append((layer, dataclasses.replace(runnable[key], layer_number=layer)))
+            continue
+        try:
+            runnable[key] = plan = build_plan(settings, facts)
+            out.append((layer, plan))
+        except UnsupportedConfigError as exc:
+            out.append((layer, exc))
+    return out
+
+
+# ----------------------------------------------------------------------------- table
+def _entry(plan: AttentionPlan, name: Optional[str], used: bool) -> str:
+    if not used:
+        return "-"
+    return name or "none"
+
+
+def _causal(plan: AttentionPlan) -> str:
+    if plan.pattern is None:
+        return "custom"
+    return "yes" if plan.pattern.is_causal else "no"
+
+
+def _window(plan: AttentionPlan) -> str:
+    if plan.pattern is None:
+        return "custom"
+    if plan.pattern.kind in ("full", "causal") or plan.pattern.window in ((-1, -1), (-1, 0)):
+        return "-"
+    return f"({plan.pattern.left}, {plan.pattern.right})"
+
+
+def _packing(plan: AttentionPlan) -> str:
+    return {True: "packed (thd)", False: "unpacked"}.get(plan.packed, "either")  # type: ignore[arg-type]
+
+
+def _hooks(plan: AttentionPlan) -> str:
+    parts = []
+    if plan.mask_hook:
+        parts.append(f"mask_mod {plan.mask_hook} -> {plan.mask_recognised}")
+    if plan.score_hook:
+        parts.append(f"score_mod {plan.score_hook} -> {plan.score_recognised}")
+    return "; ".join(parts) or "-"
+
+
+def _row(layer: int, outcome: Outcome) -> tuple[str, ...]:
+    if isinstance(outcome, UnsupportedConfigError):
+        n = len(outcome.reasons)
+        return (str(layer), "REFUSED", "", "", "", "", "", "", "",
+                f"{n} reason{'s' if n != 1 else ''}, listed below")
+    p = outcome
+    return (str(layer), p.path, p.backend,
+            _entry(p, p.dense_entry, p.packed is not True),
+            _entry(p, p.packed_entry, p.packed is not False),
+            _causal(p), _window(p), "yes" if p.sink else "no", _packing(p), _hooks(p))
+
+
+def format_table(rows: Sequence[Sequence[str]], columns: Sequence[str] = COLUMNS) -> str:
+    """Plain-text table with left-aligned columns and a rule under the header."""
+    widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _backend_notes(plans: Sequence[AttentionPlan]) -> list[str]:
+    seen: dict[tuple[str, str, str], list[int]] = {}
+    for p in plans:
+        seen.setdefault((p.path, p.backend, p.backend_reason), []).append(p.layer_number)
+    return [f"{layer_list(layers)}: {path} path on backend {backend} ({why})"
+            for (path, backend, why), layers in seen.items()]
+
+
+def _refusal_text(refused: Sequence[tuple[int, UnsupportedConfigError]]) -> list[str]:
+    """One `UnsupportedConfigError` message per distinct set of reasons, naming its layers."""
+    groups: dict[tuple[Reason, ...], list[int]] = {}
+    for layer, exc in refused:
+        groups.setdefault(tuple(exc.reasons), []).append(layer)
+    return [str(UnsupportedConfigError(reasons, context=layer_list(layers)))
+            for reasons, layers in groups.items()]
+
+
+# ---------------------------------------------------------------------------- command
+def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: bool) -> str:
+    heads = config.get("num_attention_heads")
+    groups = config.get("num_query_groups") or heads
+    if overridden:
+        seq = f"seq_length {seq_length} (--seq-len)"
+    elif config.get("seq_length"):
+        seq = f"seq_length {seq_length}"
+    else:
+        seq = f"seq_length not set ({seq_length} assumed for mask probing and pictures)"
+    layers = config.get("num_layers")
+    count = f"{layers} layers" if layers else "num_layers not set (1 layer checked)"
+    return f"{path}: {count}, {seq}, {heads} query heads / {groups} key-value groups"
+
+
+def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None,
+              out=None, err=None) -> int:
+    """Print the plan table and pattern pictures of ``path``; 0 when all layers run, else 2."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    config = _load(path)
     try:
         settings = TurboAttentionSettings.from_dict(config)
     except UnsupportedConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        print(exc, file=err)
+        return REFUSED
     if seq_len is not None:
-        config = {**config, "seq_length": seq_len}
-    failures: list[str] = []
-    for layer in range(1, int(config.get("num_layers", 1)) + 1):
-        try:
-            print(build_plan(settings, layer_facts(config, layer)).describe())
-        except UnsupportedConfigError as exc:
-            failures.append(str(exc))
-    for text in failures:
-        print(text, file=sys.stderr)
-    return 2 if failures else 0
+        if seq_len < 1:
+            raise PrimusExtError(f"--seq-len must be a positive integer, got {seq_len}")
+        config["seq_length"] = seq_len
+    problems = _model_problems(config)
+    if problems:
+        print(f"primus_ext cannot read the model shape of {path}:", file=err)
+        for text in problems:
+            print(f"  - {text}", file=err)
+        return REFUSED
+    try:
+        outcomes = _plans(settings, config)
+    except (TypeError, ValueError, ImportError) as exc:
+        raise PrimusExtError(f"cannot read the model keys of {path}: {exc}") from exc
+    plans = [o for _, o in outcomes if isinstance(o, AttentionPlan)]
+    refused = [(layer, o) for layer, o in outcomes if isinstance(o, UnsupportedConfigError)]
+    seq_length = int(config.get("seq_length") or DEFAULT_PROBE_LEN)
+
+    print(_header(path, config, seq_length, seq_len is not None), file=out)
+    print(file=out)
+    print(format_table([_row(layer, o) for layer, o in outcomes]), file=out)
+    if plans:
+        print(file=out)
+        for note in _backend_notes(plans):
+            print(note, file=out)
+        if any(cell in ("-", "none") for _, o in outcomes if isinstance(o, AttentionPlan)
+               for cell in _row(0, o)[3:5]):
+            print(LEGEND, file=out)
+        kinds = layer_kinds(plans, seq_length)
+        print(f"\nattention pattern of each layer kind (rows: query positions, columns: key positions)",
+              file=out)
+        for kind in kinds:
+            print(file=out)
+            print(ascii_grid(kind), file=out)
+        if picture:
+            write_png(kinds, picture)
+            print(f"\npicture of {len(kinds)} layer kind{'s' if len(kinds) != 1 else ''} written to {picture}",
+                  file=out)
+    elif picture:
+        print(f"\nno picture written to {picture}: no layer can run", file=out)
+    if refused:
+        out.flush()
+        print(file=err)
+        for text in _refusal_text(refused):
+            print(text, file=err)
+        return REFUSED
+    return 0
 
 
-__all__ = ["run_check"]
+__all__ = ["format_table", "run_check"]

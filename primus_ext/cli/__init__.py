@@ -43,6 +43,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.config, args.steps)
+    except BrokenPipeError:  # e.g. `primus-ext check x.yaml | head`: the reader left, not an error
+        sys.stderr.close()
+        return 0
     except (PrimusExtError, OSError) as exc:
         print(f"primus-ext: {exc}", file=sys.stderr)
         return 2

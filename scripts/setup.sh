@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==${PRIMUS_EXT_TORCH:-2.13.0}"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[megatron,test]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[megatron,test,cli]"

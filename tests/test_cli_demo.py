@@ -1,0 +1,160 @@
+"""`primus-ext demo`: trains a tiny megatron-core GPT on the flex and direct paths.
+
+The end-to-end runs happen in a subprocess: the demo creates (and tears down) its own
+gloo world, which must not meet the process group of tests/megatron.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from primus_ext.cli import demo, demo_model, main
+from primus_ext.settings import TurboAttentionSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "configs" / "examples" / "demo.yaml"
+PARITY = re.compile(r"^parity: max relative loss difference flex vs direct = (\S+) \(steps (\d+)\)$", re.M)
+HAS_TURBO = importlib.util.find_spec("primus_turbo") is not None
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "primus_ext", "demo", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def embedded_text() -> str:
+    return importlib.resources.files("primus_ext.cli").joinpath("demo.yaml").read_text(encoding="utf-8")
+
+
+def test_the_embedded_default_and_the_example_are_identical():
+    assert embedded_text() == EXAMPLE.read_text(encoding="utf-8")
+
+
+def test_default_config_is_flex_with_window_sinks_and_packing():
+    config, _ = demo.load_config(None)
+    settings = TurboAttentionSettings.from_dict(config)  # the `demo:` mapping is not refused
+    assert settings.use_turbo_flex_attention and settings.use_sink_attention
+    assert settings.sink_sliding_window > 0 and settings.sink_window_even_layers_only
+    assert settings.turbo_flex_attention_backend == "auto"
+    assert config["packed_sequences"] is True
+    assert "demo" not in settings.to_dict()
+    assert demo_model.DemoOptions.from_mapping(config["demo"], config["seq_length"]).steps == 30
+
+
+def test_demo_trains_both_paths_and_prints_parity_and_plans():
+    proc = run_cli("--steps", "3")
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = PARITY.search(out)
+    assert match, out
+    assert float(match.group(1)) < 1e-5 and match.group(2) == "3"
+    # progress bar (final state) and the per-run summary
+    assert re.search(r"^.*flex .*3/3 .*loss=\d+\.\d+, [\d,]+ tok/s", out, re.M), out
+    assert re.search(r"direct .*3/3 .*loss=", out), out
+    assert re.search(r"^flex path: loss \d+\.\d+ -> \d+\.\d+ over 3 steps", out, re.M), out
+    # the plan of each layer: a window and a sink on layer 1, plain causal with a sink on layer 2
+    assert re.search(r"^  layer 1: flex \| .*mask=window\(left=4, right=0\) \| sink", out, re.M), out
+    assert re.search(r"^  layer 2: flex \| .*mask=causal \| sink", out, re.M), out
+    if not HAS_TURBO:
+        assert "direct path: Primus-Turbo flash_attn_* (CPU fake)" in out
+        assert "direct kernels: flash_attn_varlen_func x6" in out  # 3 steps x 2 layers, packed
+
+
+def test_demo_on_dense_batches(tmp_path):
+    config = tmp_path / "dense.yaml"
+    config.write_text(EXAMPLE.read_text().replace("packed_sequences: true", "packed_sequences: false"))
+    proc = run_cli(str(config), "--steps", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dense (4, 64) per step" in proc.stdout
+    assert float(PARITY.search(proc.stdout).group(1)) < 1e-5
+    if not HAS_TURBO:
+        assert "direct kernels: flash_attn_func x4" in proc.stdout
+
+
+def test_the_loss_falls_over_the_default_steps():
+    # The README's promise: the default 30 steps visibly learn the counting corpus.
+    proc = run_cli()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, last = map(float, re.search(r"^flex path: loss (\S+) -> (\S+) over 30 steps", proc.stdout,
+                                       re.M).groups())
+    assert last < 0.5 * first, proc.stdout
+
+
+def test_packed_batches_hold_whole_documents_with_restarting_positions():
+    opts = demo_model.DemoOptions()
+    batch = demo_model.make_batches(opts, 1, packed=True, seq_length=64)[0]
+    cu = batch.cu_seqlens
+    assert cu.dtype == torch.int32 and int(cu[0]) == 0 and int(cu[-1]) == opts.tokens_per_step
+    assert batch.tokens.shape == batch.labels.shape == batch.positions.shape == (1, opts.tokens_per_step)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        assert batch.positions[0, start:end].tolist() == list(range(end - start))
+        tokens, labels = batch.tokens[0, start:end], batch.labels[0, start:end]
+        stride = int((labels[0] - tokens[0]) % opts.vocab_size)
+        assert stride in demo_model.STRIDES
+        assert torch.equal(labels, (tokens + stride) % opts.vocab_size)  # each label is the next count
+    params = batch.packed_seq_params()
+    assert params.qkv_format == "thd" and params.cu_seqlens_q is cu
+
+
+def test_batches_are_the_same_for_the_same_seed():
+    opts = demo_model.DemoOptions()
+    a, b = (demo_model.make_batches(opts, 2, packed=True, seq_length=64) for _ in range(2))
+    assert all(torch.equal(x.tokens, y.tokens) and torch.equal(x.cu_seqlens, y.cu_seqlens) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mapping, words", [
+    ({"stepz": 3}, "unknown key(s) under `demo`: stepz"),
+    ({"steps": "many"}, "demo.steps must be a number"),
+    ({"max_doc_len": 100}, "max_doc_len <= seq_length"),
+])
+def test_bad_demo_keys_exit_2_with_the_key_named(tmp_path, capsys, mapping, words):
+    config, _ = demo.load_config(None)
+    config["demo"] = {**config["demo"], **mapping}
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["demo", str(path)]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_config_without_the_flex_path_exits_2(tmp_path, capsys):
+    path = tmp_path / "off.yaml"
+    path.write_text(EXAMPLE.read_text().replace("use_turbo_flex_attention: true", "use_turbo_flex_attention: false"))
+    assert main(["demo", str(path)]) == 2
+    assert "use_turbo_flex_attention: true" in capsys.readouterr().err
+
+
+def test_a_refused_layer_exits_2_with_its_reason(tmp_path):
+    # A mask hook with packed batches: the document kernel takes no mask_mod (refused at build).
+    path = tmp_path / "hook.yaml"
+    path.write_text(EXAMPLE.read_text().replace(
+        "use_sink_attention: true",
+        'use_sink_attention: true\nturbo_flex_attention_mask_mod: "primus_ext.attention.masks:causal"\n'
+        "turbo_flex_attention_mask_mod_kwargs: {}"))
+    proc = run_cli(str(path), "--steps", "1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "primus_ext cannot build this attention (layer 1)" in proc.stderr
+    assert "turbo_flex_attention_mask_mod" in proc.stderr and "when instantiating" not in proc.stderr
+    assert "parity:" not in proc.stdout
+
+
+def test_a_loss_mismatch_exits_1(monkeypatch, capsys):
+    """The parity verdict, with the two training runs replaced by canned losses."""
+    import contextlib
+
+    runs = iter([([2.0, 1.0], []), ([2.0, 1.1], [])])
+    monkeypatch.setattr(demo_model, "single_process_world", contextlib.nullcontext)
+    monkeypatch.setattr(demo, "_run", lambda *a, **k: next(runs))
+    assert demo.run_demo(None, 2) == 1
+    captured = capsys.readouterr()
+    assert "= 9.09e-02 (steps 2)" in captured.out
+    assert "MISMATCH" in captured.err and "step 2" in captured.err

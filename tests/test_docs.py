@@ -28,6 +28,6 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     root = DOCS.parent
     readme = (root / "README.md").read_text()
     test_cmd = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
-    assert "bash scripts/setup.sh && .venv/bin/primus-ext" in readme
+    assert "bash scripts/setup.sh && .venv/bin/primus-ext demo" in readme
     assert test_cmd in readme
     assert test_cmd in (root / ".ci" / "run").read_text()

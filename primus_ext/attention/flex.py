@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..backends import AttentionBackend, make_backend
 from ..backends.base import KernelCall, Output, fp32_sink
+from ..backends.ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from .block_mask_cache import BlockMaskCache
 from .pattern import Pattern, pattern_from_flash_args
@@ -39,9 +40,11 @@ class TurboFlexAttention:
         self.plan = plan
         self.backend = backend if backend is not None else make_backend(plan.backend, cache=cache)
         self._verified: set[Tuple[int, int]] = set()
+        if plan.verify_shapes and plan.probed_len:
+            self._verified.add((plan.probed_len, plan.probed_len))  # recognised exactly on that grid
         self._alibi: dict[torch.device, Tensor] = {}
-        # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
-        self._score_mod = plan.score_mod if self.backend.name == "reference" else None
+        self._target = PlanTarget(plan, self.backend)
+        self.handle = register_target(self._target)
 
     @classmethod
     def from_settings(cls, settings: Any, facts: Any, *, backend: Optional[AttentionBackend] = None):
@@ -99,7 +102,7 @@ class TurboFlexAttention:
         if alibi_slopes is not None and planned is not None:
             raise _refuse(("turbo_flex_attention_score_mod",), "alibi_slopes were passed and the score hook "
                           "is ALiBi too; adding both would double the bias.", "pass only one of them.")
-        if alibi_slopes is not None or planned is None or self._score_mod is not None:
+        if alibi_slopes is not None or planned is None or self._target.score_mod is not None:
             return alibi_slopes
         slopes = self._alibi.get(device)
         if slopes is None:
@@ -148,13 +151,11 @@ class TurboFlexAttention:
             raise _refuse(("qkv_format",), f"dense inputs are bshd [B, S, H, D]; got a {q.dim()}-D query.",
                           "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
         q_len, kv_len = q.shape[1], k.shape[1]
-        pattern, flash_args = self._dense_pattern(causal, window_size, q_len, kv_len)
+        pattern, _ = self._dense_pattern(causal, window_size, q_len, kv_len)
         self._check_dense_shape(pattern, q_len, kv_len)
-        call = KernelCall(
-            pattern=pattern, mask_mod=plan.mask_mod, score_mod=self._score_mod, bias=bias,
-            alibi_slopes=self._alibi_slopes(alibi_slopes, q.device), flash_args=flash_args, **common,
-        )
-        return self.backend.dense(q, k, v, call)
+        return run_dense(self.handle, q, k, v, common["sink"], self._alibi_slopes(alibi_slopes, q.device), bias,
+                         bool(causal), (int(window_size[0]), int(window_size[1])), common["scale"],
+                         common["dropout_p"], common["deterministic"], return_lse)
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
                 bias: Optional[Tensor], alibi_slopes: Optional[Tensor], common: dict,
@@ -168,14 +169,48 @@ class TurboFlexAttention:
             raise _refuse(tuple(dropped), "packed (thd) attention runs the document kernel, which takes no "
                           "mask_mod, score_mod or bias; they would be dropped (B17).",
                           "remove them for packed batches, or pass dense bshd inputs.")
-        if cu_seqlens_q is None or cu_seqlens_kv is None or max_seqlen_q is None or max_seqlen_kv is None:
-            raise _refuse(("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"),
-                          "packed attention needs both cu_seqlens and both max_seqlen values.")
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise _refuse(("cu_seqlens_q", "cu_seqlens_kv"), "packed attention needs both cu_seqlens.")
         if q.dim() != 3:
             raise _refuse(("qkv_format",), f"packed inputs are thd [T, H, D]; got a {q.dim()}-D query.")
-        call = KernelCall(pattern=pattern_from_flash_args(causal, window_size),
-                          alibi_slopes=self._alibi_slopes(alibi_slopes, q.device), **common)
-        return self.backend.packed(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, call)
+        # A missing max_seqlen is bounded by the token count: valid for the kernels and,
+        # unlike reading the boundaries, free of a host sync.
+        max_q = q.shape[0] if max_seqlen_q is None else max_seqlen_q
+        max_kv = k.shape[0] if max_seqlen_kv is None else max_seqlen_kv
+        return run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, common["sink"],
+                          self._alibi_slopes(alibi_slopes, q.device), bool(causal),
+                          (int(window_size[0]), int(window_size[1])), common["scale"], common["dropout_p"],
+                          common["deterministic"], common["return_lse"])
 
 
-__all__ = ["TurboFlexAttention"]
+class PlanTarget:
+    """What a flex adapter's op handle runs: its plan on its backend, eagerly."""
+
+    def __init__(self, plan: Any, backend: AttentionBackend) -> None:
+        self.plan = plan
+        self.backend = backend
+        # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
+        self.score_mod = plan.score_mod if backend.name == "reference" else None
+
+    def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
+              bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
+              dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
+        plan = self.plan
+        if plan.mask_mod is None:
+            pattern, flash_args = pattern_from_flash_args(causal, window), (causal, window)
+        else:
+            pattern, flash_args = plan.pattern, None
+        call = KernelCall(pattern=pattern, mask_mod=plan.mask_mod, score_mod=self.score_mod, scale=scale,
+                          dropout_p=dropout_p, sink=sink, alibi_slopes=alibi, bias=bias,
+                          deterministic=deterministic, return_lse=return_lse, flash_args=flash_args)
+        return self.backend.dense(q, k, v, call)
+
+    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
+               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: Tuple[int, int],
+               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
+        call = KernelCall(pattern=pattern_from_flash_args(causal, window), scale=scale, dropout_p=dropout_p,
+                          sink=sink, alibi_slopes=alibi, deterministic=deterministic, return_lse=return_lse)
+        return self.backend.packed(q, k, v, cu_q, cu_kv, max_q, max_kv, call)
+
+
+__all__ = ["PlanTarget", "TurboFlexAttention"]

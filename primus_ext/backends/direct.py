@@ -90,4 +90,25 @@ class DirectRunner:
         )
 
 
-__all__ = ["CP_GROUP_KWARGS", "DirectEntries", "DirectRunner", "choose_direct"]
+class DirectTarget:
+    """What a direct-path op handle runs (see `primus_ext.backends.ops`)."""
+
+    def __init__(self, runner: DirectRunner) -> None:
+        self.runner = runner
+
+    def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
+              bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
+              dropout_p: float, deterministic: bool, return_lse: bool) -> Tensor:
+        assert alibi is None and bias is None and not return_lse, "refused before the direct call"
+        return self.runner.dense_call(q, k, v, dropout_p=dropout_p, scale=scale, causal=causal, window=window,
+                                      sink=sink, deterministic=deterministic)
+
+    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
+               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: Tuple[int, int],
+               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Tensor:
+        assert alibi is None and not return_lse, "refused before the direct call"
+        return self.runner.packed_call(q, k, v, cu_q, cu_kv, max_q, max_kv, dropout_p=dropout_p, scale=scale,
+                                       causal=causal, window=window, sink=sink, deterministic=deterministic)
+
+
+__all__ = ["CP_GROUP_KWARGS", "DirectEntries", "DirectRunner", "DirectTarget", "choose_direct"]

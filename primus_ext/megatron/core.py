@@ -16,7 +16,9 @@ from torch import Tensor
 
 from ..attention.block_mask_cache import shared_block_mask_cache
 from ..attention.flex import TurboFlexAttention
-from ..backends.direct import DirectRunner, choose_direct
+from ..backends.base import fp32_sink
+from ..backends.direct import DirectRunner, DirectTarget, choose_direct
+from ..backends.ops import register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
@@ -95,6 +97,7 @@ class TurboAttentionCore:
                                     context_parallel=self.facts.context_parallel_size > 1)
             groups_kw = cp_group_kwargs(cp_comm_type, pg_collection, self.facts.context_parallel_size)
             self.runner = DirectRunner(load_ops(), entries, groups_kw)
+            self.handle = register_target(DirectTarget(self.runner))
 
     @property
     def local_heads(self) -> int:
@@ -164,25 +167,23 @@ class TurboAttentionCore:
             out = self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
                                deterministic=plan.deterministic)
         else:
-            assert self.runner is not None
-            out = self.runner.dense_call(q, k, v, dropout_p=dropout_p, scale=plan.scale, causal=causal,
-                                         window=window, sink=sink, deterministic=plan.deterministic)
+            out = run_dense(self.handle, q, k, v, fp32_sink(sink), None, None, causal, window, plan.scale,
+                            dropout_p, plan.deterministic, False)
         out = out.transpose(0, 1)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: Any, dropout_p: float, causal: bool,
                 window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
-        max_q = params.max_seqlen_q if params.max_seqlen_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
-        max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else int((cu_kv[1:] - cu_kv[:-1]).max())
+        # Missing max_seqlen: the token count bounds it, with no host read of the boundaries.
+        max_q = params.max_seqlen_q if params.max_seqlen_q is not None else q.shape[0]
+        max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else k.shape[0]
         if self.adapter is not None:
             return self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
                                 deterministic=self.plan.deterministic, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                                 max_seqlen_q=max_q, max_seqlen_kv=max_kv)
-        assert self.runner is not None
-        return self.runner.packed_call(q, k, v, cu_q, cu_kv, max_q, max_kv, dropout_p=dropout_p,
-                                       scale=self.plan.scale, causal=causal, window=window, sink=sink,
-                                       deterministic=self.plan.deterministic)
+        return run_packed(self.handle, q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, causal, window,
+                          self.plan.scale, dropout_p, self.plan.deterministic, False)
 
 
 __all__ = ["TurboAttentionCore", "cp_group_kwargs", "needs_contiguous_bshd"]

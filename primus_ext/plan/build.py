@@ -130,6 +130,7 @@ def build_plan(
         mask_mod=mask_mod,
         score_mod=score_mod,
         verify_shapes=mask_mod is not None and not hasattr(mask_mod, "primus_pattern") and pattern is not None,
+        probed_len=(facts.seq_length or DEFAULT_PROBE_LEN) if mask_rec is not None else None,
     )
     if flex:
         log.info("primus_ext %s", plan.describe())

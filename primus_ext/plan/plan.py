@@ -46,6 +46,8 @@ class AttentionPlan:
     score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
     verify_shapes: bool = False
     """A probed user mask: each new (q_len, kv_len) is checked against ``pattern`` once."""
+    probed_len: Optional[int] = None
+    """The square grid a mask hook was recognised on (already verified there)."""
 
     @property
     def flex(self) -> bool:

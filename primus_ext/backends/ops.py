@@ -1,0 +1,297 @@
+"""The attention kernel call as ``torch.library`` custom ops (namespace ``primus_ext``).
+
+Why ops: a compiled transformer block must not break its graph at attention, and
+selective activation checkpointing must be able to *save* attention instead of
+recomputing it.  Under ``torch.compile`` each call goes through one op per layout
+(`run_dense` / `run_packed`; eager calls run the target directly, keeping the kernels'
+native backward):
+
+* ``primus_ext::dense_attention`` (bshd) and ``primus_ext::varlen_attention`` (thd),
+  each returning ``(out, lse, rng_state)``, with backward ops
+  ``primus_ext::dense_attention_backward`` / ``primus_ext::varlen_attention_backward``.
+
+Everything that is not a tensor or a scalar (the plan, hook callables, the Turbo
+module, the BlockMask cache) stays outside the graph: the op receives an integer
+``handle`` naming a registered `OpTarget`, a constant per layer, so Dynamo neither
+traces nor guards on it.  The implementations run eagerly: the reference math on
+any device (so the ops work in CPU tests), or Primus-Turbo's entries.
+
+Backward recomputes the forward with autograd inside the backward op (Turbo's own
+backward kernels are not part of its public entry points).  ``rng_state`` is the
+generator state captured before a forward with dropout, restored for the recompute,
+so the same dropout mask is used.  ``lse`` is returned for callers that want it and
+is not differentiable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+NAMESPACE = "primus_ext"
+
+
+class OpTarget(Protocol):
+    """What a handle names: runs one call eagerly, with autograd when asked."""
+
+    def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
+              bias: Optional[Tensor], causal: bool, window: tuple[int, int], scale: Optional[float],
+              dropout_p: float, deterministic: bool, return_lse: bool) -> Any: ...
+
+    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
+               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: tuple[int, int],
+               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Any: ...
+
+
+_TARGETS: dict[int, OpTarget] = {}
+_NEXT = itertools.count(1)
+
+
+def register_target(target: OpTarget) -> int:
+    """Give ``target`` a handle the ops can carry as a plain int (build time, not per call)."""
+    handle = next(_NEXT)
+    _TARGETS[handle] = target
+    return handle
+
+
+def target(handle: int) -> OpTarget:
+    return _TARGETS[handle]
+
+
+# -- generator state for dropout ---------------------------------------------------
+def _rng_size(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device).numel()
+    return torch.get_rng_state().numel()
+
+
+def _rng_snapshot(device: torch.device, dropout_p: float) -> Tensor:
+    if dropout_p <= 0.0:
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _rng_restored(state: Tensor, device: torch.device):
+    if state.numel() == 0:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        if devices:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
+def _split(result: Any, return_lse: bool) -> tuple[Tensor, Tensor]:
+    out, lse = result if return_lse else (result, None)
+    out = out if out.is_contiguous() else out.contiguous()
+    return out, (lse if lse is not None else out.new_empty(0, dtype=torch.float32))
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Record autograd inside an op implementation.
+
+    A custom op's implementation runs below the Autograd dispatch keys (they are in
+    the thread-local exclude set), so ops inside it build no graph even under
+    ``enable_grad``.  The backward ops recompute the forward to differentiate it, so
+    they lift that exclusion for the recompute (Autocast stays excluded).
+    """
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+    for key in ("AutogradFunctionality", "AutogradNestedTensor"):
+        if hasattr(torch._C.DispatchKey, key):
+            keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set() - keys
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def _none_if_empty(t: Tensor) -> Optional[Tensor]:
+    return None if t.numel() == 0 else t
+
+
+def _grads(out: Tensor, leaves: Sequence[Optional[Tensor]], grad_out: Tensor, like: Tensor) -> list[Tensor]:
+    live = [t for t in leaves if t is not None]
+    found = iter(torch.autograd.grad(out, live, grad_out, allow_unused=True))
+    grads = []
+    for leaf in leaves:
+        if leaf is None:
+            grads.append(like.new_empty(0))
+            continue
+        g = next(found)
+        grads.append(torch.zeros_like(leaf) if g is None else g)
+    return grads
+
+
+def _leaf(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach().requires_grad_(True)
+
+
+# -- dense ------------------------------------------------------------------------
+@torch.library.custom_op(f"{NAMESPACE}::dense_attention", mutates_args=())
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                    bias: Optional[Tensor], handle: int, causal: bool, window_left: int, window_right: int,
+                    scale: Optional[float], dropout_p: float, deterministic: bool,
+                    return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    rng = _rng_snapshot(q.device, dropout_p)
+    with torch.no_grad():
+        result = target(handle).dense(q, k, v, sink, alibi_slopes, bias, causal, (window_left, window_right),
+                                      scale, dropout_p, deterministic, return_lse)
+    return (*_split(result, return_lse), rng)
+
+
+@dense_attention.register_fake
+def _(q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_right, scale, dropout_p,
+      deterministic, return_lse):
+    batch, q_len, heads = q.shape[0], q.shape[1], q.shape[2]
+    out = q.new_empty(batch, q_len, heads, v.shape[-1])
+    lse = q.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=torch.float32)
+    rng = torch.empty(_rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
+    return out, lse, rng
+
+
+@torch.library.custom_op(f"{NAMESPACE}::dense_attention_backward", mutates_args=())
+def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor],
+                             alibi_slopes: Optional[Tensor], bias: Optional[Tensor], rng_state: Tensor,
+                             handle: int, causal: bool, window_left: int, window_right: int,
+                             scale: Optional[float], dropout_p: float,
+                             deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(bias)]
+    with _autograd_inside_op(), _rng_restored(rng_state, q.device):
+        out = target(handle).dense(*leaves[:4], alibi_slopes, leaves[4], causal, (window_left, window_right),
+                                   scale, dropout_p, deterministic, False)
+        return tuple(_grads(out, leaves, grad_out, q))  # type: ignore[return-value]
+
+
+@dense_attention_backward.register_fake
+def _(grad_out, q, k, v, sink, alibi_slopes, bias, rng_state, handle, causal, window_left, window_right, scale,
+      dropout_p, deterministic):
+    def like(t: Optional[Tensor]) -> Tensor:
+        return torch.empty_like(t) if t is not None else q.new_empty(0)
+
+    return like(q), like(k), like(v), like(sink), like(bias)
+
+
+def _dense_setup(ctx, inputs, output) -> None:
+    q, k, v, sink, alibi, bias, *scalars = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(q, k, v, sink, alibi, bias, output[2])
+    ctx.scalars = scalars[:-1]  # everything but return_lse
+
+
+def _dense_backward(ctx, grad_out, _grad_lse, _grad_rng):
+    q, k, v, sink, alibi, bias, rng = ctx.saved_tensors
+    dq, dk, dv, dsink, dbias = torch.ops.primus_ext.dense_attention_backward(
+        grad_out, q, k, v, sink, alibi, bias, rng, *ctx.scalars)
+    return (dq, dk, dv, _none_if_empty(dsink), None, _none_if_empty(dbias)) + (None,) * 8
+
+
+dense_attention.register_autograd(_dense_backward, setup_context=_dense_setup)
+
+
+# -- packed (thd) -----------------------------------------------------------------
+@torch.library.custom_op(f"{NAMESPACE}::varlen_attention", mutates_args=())
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,
+                     sink: Optional[Tensor], alibi_slopes: Optional[Tensor], handle: int, max_seqlen_q: int,
+                     max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
+                     scale: Optional[float], dropout_p: float, deterministic: bool,
+                     return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    rng = _rng_snapshot(q.device, dropout_p)
+    with torch.no_grad():
+        result = target(handle).packed(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink,
+                                       alibi_slopes, causal, (window_left, window_right), scale, dropout_p,
+                                       deterministic, return_lse)
+    return (*_split(result, return_lse), rng)
+
+
+@varlen_attention.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seqlen_q, max_seqlen_kv, causal,
+      window_left, window_right, scale, dropout_p, deterministic, return_lse):
+    tokens, heads = q.shape[0], q.shape[1]
+    out = q.new_empty(tokens, heads, v.shape[-1])
+    lse = q.new_empty((heads, tokens) if return_lse else (0,), dtype=torch.float32)
+    rng = torch.empty(_rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
+    return out, lse, rng
+
+
+@torch.library.custom_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                              cu_seqlens_kv: Tensor, sink: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                              rng_state: Tensor, handle: int, max_seqlen_q: int, max_seqlen_kv: int, causal: bool,
+                              window_left: int, window_right: int, scale: Optional[float], dropout_p: float,
+                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink)]
+    with _autograd_inside_op(), _rng_restored(rng_state, q.device):
+        out = target(handle).packed(*leaves[:3], cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                    leaves[3], alibi_slopes, causal, (window_left, window_right), scale,
+                                    dropout_p, deterministic, False)
+        return tuple(_grads(out, leaves, grad_out, q))  # type: ignore[return-value]
+
+
+@varlen_attention_backward.register_fake
+def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, rng_state, handle, max_seqlen_q,
+      max_seqlen_kv, causal, window_left, window_right, scale, dropout_p, deterministic):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sink) if sink is not None else q.new_empty(0))
+
+
+def _varlen_setup(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_kv, sink, alibi, *scalars = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(q, k, v, cu_q, cu_kv, sink, alibi, output[2])
+    ctx.scalars = scalars[:-1]
+
+
+def _varlen_backward(ctx, grad_out, _grad_lse, _grad_rng):
+    q, k, v, cu_q, cu_kv, sink, alibi, rng = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.primus_ext.varlen_attention_backward(
+        grad_out, q, k, v, cu_q, cu_kv, sink, alibi, rng, *ctx.scalars)
+    return (dq, dk, dv, None, None, _none_if_empty(dsink)) + (None,) * 11
+
+
+varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+def run_dense(handle: int, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
+              bias: Optional[Tensor], causal: bool, window: tuple[int, int], scale: Optional[float],
+              dropout_p: float, deterministic: bool, return_lse: bool) -> Any:
+    """One dense call: the op under ``torch.compile``, the target's own autograd in eager.
+
+    Eager keeps the kernels' native backward (no recompute); a compiled graph gets one
+    opaque op that selective checkpointing can save.
+    """
+    if torch.compiler.is_compiling():
+        out, lse, _ = torch.ops.primus_ext.dense_attention(
+            q, k, v, sink, alibi, bias, handle, causal, window[0], window[1], scale, dropout_p, deterministic,
+            return_lse)
+        return (out, lse) if return_lse else out
+    return target(handle).dense(q, k, v, sink, alibi, bias, causal, window, scale, dropout_p, deterministic,
+                                return_lse)
+
+
+def run_packed(handle: int, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
+               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: tuple[int, int],
+               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Any:
+    """One packed (thd) call; like `run_dense`."""
+    if torch.compiler.is_compiling():
+        out, lse, _ = torch.ops.primus_ext.varlen_attention(
+            q, k, v, cu_q, cu_kv, sink, alibi, handle, max_q, max_kv, causal, window[0], window[1], scale,
+            dropout_p, deterministic, return_lse)
+        return (out, lse) if return_lse else out
+    return target(handle).packed(q, k, v, cu_q, cu_kv, max_q, max_kv, sink, alibi, causal, window, scale,
+                                 dropout_p, deterministic, return_lse)
+
+
+FORWARD_OPS = (torch.ops.primus_ext.dense_attention.default, torch.ops.primus_ext.varlen_attention.default)
+
+__all__ = ["FORWARD_OPS", "NAMESPACE", "OpTarget", "dense_attention", "register_target", "run_dense",
+           "run_packed", "target", "varlen_attention"]

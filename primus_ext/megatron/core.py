@@ -136,11 +136,17 @@ class TurboAttentionCore:
         for plain, padded in (("cu_seqlens_q", "cu_seqlens_q_padded"), ("cu_seqlens_kv", "cu_seqlens_kv_padded")):
             pad = getattr(packed_seq_params, padded)
             ref = getattr(packed_seq_params, plain)
-            # One host comparison per batch, only when padded boundaries are given (B19).
-            if pad is not None and pad is not ref and not torch.equal(pad.to(ref.device), ref):
-                raise _refuse((padded,), f"{padded} differ from {plain}; the kernel takes one pair of "
-                              "boundaries, so per-sequence padding would be attended as tokens.",
-                              "pack without per-sequence padding (padded == unpadded boundaries).")
+            if pad is None or pad is ref:
+                continue
+            why = (f"{padded} differ from {plain}; the kernel takes one pair of boundaries, so "
+                   "per-sequence padding would be attended as tokens.")
+            if pad.shape == ref.shape and torch.compiler.is_compiling():
+                # No host read inside a graph: a device-side assert carries the same refusal.
+                torch._assert_async((pad == ref).all(), why)
+                continue
+            # One host comparison per batch, only when distinct padded boundaries are given (B19).
+            if pad.shape != ref.shape or not torch.equal(pad.to(ref.device), ref):
+                raise _refuse((padded,), why, "pack without per-sequence padding (padded == unpadded boundaries).")
         return packed_seq_params
 
     # -- forward -----------------------------------------------------------------

@@ -129,7 +129,13 @@ def _grads(out: Tensor, leaves: Sequence[Optional[Tensor]], grad_out: Tensor, li
             grads.append(like.new_empty(0))
             continue
         g = next(found)
-        grads.append(torch.zeros_like(leaf) if g is None else g)
+        if g is None:
+            g = torch.zeros_like(leaf)
+        elif g.stride() != (want := torch.empty_like(leaf)).stride():
+            # The fake implementations declare ``empty_like(input)`` strides; the math's
+            # own gradient layout (e.g. from a transpose) must not leak out of the op.
+            g = want.copy_(g)
+        grads.append(g)
     return grads
 
 

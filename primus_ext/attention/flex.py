@@ -32,6 +32,40 @@ def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> Un
     return UnsupportedInputError(Reason(settings, reason, alternative))
 
 
+_PATTERNS: dict[Tuple[bool, Tuple[int, int]], Pattern] = {}
+_PATTERNS_MAX = 256
+
+
+def _flash_pattern(causal: bool, window: Tuple[int, int]) -> Pattern:
+    """`pattern_from_flash_args` for normalised arguments, memoised in eager mode.
+
+    A layer calls with one or two ``(causal, window_size)`` values, and building the
+    frozen `Pattern` (validation included) on every call cost more than the rest of
+    the routing.  Patterns are immutable, so one object per value is shared.  Under
+    ``torch.compile`` the pattern is built as before, so Dynamo traces no cache.
+    """
+    if torch.compiler.is_compiling():
+        return pattern_from_flash_args(causal, window)
+    return _eager_flash_pattern(causal, window)
+
+
+def _eager_flash_pattern(causal: bool, window: Tuple[int, int]) -> Pattern:
+    """`_flash_pattern` outside any traced region (the op targets always run eagerly)."""
+    key = (causal, window)
+    found = _PATTERNS.get(key)
+    if found is None:
+        if len(_PATTERNS) >= _PATTERNS_MAX:
+            _PATTERNS.clear()
+        found = _PATTERNS[key] = pattern_from_flash_args(causal, window)
+    return found
+
+
+def _flash_args(causal: Any, window_size: Any) -> Tuple[bool, Tuple[int, int]]:
+    """``(causal, (left, right))`` as plain bool and ints (same conversions, same order)."""
+    window = (int(window_size[0]), int(window_size[1]))
+    return bool(causal), window
+
+
 class TurboFlexAttention:
     """Runs one layer's approved plan on its backend, call by call."""
 
@@ -54,11 +88,12 @@ class TurboFlexAttention:
         return cls(build_plan(settings, facts, backend=backend), backend)
 
     # -- per-call checks -----------------------------------------------------
-    def _dense_pattern(self, causal: bool, window_size: Tuple[int, int], q_len: int,
-                       kv_len: int) -> Tuple[Optional[Pattern], Optional[Tuple[bool, Tuple[int, int]]]]:
+    def _dense_pattern(self, causal: bool, window_size: Tuple[int, int], flash: Tuple[bool, Tuple[int, int]],
+                       q_len: int, kv_len: int) -> Optional[Pattern]:
+        """The call's pattern; ``flash`` is ``(causal, window_size)`` normalised by `_flash_args`."""
         plan = self.plan
         if plan.mask_mod is None:
-            return pattern_from_flash_args(causal, window_size), (causal, window_size)
+            return _flash_pattern(*flash)
         if causal or tuple(window_size) != (-1, -1):
             raise _refuse((MASK_KEY,), f"the layer's mask comes from the hook {plan.mask_hook}, but the "
                           f"call also asks for causal={causal}, window_size={tuple(window_size)}; the "
@@ -72,10 +107,10 @@ class TurboFlexAttention:
                               "set turbo_flex_attention_backend: reference, or build with seq_length "
                               "equal to the training length.")
             self._verified.add((q_len, kv_len))
-        return plan.pattern, None
+        return plan.pattern
 
     def _check_dense_shape(self, pattern: Optional[Pattern], q_len: int, kv_len: int) -> None:
-        if pattern is None or pattern.kind == "full" or q_len == kv_len:
+        if pattern is None or q_len == kv_len or pattern.kind == "full":
             if pattern is None or pattern.boundaries is None or pattern.boundaries[-1] == q_len:
                 return
             raise _refuse((MASK_KEY,), f"the document mask covers {pattern.boundaries[-1]} tokens but the "
@@ -135,37 +170,36 @@ class TurboFlexAttention:
             raise _refuse(("return_attn_probs",), "attention probabilities are never materialised (B26).",
                           "call with return_attn_probs=False.")
         plan = self.plan
-        packed = cu_seqlens_q is not None or cu_seqlens_kv is not None
         scale = softmax_scale if softmax_scale is not None else plan.scale
-        common = dict(
-            scale=scale,
-            dropout_p=float(dropout_p),
-            sink=self._sink(sink, q.shape[-2]),
-            deterministic=bool(deterministic or plan.deterministic),
-            return_lse=return_lse,
-        )
-        if packed:
-            return self._packed(q, k, v, causal, window_size, bias, alibi_slopes, common,
-                                cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+        dropout = float(dropout_p)
+        if sink is not None:
+            sink = self._sink(sink, q.shape[-2])
+        deterministic = bool(deterministic or plan.deterministic)
+        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            return self._packed(q, k, v, causal, window_size, bias, alibi_slopes, scale, dropout, sink,
+                                deterministic, return_lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
         if q.dim() != 4:
             raise _refuse(("qkv_format",), f"dense inputs are bshd [B, S, H, D]; got a {q.dim()}-D query.",
                           "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
         q_len, kv_len = q.shape[1], k.shape[1]
-        pattern, _ = self._dense_pattern(causal, window_size, q_len, kv_len)
+        flag, window = _flash_args(causal, window_size)
+        pattern = self._dense_pattern(causal, window_size, (flag, window), q_len, kv_len)
         self._check_dense_shape(pattern, q_len, kv_len)
-        return run_dense(self.handle, q, k, v, common["sink"], self._alibi_slopes(alibi_slopes, q.device), bias,
-                         bool(causal), (int(window_size[0]), int(window_size[1])), common["scale"],
-                         common["dropout_p"], common["deterministic"], return_lse)
+        if alibi_slopes is not None or plan.alibi_slopes is not None:
+            alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
+        return run_dense(self.handle, q, k, v, sink, alibi_slopes, bias, flag, window, scale, dropout,
+                         deterministic, return_lse)
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
-                bias: Optional[Tensor], alibi_slopes: Optional[Tensor], common: dict,
+                bias: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: Optional[float], dropout: float,
+                sink: Optional[Tensor], deterministic: bool, return_lse: bool,
                 cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
                 max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int]) -> Output:
         plan = self.plan
-        dropped = [name for name, value in (("turbo_flex_attention_mask_mod", plan.mask_mod),
-                                            ("turbo_flex_attention_score_mod", plan.score_mod),
-                                            ("bias", bias)) if value is not None]
-        if dropped:
+        if plan.mask_mod is not None or plan.score_mod is not None or bias is not None:
+            dropped = [name for name, value in (("turbo_flex_attention_mask_mod", plan.mask_mod),
+                                                ("turbo_flex_attention_score_mod", plan.score_mod),
+                                                ("bias", bias)) if value is not None]
             raise _refuse(tuple(dropped), "packed (thd) attention runs the document kernel, which takes no "
                           "mask_mod, score_mod or bias; they would be dropped (B17).",
                           "remove them for packed batches, or pass dense bshd inputs.")
@@ -177,40 +211,82 @@ class TurboFlexAttention:
         # unlike reading the boundaries, free of a host sync.
         max_q = q.shape[0] if max_seqlen_q is None else max_seqlen_q
         max_kv = k.shape[0] if max_seqlen_kv is None else max_seqlen_kv
-        return run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, common["sink"],
-                          self._alibi_slopes(alibi_slopes, q.device), bool(causal),
-                          (int(window_size[0]), int(window_size[1])), common["scale"], common["dropout_p"],
-                          common["deterministic"], common["return_lse"])
+        if alibi_slopes is not None or plan.alibi_slopes is not None:
+            alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
+        flag, window = _flash_args(causal, window_size)
+        return run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, sink, alibi_slopes,
+                          flag, window, scale, dropout, deterministic, return_lse)
+
+
+_CALLS_MAX = 64
 
 
 class PlanTarget:
-    """What a flex adapter's op handle runs: its plan on its backend, eagerly."""
+    """What a flex adapter's op handle runs: its plan on its backend, eagerly.
+
+    Calls are normalised by the adapter (or by the op's schema) before they get here:
+    ``causal`` a bool, ``window`` a tuple of two ints.
+    """
 
     def __init__(self, plan: Any, backend: AttentionBackend) -> None:
         self.plan = plan
         self.backend = backend
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
+        # Building a frozen KernelCall costs ~1.2 us, a third of the adapter's Python per
+        # call, and a layer makes the same call step after step.  Calls without tensor
+        # extras are kept per scalar value; the latest call with a sink or ALiBi slopes
+        # (never a bias) is kept and reused while the same tensor objects come back.
+        self._calls: dict[tuple, KernelCall] = {}
+        self._last: Optional[Tuple[tuple, KernelCall]] = None
 
     def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
               dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
-        plan = self.plan
-        if plan.mask_mod is None:
-            pattern, flash_args = pattern_from_flash_args(causal, window), (causal, window)
-        else:
-            pattern, flash_args = plan.pattern, None
-        call = KernelCall(pattern=pattern, mask_mod=plan.mask_mod, score_mod=self.score_mod, scale=scale,
-                          dropout_p=dropout_p, sink=sink, alibi_slopes=alibi, bias=bias,
-                          deterministic=deterministic, return_lse=return_lse, flash_args=flash_args)
+        flash = (causal, tuple(window)) if self.plan.mask_mod is None else None
+        call = self._call(True, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse)
         return self.backend.dense(q, k, v, call)
 
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
                sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: Tuple[int, int],
                scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
-        call = KernelCall(pattern=pattern_from_flash_args(causal, window), scale=scale, dropout_p=dropout_p,
-                          sink=sink, alibi_slopes=alibi, deterministic=deterministic, return_lse=return_lse)
+        call = self._call(False, (causal, tuple(window)), sink, alibi, None, scale, dropout_p, deterministic,
+                          return_lse)
         return self.backend.packed(q, k, v, cu_q, cu_kv, max_q, max_kv, call)
+
+    def _call(self, dense: bool, flash: Any, sink: Optional[Tensor], alibi: Optional[Tensor],
+              bias: Optional[Tensor], scale: Optional[float], dropout_p: float, deterministic: bool,
+              return_lse: bool) -> KernelCall:
+        """The `KernelCall` of these arguments, reused when an equal one was built before."""
+        key = (dense, flash, scale, dropout_p, deterministic, return_lse)
+        if bias is None:
+            if sink is None and alibi is None:
+                call = self._calls.get(key)
+                if call is None:
+                    if len(self._calls) >= _CALLS_MAX:
+                        self._calls.clear()
+                    call = self._calls[key] = self._build(dense, flash, None, None, None, scale, dropout_p,
+                                                          deterministic, return_lse)
+                return call
+            last = self._last
+            if last is not None and last[1].sink is sink and last[1].alibi_slopes is alibi and last[0] == key:
+                return last[1]
+        call = self._build(dense, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse)
+        if bias is None:
+            self._last = (key, call)
+        return call
+
+    def _build(self, dense: bool, flash: Any, sink: Optional[Tensor], alibi: Optional[Tensor],
+               bias: Optional[Tensor], scale: Optional[float], dropout_p: float, deterministic: bool,
+               return_lse: bool) -> KernelCall:
+        if not dense:
+            return KernelCall(pattern=_eager_flash_pattern(*_flash_args(*flash)), scale=scale, dropout_p=dropout_p,
+                              sink=sink, alibi_slopes=alibi, deterministic=deterministic, return_lse=return_lse)
+        plan = self.plan
+        pattern = plan.pattern if flash is None else _eager_flash_pattern(*_flash_args(*flash))
+        return KernelCall(pattern=pattern, mask_mod=plan.mask_mod, score_mod=self.score_mod, scale=scale,
+                          dropout_p=dropout_p, sink=sink, alibi_slopes=alibi, bias=bias,
+                          deterministic=deterministic, return_lse=return_lse, flash_args=flash)
 
 
 __all__ = ["PlanTarget", "TurboFlexAttention"]

@@ -255,8 +255,11 @@ RULES: Tuple[Rule, ...] = (
     Rule("sink-shape", ("use_sink_attention", "kv_channels"),
          "Primus-Turbo's sink kernel wants equal q/k and v head dims and a power-of-two head dim "
          "(got {head_dim} and {head_dim_v}).",
-         "choose kv_channels as a power of two, or set turbo_flex_attention_backend: reference.",
-         lambda c: c.on_turbo and c.sink and not (_pow2(c.facts.head_dim) and c.facts.head_dim == c.facts.v_dim)),
+         "choose kv_channels as a power of two, or use_turbo_flex_attention: true with "
+         "turbo_flex_attention_backend: reference.",
+         # The direct flash_attn_func / flash_attn_varlen_func sink path has the same limits.
+         lambda c: (c.on_turbo or (c.on_direct and c.direct is not None)) and c.sink
+         and not (_pow2(c.facts.head_dim) and c.facts.head_dim == c.facts.v_dim)),
     Rule("B24", ("deterministic_mode",),
          "deterministic_mode is on but the selected dense entry ({dense_entry}) has no "
          "`deterministic` parameter.",

@@ -2,6 +2,7 @@
 
 * ``primus-ext check CONFIG.yaml``: each layer's plan, or every reason it cannot run.
 * ``primus-ext demo [CONFIG.yaml]``: a tiny Megatron GPT trained on CPU through the flex path.
+* ``primus-ext bench [NAME ...]``: the benchmarks of a source checkout (``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny Megatron GPT on CPU through the flex path")
     demo.add_argument("config", nargs="?", default=None, help="YAML (default: the embedded example)")
     demo.add_argument("--steps", type=int, default=None, help="training steps")
+    bench = sub.add_parser("bench", help="run the benchmarks of a source checkout (all, or the NAMEs given)")
+    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmark names (default: all)")
+    bench.add_argument("--list", action="store_true", help="list the benchmark names and exit")
     return parser
 
 
@@ -40,6 +44,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .check import run_check
 
             return run_check(args.config, args.seq_len, args.picture)
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args.names, args.list)
         from .demo import run_demo
 
         return run_demo(args.config, args.steps)

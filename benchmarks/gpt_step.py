@@ -1,0 +1,138 @@
+"""Training step time of a tiny megatron-core GPT on CPU: flex path against direct path.
+
+The models are the ones `primus-ext demo` trains (`primus_ext.cli.demo_model`), built
+from the same seed and stepped on the same batches (forward, backward, Adam step):
+
+* ``direct``: ``use_turbo_flex_attention: false``, Megatron's direct Primus-Turbo
+  entries, here the CPU fake (``flash_attn_func`` / ``flash_attn_varlen_func``);
+* ``flex, reference``: the flex path on the reference backend;
+* ``flex, turbo``: the flex path on the turbo backend, i.e. the same fake entries as
+  ``direct``, so the two differ only by primus_ext's own layer.
+
+All three compute attention with the same exact math (`primus_ext.backends.exact`;
+the configs use learned sinks, so the reference backend does not take its SDPA
+shortcut).  Two configs: the demo's (THD-packed documents, sinks, a sliding window on
+odd layers) and the same model on dense causal rows.
+
+Goal: flex step time <= 1.05x the direct one.
+
+    python -m benchmarks.gpt_step [--repeats 25] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import _common as c
+
+NAME = "gpt_step"
+GOAL_RATIO = 1.05
+
+
+def _configs() -> dict[str, dict[str, Any]]:
+    from primus_ext.cli.demo import load_config
+
+    demo, _ = load_config(None)
+    dense = {**demo, "packed_sequences": False, "seq_length": 128}
+    return {"demo: THD packed, sinks, window on odd layers": demo, "dense causal rows, sinks": dense}
+
+
+def _stepper(model: Any, batches: list, fake: Any) -> Callable[[], None]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    cycle = {"i": 0}
+
+    def step() -> None:
+        batch = batches[cycle["i"] % len(batches)]
+        cycle["i"] += 1
+        loss = model(batch.tokens, batch.positions, None, labels=batch.labels,
+                     packed_seq_params=batch.packed_seq_params()).float().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        fake.reset()  # the fake records every kernel call; keep its log from growing
+
+    return step
+
+
+def measure(label: str, config: dict[str, Any], repeats: int, steps: int) -> dict[str, Any]:
+    from primus_ext.cli import demo_model as dm
+    from primus_ext.settings import TurboAttentionSettings
+    from primus_ext.testing import fake_primus_turbo
+
+    settings = TurboAttentionSettings.from_dict(config)
+    variants = {
+        "flex, reference": settings.replace(turbo_flex_attention_backend="reference"),
+        "flex, turbo": settings.replace(turbo_flex_attention_backend="turbo"),
+        "direct": settings.replace(use_turbo_flex_attention=False),
+    }
+    seq = int(config["seq_length"])
+    opts = dm.DemoOptions.from_mapping(config.get("demo"), seq)
+    packed = bool(config.get("packed_sequences"))
+    batches = dm.make_batches(opts, steps, packed=packed, seq_length=seq)
+    cfg = dm.transformer_config(config)
+    with fake_primus_turbo() as fake:
+        runners = {}
+        for name, turbo in variants.items():
+            model = dm.build_gpt(cfg, turbo, vocab_size=opts.vocab_size, seq_length=seq, seed=opts.seed,
+                                 device=torch.device("cpu"))
+            runners[name] = _stepper(model, batches, fake)
+        for run in runners.values():  # warm-up: first steps allocate, verify and cache
+            for _ in range(2):
+                run()
+
+        def block(run: Callable[[], None]) -> Callable[[], None]:
+            return lambda: [run() for _ in range(steps)]
+
+        timing = c.interleaved({name: block(run) for name, run in runners.items()}, repeats=repeats,
+                               scale=1e3 / steps)
+    tokens = batches[0].num_tokens
+    return {"config": label, "tokens_per_step": tokens, "timing_ms": timing}
+
+
+def main(argv: Any = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=25, help="samples per path (min/median over them)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per sample")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    c.set_threads(args.threads)
+    env = c.environment()
+    c.header(NAME, "tiny megatron-core GPT training step on CPU, flex path vs direct path, ms/step", env)
+    from primus_ext.cli import demo_model as dm
+
+    results, rows = [], []
+    with dm.single_process_world():
+        for label, config in _configs().items():
+            result = measure(label, config, args.repeats, args.steps)
+            direct = result["timing_ms"]["direct"]
+            for name in ("flex, reference", "flex, turbo"):
+                flex = result["timing_ms"][name]
+                ratio = flex["median"] / direct["median"]
+                result[f"ratio_{name}"] = ratio
+                rows.append([label, name, f"{flex['min']:.2f} / {flex['median']:.2f}",
+                             f"{direct['min']:.2f} / {direct['median']:.2f}", f"{ratio:.3f}x",
+                             f"{flex['min'] / direct['min']:.3f}x", c.verdict(ratio <= GOAL_RATIO)])
+            result["goal_met"] = all(result[f"ratio_{n}"] <= GOAL_RATIO for n in ("flex, reference", "flex, turbo"))
+            results.append(result)
+    print(c.table(["config", "flex path", "flex ms min/med", "direct ms min/med", "ratio (median)",
+                   "ratio (min)", f"<= {GOAL_RATIO}x"], rows))
+    print(f"\nmodel: 2 layers, hidden 64, 4 heads / 2 query groups, head dim 16, vocab 32 (the demo's); "
+          f"{results[0]['tokens_per_step']} tokens per step; {args.repeats} samples of {args.steps} steps per "
+          f"path, interleaved; direct and 'flex, turbo' run the CPU fake of Primus-Turbo; "
+          f"{args.threads} intra-op thread(s).")
+    path = c.write_json(NAME, {"benchmark": NAME, "environment": env, "threads": args.threads,
+                               "repeats": args.repeats, "steps_per_sample": args.steps, "goal": GOAL_RATIO,
+                               "results": results})
+    c.footer(path, started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ..attention.block_mask_cache import BlockMaskCache
 from ..attention.pattern import Pattern
+from ..errors import Reason, UnsupportedInputError
 from .base import BackendCapabilities, KernelCall, Output
 from .capabilities import deterministic_kwargs_for, entry_accepts, sink_kwargs_for
 
@@ -159,6 +160,13 @@ class TurboBackend:
         """Same documents in every sequence: flatten the batch and run the varlen kernel."""
         pattern = call.pattern
         assert pattern is not None and pattern.boundaries is not None
+        if call.bias is not None:
+            # The varlen kernel takes no bias: passing the call on would drop it silently.
+            raise UnsupportedInputError(Reason(
+                ("turbo_flex_attention_mask_mod", "bias"),
+                f"a {pattern.describe()} mask runs on Primus-Turbo's varlen kernel, which takes no bias; "
+                "the bias would be dropped (B17).",
+                "remove the bias, or set turbo_flex_attention_backend: reference."))
         batch, seq = q.shape[0], q.shape[1]
         bounds = torch.tensor(pattern.boundaries, dtype=torch.int32)
         starts = torch.arange(batch, dtype=torch.int32).repeat_interleave(len(bounds) - 1) * seq

@@ -39,3 +39,24 @@ def test_regression_direct_sink_with_non_power_of_two_head_dim():
         assert "use_turbo_flex_attention: true" in str(err)
         build_plan(settings(**direct), facts(head_dim=8))  # a power of two builds
         build_plan(settings(use_turbo_flex_attention=False), facts(head_dim=6))  # no sink: no limit
+
+
+def test_regression_turbo_document_mask_dropped_the_bias():
+    """A dense call with a `bias` on a layer whose hook is a packed-documents mask went to the
+    varlen kernel on turbo, which takes no bias: the bias vanished (only lse showed it on a
+    one-token case).  It is now refused at the call; the reference still adds it."""
+    keys = dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:packed_documents",
+                turbo_flex_attention_mask_mod_kwargs={"cu_seqlens": [0, 3, 8]})
+    q, k, v = qkv(b=1, s=8)
+    bias = torch.linspace(-1, 1, 64, dtype=torch.float64).view(8, 8)
+    with fake_primus_turbo() as fake:
+        run = adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts(seq_length=8))
+        with pytest.raises(UnsupportedInputError) as info:
+            run(q, k, v, bias=bias)
+        assert "bias" in info.value.settings and fake.calls == []
+        run(q, k, v)  # without a bias it runs on the varlen kernel
+        assert [c.entry for c in fake.calls] == ["flex_attention_varlen"]
+    out = adapter(settings(**keys), facts(seq_length=8))(q, k, v, bias=bias)
+    want, _ = oracle.attention(q, k, v, oracle.packed_mask([0, 3, 8], [0, 3, 8], causal=True, window=(-1, -1)),
+                               bias=bias)
+    torch.testing.assert_close(out, want, **TOL)

@@ -99,6 +99,8 @@ class TurboFlexAttention:
                           f"call also asks for causal={causal}, window_size={tuple(window_size)}; the "
                           "two are not silently composed (B11).",
                           "call with causal=False, window_size=(-1, -1) and put the whole mask in the hook.")
+        if self._target.hook_runs_itself:
+            return None  # evaluated at every shape by the backend: nothing recognised to verify
         if plan.verify_shapes and (q_len, kv_len) not in self._verified:
             why = verify_pattern(plan.mask_mod, plan.pattern, q_len, kv_len)
             if why:
@@ -233,6 +235,10 @@ class PlanTarget:
         self.backend = backend
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
+        # A probed hook equals its recognised pattern only on the probe grid; the reference
+        # runs the hook itself, so it is exact at every shape and never refused for one.
+        self.hook_runs_itself = (backend.name == "reference" and plan.mask_mod is not None
+                                 and not hasattr(plan.mask_mod, "primus_pattern"))
         # Building a frozen KernelCall costs ~1.2 us, a third of the adapter's Python per
         # call, and a layer makes the same call step after step.  Calls without tensor
         # extras are kept per scalar value; the latest call with a sink or ALiBi slopes
@@ -283,7 +289,10 @@ class PlanTarget:
             return KernelCall(pattern=_eager_flash_pattern(*_flash_args(*flash)), scale=scale, dropout_p=dropout_p,
                               sink=sink, alibi_slopes=alibi, deterministic=deterministic, return_lse=return_lse)
         plan = self.plan
-        pattern = plan.pattern if flash is None else _eager_flash_pattern(*_flash_args(*flash))
+        if flash is not None:
+            pattern = _eager_flash_pattern(*_flash_args(*flash))
+        else:
+            pattern = None if self.hook_runs_itself else plan.pattern
         return KernelCall(pattern=pattern, mask_mod=plan.mask_mod, score_mod=self.score_mod, scale=scale,
                           dropout_p=dropout_p, sink=sink, alibi_slopes=alibi, bias=bias,
                           deterministic=deterministic, return_lse=return_lse, flash_args=flash)

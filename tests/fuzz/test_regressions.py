@@ -60,3 +60,23 @@ def test_regression_turbo_document_mask_dropped_the_bias():
     want, _ = oracle.attention(q, k, v, oracle.packed_mask([0, 3, 8], [0, 3, 8], causal=True, window=(-1, -1)),
                                bias=bias)
     torch.testing.assert_close(out, want, **TOL)
+
+
+def test_regression_reference_refused_a_probed_hook_at_a_new_length():
+    """On the reference backend a probed hook (here the library `chunked`, which carries no
+    pattern) was recognised on the 512 grid as documents(256), then every call of another
+    length was refused "not the documents(256) it was recognised as", with the alternative
+    "set turbo_flex_attention_backend: reference" -- already set.  Megatron gives no
+    seq_length, so such a layer could not run at all.  The reference now runs the hook itself."""
+    keys = dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:chunked",
+                turbo_flex_attention_mask_mod_kwargs={"chunk_size": 2, "causal": False})
+    run = adapter(settings(**keys), facts(seq_length=None))
+    assert run.plan.pattern is not None and run.plan.pattern.boundaries is not None  # recognised, as before
+    for s in (1, 5, 6):
+        q, k, v = qkv(s=s)
+        want, _ = oracle.attention(q, k, v, oracle.library_mask("chunked", {"chunk_size": 2, "causal": False}, s, s))
+        torch.testing.assert_close(run(q, k, v), want, **TOL)
+    with fake_primus_turbo():  # turbo still refuses what its fixed kernels cannot prove
+        turbo = adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts(seq_length=None))
+        with pytest.raises(UnsupportedInputError, match="documents"):
+            turbo(*qkv(s=6))

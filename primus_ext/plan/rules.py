@@ -155,7 +155,9 @@ RULES: Tuple[Rule, ...] = (
          "the fp8 attention kernel only takes window_size=(-1, -1); the window {window} of layer "
          "{layer} would be dropped.",
          "set enable_turbo_attention_float8: false, or remove the window.",
-         lambda c: c.on_direct and c.settings.enable_turbo_attention_float8 and c.window is not None),
+         # window_size=(-1, -1) is the one window the fp8 kernel computes: nothing is dropped.
+         lambda c: c.on_direct and c.settings.enable_turbo_attention_float8
+         and c.window is not None and c.window != (-1, -1)),
     Rule("B13-direct", ("use_sink_attention",),
          "a learned sink is configured but the direct entry {direct_dense} has no `sink` "
          "parameter (fp8 and context-parallel entries lack it); the sink would be dropped.",

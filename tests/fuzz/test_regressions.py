@@ -80,3 +80,14 @@ def test_regression_reference_refused_a_probed_hook_at_a_new_length():
         turbo = adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts(seq_length=None))
         with pytest.raises(UnsupportedInputError, match="documents"):
             turbo(*qkv(s=6))
+
+
+def test_regression_fp8_refused_the_unbounded_window():
+    """`window_size=(-1, -1)` with fp8 on the direct path was refused by B9 with the message
+    "the fp8 kernel only takes window_size=(-1, -1); the window (-1, -1) would be dropped".
+    (-1, -1) is exactly what the fp8 kernel computes, so it builds; a real window is refused."""
+    fp8 = dict(use_turbo_flex_attention=False, enable_turbo_attention_float8=True)
+    with fake_primus_turbo():
+        plan = build_plan(settings(**fp8), facts(window_size=(-1, -1)))
+        assert plan.dense_entry == "flash_attn_fp8_func"
+        assert "B9" in refused(fp8, facts(window_size=(4, 0))).codes

@@ -240,6 +240,14 @@ def recognize_mask(mask_mod: Optional[MaskMod], q_len: int, kv_len: int, *,
     trusted = getattr(mask_mod, "primus_pattern", None)
     if trusted is not None:
         return MaskRecognition(trusted, f"library mask: {trusted.describe()} (carried, not probed)")
+    try:
+        return _classify(mask_mod, q_len, kv_len, device)
+    except Exception as exc:  # noqa: BLE001 - the user's hook failed on this grid: it is not classified
+        return MaskRecognition(None, f"raised {type(exc).__name__}: {exc} when evaluated on the "
+                                     f"{q_len}x{kv_len} recognition grid")
+
+
+def _classify(mask_mod: MaskMod, q_len: int, kv_len: int, device: Device) -> MaskRecognition:
     regions, sampled = _regions(q_len, kv_len, torch.device(device))
     coverage = sampled or f"checked on every cell of the {q_len}x{kv_len} grid"
     ext, why = _scan(mask_mod, regions)

@@ -91,3 +91,17 @@ def test_regression_fp8_refused_the_unbounded_window():
         plan = build_plan(settings(**fp8), facts(window_size=(-1, -1)))
         assert plan.dense_entry == "flash_attn_fp8_func"
         assert "B9" in refused(fp8, facts(window_size=(4, 0))).codes
+
+
+def test_regression_hook_that_raises_on_the_recognition_grid():
+    """An attention-gym style document hook (`doc[q_idx] == doc[kv_idx]` over a 10-token id
+    tensor) raised IndexError out of `build_plan`, because it was recognised on the 512 grid
+    (no seq_length).  Now the hook is reported as not recognisable: turbo refuses it by rule
+    `mask` naming the error; the reference builds and runs it at its own length."""
+    with fake_primus_turbo():
+        err = refused(dict(turbo_flex_attention_backend="turbo", **DOCS_HOOK), facts(seq_length=None))
+    assert "mask" in err.codes and "IndexError" in str(err) and "512x512" in str(err)
+    run = adapter(settings(**DOCS_HOOK), facts(seq_length=None))
+    q, k, v = qkv(s=10)
+    want, _ = oracle.attention(q, k, v, oracle.packed_mask([0, 4, 10], [0, 4, 10], causal=True, window=(-1, -1)))
+    torch.testing.assert_close(run(q, k, v), want, **TOL)

@@ -185,6 +185,8 @@ class TurboBackend:
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,
                max_seqlen_q: Any, max_seqlen_kv: Any, call: KernelCall) -> Output:
         assert self.varlen is not None and call.pattern is not None
+        if call.pattern.window != (-1, -1):
+            _check_same_boundaries(cu_seqlens_q, cu_seqlens_kv, call.pattern)
         causal, window = turbo_window_args(call.pattern)
         return self.varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
@@ -197,6 +199,35 @@ class TurboBackend:
             **self._sink_kwargs(self.varlen, call.sink, "packed"),
             **self._deterministic_kwargs(self.varlen, call.deterministic, "packed"),
         )
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """The same boundaries without reading them: one tensor, or two views of the same memory."""
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
+def _check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, pattern: Pattern) -> None:
+    """Refuse a causal / windowed packed call whose q and kv documents differ in length.
+
+    The varlen kernel aligns such a window bottom-right inside each document (flash
+    convention) while a mask_mod, and so the reference backend, aligns it top-left: the
+    same call would give two different answers.  The boundaries are read on the host only
+    when two distinct tensors are given (Megatron passes one tensor for both).
+    """
+    if _same_tensor(cu_q, cu_kv):
+        return
+    why = ("cu_seqlens_q and cu_seqlens_kv differ, so documents have different q and kv lengths; "
+           f"Primus-Turbo's varlen kernel aligns the {pattern.describe()} mask bottom-right inside "
+           "each document, a mask_mod (and the reference backend) top-left.")
+    if torch.compiler.is_compiling() and cu_q.shape == cu_kv.shape:
+        torch._assert_async((cu_q == cu_kv.to(cu_q.device)).all(), why)
+        return
+    if cu_q.shape != cu_kv.shape or not torch.equal(cu_q, cu_kv.to(cu_q.device)):
+        raise UnsupportedInputError(Reason(
+            ("cu_seqlens_q", "cu_seqlens_kv"), why,
+            "pass equal q and kv boundaries, use a full (non-causal, unwindowed) mask, or set "
+            "turbo_flex_attention_backend: reference."))
 
 
 __all__ = ["TurboBackend", "load_ops", "turbo_window_args"]

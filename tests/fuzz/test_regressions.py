@@ -105,3 +105,30 @@ def test_regression_hook_that_raises_on_the_recognition_grid():
     q, k, v = qkv(s=10)
     want, _ = oracle.attention(q, k, v, oracle.packed_mask([0, 4, 10], [0, 4, 10], causal=True, window=(-1, -1)))
     torch.testing.assert_close(run(q, k, v), want, **TOL)
+
+
+def test_regression_turbo_packed_window_with_unequal_q_kv_documents():
+    """A packed call whose q and kv documents differ in length, with a causal or windowed
+    mask, went to flex_attention_varlen: a window came back aligned bottom-right (flash)
+    instead of top-left (mask_mod, reference) -- a silently different answer -- and a causal
+    mask died in the kernel's own ValueError.  Both are refused now; equal boundaries, even
+    as two tensors, still run, and so does a full mask."""
+    q, _, _ = packed_qkv(3)
+    _, k, v = packed_qkv(5, seed=1)
+    cu_q = torch.tensor([0, 1, 3], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with fake_primus_turbo() as fake:
+        run = TurboFlexAttention(build_plan(settings(turbo_flex_attention_backend="turbo"), facts()))
+        for causal, window in ((False, (0, -1)), (True, (-1, -1))):
+            with pytest.raises(UnsupportedInputError) as info:
+                run(q, k, v, causal=causal, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+            assert info.value.settings == ("cu_seqlens_q", "cu_seqlens_kv")
+        assert fake.calls == []
+        full = run(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+        want, _ = oracle.packed_attention(q, k, v, oracle.packed_mask([0, 1, 3], [0, 2, 5], causal=False,
+                                                                      window=(-1, -1)))
+        torch.testing.assert_close(full, want, **TOL)
+        q, k, v = packed_qkv(5)
+        same = run(q, k, v, causal=True, cu_seqlens_q=cu_kv, cu_seqlens_kv=cu_kv.clone())
+    want, _ = oracle.packed_attention(q, k, v, oracle.packed_mask([0, 2, 5], [0, 2, 5], causal=True, window=(-1, -1)))
+    torch.testing.assert_close(same, want, **TOL)

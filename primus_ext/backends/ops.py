@@ -284,6 +284,13 @@ def run_dense(handle: int, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tenso
                                 return_lse)
 
 
+# How max_seqlen reaches the kernel without a recompile per micro-batch: it is an
+# ``int`` argument of the op (``SymInt`` in the schema), passed as the caller gives it.
+# Dynamo's automatic dynamic shapes turn it symbolic the first time it changes, so a
+# compiled graph recompiles once and then serves every value, and the kernel still gets
+# the exact bound (no bucketing, which would waste kernel blocks, and no host read of
+# cu_seqlens, which would sync).  A caller without max_seqlen passes the token count,
+# a static shape.  docs/compile.md shows how to declare both dynamic up front.
 def run_packed(handle: int, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
                sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: tuple[int, int],
                scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Any:

@@ -13,7 +13,7 @@ out), flex path against direct path, both on the stubs.
 
 Goals: ``flex`` within 1.10x of ``direct`` and less than 3 us added per call.
 
-    python -m benchmarks.adapter_overhead [--repeats 15] [--number 2000] [--profile]
+    python -m benchmarks.adapter_overhead [--repeats 25] [--number 2000] [--profile]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def profile_top(fn: Callable[[], Any], calls: int = 20000, top: int = 12) -> str
 
 def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="samples per side (min/median over them)")
+    parser.add_argument("--repeats", type=int, default=25, help="samples per side (min/median over them)")
     parser.add_argument("--number", type=int, default=2000, help="calls per sample")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries of each flex call")

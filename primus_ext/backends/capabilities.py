@@ -8,13 +8,19 @@ that, so every decision here reads ``inspect.signature``.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable, Optional
 
 from ..errors import Reason, UnsupportedConfigError
 
 
-def entry_accepts(entry: Callable[..., Any], name: str) -> bool:
-    """True when ``entry`` takes a keyword ``name`` (an entry with ``**kwargs`` takes any)."""
+# Answers per entry object: ``inspect.signature`` costs ~10 us, more than the rest of
+# a kernel call, and an entry's signature never changes.  Weak keys: a replaced module
+# (a new build, a test's fake) frees its entries' answers.
+_ACCEPTS: "weakref.WeakKeyDictionary[Any, dict[str, bool]]" = weakref.WeakKeyDictionary()
+
+
+def _read_signature(entry: Callable[..., Any], name: str) -> bool:
     try:
         params = inspect.signature(entry).parameters
     except (TypeError, ValueError):
@@ -22,6 +28,18 @@ def entry_accepts(entry: Callable[..., Any], name: str) -> bool:
     if name in params and params[name].kind is not inspect.Parameter.POSITIONAL_ONLY:
         return True
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def entry_accepts(entry: Callable[..., Any], name: str) -> bool:
+    """True when ``entry`` takes a keyword ``name`` (an entry with ``**kwargs`` takes any)."""
+    try:
+        known = _ACCEPTS.setdefault(entry, {})
+    except TypeError:  # not weak-referenceable: read it every time
+        return _read_signature(entry, name)
+    found = known.get(name)
+    if found is None:
+        found = known[name] = _read_signature(entry, name)
+    return found
 
 
 def entry_name(entry: Optional[Callable[..., Any]]) -> str:

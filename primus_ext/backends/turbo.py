@@ -30,9 +30,6 @@ from ..errors import Reason, UnsupportedInputError
 from .base import BackendCapabilities, KernelCall, Output
 from .capabilities import deterministic_kwargs_for, entry_accepts, sink_kwargs_for
 
-_SINK = "sink"
-_DETERMINISTIC = "deterministic"
-
 
 def load_ops() -> Any:
     """Import Primus-Turbo's attention ops module (raises ImportError when absent)."""
@@ -60,32 +57,6 @@ class TurboBackend:
         self.flex: Optional[Callable[..., Any]] = bshd or getattr(self.ops, "flex_attention", None)
         self.flex_is_bshd = bshd is not None
         self.varlen: Optional[Callable[..., Any]] = getattr(self.ops, "flex_attention_varlen", None)
-        # What each entry accepts, read from its signature once per (entry, keyword):
-        # ``inspect.signature`` costs ~10 us, more than everything else in a call.
-        self._accepts: dict[tuple[Any, str], bool] = {}
-
-    def _takes(self, entry: Callable[..., Any], keyword: str) -> bool:
-        key = (entry, keyword)
-        found = self._accepts.get(key)
-        if found is None:
-            found = self._accepts[key] = entry_accepts(entry, keyword)
-        return found
-
-    def _sink_kwargs(self, entry: Callable[..., Any], sink: Optional[Tensor], where: str) -> dict[str, Any]:
-        """`sink_kwargs_for` with the signature probe memoised."""
-        if self._takes(entry, _SINK):
-            return {_SINK: sink}
-        if sink is None:
-            return {}  # the entry lacks the keyword: omit it
-        return sink_kwargs_for(entry, sink, where=where)  # refuses: the sink would be dropped
-
-    def _deterministic_kwargs(self, entry: Callable[..., Any], deterministic: bool, where: str) -> dict[str, Any]:
-        """`deterministic_kwargs_for` with the signature probe memoised."""
-        if self._takes(entry, _DETERMINISTIC):
-            return {_DETERMINISTIC: bool(deterministic)}
-        if not deterministic:
-            return {}
-        return deterministic_kwargs_for(entry, deterministic, where=where)  # refuses
 
     def capabilities(self) -> BackendCapabilities:
         def has(entry: Optional[Callable[..., Any]], name: str) -> bool:
@@ -130,7 +101,7 @@ class TurboBackend:
             deterministic=call.deterministic,
             return_lse=call.return_lse,
             return_attn_probs=False,
-            **self._sink_kwargs(self.direct, call.sink, "dense"),
+            **sink_kwargs_for(self.direct, call.sink, where="dense"),
         )
 
     def _flex_dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
@@ -144,8 +115,8 @@ class TurboBackend:
             alibi_slopes=call.alibi_slopes,
             dropout_p=call.dropout_p,
             bias=call.bias,
-            **self._sink_kwargs(self.flex, call.sink, "dense"),
-            **self._deterministic_kwargs(self.flex, call.deterministic, "dense"),
+            **sink_kwargs_for(self.flex, call.sink, where="dense"),
+            **deterministic_kwargs_for(self.flex, call.deterministic, where="dense"),
         )
         if self.flex_is_bshd:
             return self.flex(q, k, v, **kwargs)
@@ -196,8 +167,8 @@ class TurboBackend:
             alibi_slopes=call.alibi_slopes,
             dropout_p=call.dropout_p,
             return_lse=call.return_lse,
-            **self._sink_kwargs(self.varlen, call.sink, "packed"),
-            **self._deterministic_kwargs(self.varlen, call.deterministic, "packed"),
+            **sink_kwargs_for(self.varlen, call.sink, where="packed"),
+            **deterministic_kwargs_for(self.varlen, call.deterministic, where="packed"),
         )
 
 

@@ -1,0 +1,87 @@
+"""Fuzz profiles, the gloo world for the Megatron cases, and the session tally.
+
+Profiles (hypothesis): ``ci`` is the default for these tests; ``long`` is selected
+with ``python -m pytest tests/fuzz --hypothesis-profile=long`` (or with
+``PRIMUS_FUZZ_PROFILE=long`` when the whole ``tests`` folder is run, because this
+conftest is then loaded after the command line has been read).  ``max_examples``
+counts per test function, and there are two: adapter level and Megatron level.
+No example database is written: a failure prints its reproduction blob instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from tests.megatron.conftest import megatron_world  # noqa: F401  (gloo world + parallel state)
+
+_COMMON = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                      HealthCheck.filter_too_much])
+# ci: a fixed seed (derandomised); tests/fuzz takes ~35 s on an idle 2-core machine.
+settings.register_profile("ci", max_examples=1500, derandomize=True, print_blob=True, **_COMMON)
+# long: >= 10,000 examples per test function, fresh random cases on each run.
+settings.register_profile("long", max_examples=10_000, print_blob=True, **_COMMON)
+if os.environ.get("PRIMUS_FUZZ_PROFILE") in ("ci", "long"):
+    settings.load_profile(os.environ["PRIMUS_FUZZ_PROFILE"])
+
+
+class Tally:
+    """What the fuzzer saw: one entry per generated case (shrinking included)."""
+
+    OUTCOMES = ("refused", "matched", "mismatched", "foreign")
+
+    def __init__(self) -> None:
+        self.outcomes: Counter = Counter()
+        self.by_level: Counter = Counter()
+        self.refusals: Counter = Counter()
+        self.grads = 0
+        self.first_problem = ""
+
+    def record(self, case, outcome: str, detail: str) -> None:
+        assert outcome in self.OUTCOMES, outcome
+        self.outcomes[outcome] += 1
+        self.by_level[(case.level, outcome)] += 1
+        if outcome == "refused":
+            self.refusals[detail] += 1
+        elif outcome == "matched" and case.grad:
+            self.grads += 1
+        elif outcome in ("mismatched", "foreign") and not self.first_problem:
+            self.first_problem = detail
+
+    @property
+    def cases(self) -> int:
+        return sum(self.outcomes.values())
+
+    def lines(self) -> list[str]:
+        o = self.outcomes
+        out = [f"cases={self.cases} refused={o['refused']} matched={o['matched']} "
+               f"mismatched={o['mismatched']} foreign_exceptions={o['foreign']} "
+               f"(gradients checked in {self.grads} matched cases)"]
+        for level in ("adapter", "megatron"):
+            parts = " ".join(f"{k}={self.by_level[(level, k)]}" for k in self.OUTCOMES)
+            out.append(f"  {level:8s} {parts}")
+        top = ", ".join(f"{key or '?'}: {n}" for key, n in self.refusals.most_common(12))
+        out.append(f"  refusals by rule: {top}")
+        if self.first_problem:
+            out.append(f"  first problem: {self.first_problem}")
+        return out
+
+
+TALLY = Tally()
+
+
+@pytest.fixture(scope="session")
+def fuzz_tally() -> Tally:
+    return TALLY
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if TALLY.cases:
+        profile = settings.get_current_profile_name()
+        terminalreporter.write_sep("=", f"differential fuzzing (hypothesis profile: "
+                                        f"{profile if profile in ('ci', 'long') else 'ci'})")
+        for line in TALLY.lines():
+            terminalreporter.write_line(line)

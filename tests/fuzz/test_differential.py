@@ -1,0 +1,597 @@
+"""Differential fuzzing: every generated case is refused for a documented reason, or
+matches the float64 oracle.  Never a third outcome.
+
+For each case the test predicts, from the spec alone (not from primus_ext's rule
+table), which build-time rules *must* refuse it and which call-time checks must, and
+whether it is certain to run.  Then it runs the case:
+
+* refused -> the exception is the project's type for that moment
+  (`UnsupportedConfigError` while building, `UnsupportedInputError` at the call;
+  the documented late sink refusal of a packed call is the one exception), it names
+  at least one setting, its rule codes are documented in docs/refusals.md, and the
+  predicted rules are among them; a case predicted to run must not be refused;
+* runs -> a predicted refusal is a failure, and the output (and, for a subset, the
+  gradients of q, k, v and the sink) must match `tests.fuzz.oracle`.
+
+Any other exception is a failure.  Counts go to the session tally printed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hypothesis import given, settings as hyp_settings
+
+from primus_ext.errors import PrimusExtError, UnsupportedConfigError, UnsupportedInputError
+from primus_ext.testing.fake_turbo import fake_primus_turbo
+
+from . import oracle, user_hooks
+from .strategies import DTYPES, LIB, USER, Case, adapter_cases, bounds_of, megatron_cases
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "refusals.md"
+DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w-]+)` \|", DOCS.read_text().split("## Refused at call time")[0],
+                                        flags=re.M))
+TAGGED_LIBRARY = ("full", "causal", "sliding_window", "packed_documents")  # carry their pattern: never probed
+# User hooks no fixed kernel runs, with the smallest probe grid on which that shows.
+UNRECOGNISABLE_USER = {"every_other_key": 3, "first_head_sees_all": 2, "first_batch_causal": 2,
+                       "strictly_causal": 1}
+DEFAULT_PROBE = 512  # the grid a hook is recognised on when the layer's seq_length is unknown
+OTHER_SCORES = ("alibi_third", "symmetric_distance", "doubled")
+HOOK_PROBE = 8  # hooks are probed on an 8x8 grid when settings are resolved
+
+
+def fuzz_settings() -> hyp_settings:
+    """The profile chosen with ``--hypothesis-profile`` (``ci`` unless ``long`` was asked for)."""
+    name = hyp_settings.get_current_profile_name()
+    return hyp_settings.get_profile(name if name in ("ci", "long") else "ci")
+
+
+FUZZ = fuzz_settings()
+
+
+# ============================================================================ expectations
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def config_window(case: Case) -> Optional[tuple[int, int]]:
+    """``window_size`` of this 1-indexed layer after ``window_attn_skip_freq`` (Megatron's rule)."""
+    window, freq, layer = case.layer["window_size"], case.layer["window_attn_skip_freq"], case.layer["layer_number"]
+    if not window:
+        return None
+    if freq is not None and layer % freq == 0:
+        return None
+    return tuple(window)
+
+
+def layer_window(case: Case) -> Optional[tuple[int, int]]:
+    """The configured window of the layer: window_size, else the sink window on the layers B14 says."""
+    cw = config_window(case)
+    if cw is not None:
+        return cw
+    width = case.settings.get("sink_sliding_window", 0)
+    if width > 0 and (not case.settings["sink_window_even_layers_only"] or case.layer["layer_number"] % 2 == 1):
+        return (width, 0)
+    return None
+
+
+def layer_causal(case: Case) -> bool:
+    return case.layer["attn_mask_type"] in ("causal", "causal_bottom_right")
+
+
+def planned_sink(case: Case) -> bool:
+    return bool(case.settings["use_sink_attention"]) or case.layer["softmax_type"] in ("learnable", "off-by-one")
+
+
+def packed_fact(case: Case) -> Optional[bool]:
+    return case.layer.get("packed") if case.level == "adapter" else None
+
+
+def hook_name(spec: Optional[str]) -> tuple[str, str]:
+    module, _, name = (spec or ":").partition(":")
+    return module, name
+
+
+def hook_probe_fails(case: Case) -> bool:
+    """The user's documents hook indexes a tensor shorter than the 8x8 probe grid."""
+    module, name = hook_name(case.mask_hook)
+    return module == USER and name == "documents" and sum(
+        case.settings["turbo_flex_attention_mask_mod_kwargs"]["lengths"]) < HOOK_PROBE
+
+
+@dataclass
+class BuildExpectation:
+    must: set = field(default_factory=set)
+    """Rule codes that must be among the refusal's codes."""
+    certain: bool = False
+    """Nothing may refuse this configuration at build time."""
+    settings_refused: bool = False
+    hook_refused: bool = False
+
+
+def expect_build(case: Case) -> BuildExpectation:
+    s, layer = case.settings, case.layer
+    exp = BuildExpectation()
+    if s.get("sink_sliding_window", 0) < 0:
+        exp.settings_refused = True
+        return exp
+    flex = case.flex
+    turbo_path = s["use_turbo_attention"] or flex or case.level == "megatron"
+    backend = case.resolved_backend if flex else "direct"
+    fake = case.fake
+    on_turbo = flex and backend == "turbo" and fake is not None
+    on_direct = turbo_path and not flex
+    packed = packed_fact(case)
+    may_dense, may_pack = packed is not True, packed is not False
+    fp8, cp = s["enable_turbo_attention_float8"], layer["context_parallel_size"]
+    sink, det = planned_sink(case), s["deterministic_mode"]
+    window = layer_window(case)
+    mask_hook, score_hook = (case.mask_hook, case.score_hook) if flex else (None, None)
+    _, score = hook_name(score_hook)
+    rules = {
+        "B3": flex and not s["use_turbo_attention"],
+        "backend": flex and backend == "turbo" and fake is None,
+        "heads": layer["num_heads"] % layer["num_kv_heads"] != 0,
+        "dropout": not 0.0 <= layer["attention_dropout"] < 1.0,
+        "direct": on_direct and fake is None,
+        "mask-type": turbo_path and layer["attn_mask_type"] not in ("causal", "no_mask", "causal_bottom_right"),
+        "cp-comm": on_direct and cp > 1 and layer["cp_comm_type"] not in (None, "a2a", "p2p"),
+        "B9": on_direct and fp8 and window is not None and window != (-1, -1),
+        "B13-direct": on_direct and fake is not None and sink and may_dense and (fp8 or cp > 1),
+        "B13-direct-packed": on_direct and fake is not None and sink and packed is True and not (fp8 or cp > 1)
+        and not fake["varlen_sink"],
+        "B18": on_direct and fake is not None and packed is True and (fp8 or cp > 1),
+        "B10": config_window(case) is not None and s.get("sink_sliding_window", 0) > 0,
+        "B11": flex and mask_hook is not None and window is not None,
+        "B17": flex and packed is True and (mask_hook is not None or score_hook is not None),
+        "B22": flex and cp > 1,
+        "B23": flex and fp8,
+        "B25": turbo_path and s["reset_attention_mask"],
+        "B27": turbo_path and layer["position_embedding_type"] == "alibi",
+        "softcap": on_turbo and score == "softcap",
+        "score": on_turbo and score in OTHER_SCORES,
+        "flex-entry": on_turbo and may_dense and not fake["flex"],
+        "varlen-entry": on_turbo and packed is True and not fake["flex"],
+        "B13": on_turbo and sink and may_dense and not fake["flex"],
+        "B13-packed": on_turbo and sink and packed is True and not fake["flex"],
+        "sink-shape": (on_turbo or (on_direct and fake is not None)) and sink
+        and not (is_pow2(layer["head_dim"]) and layer["head_dim"] == layer["head_dim_v"]),
+        "B24": on_turbo and det and may_dense and fake["flex"] and not fake["flex_deterministic"],
+        "B24-packed": on_turbo and det and may_pack and fake["flex"] and not fake["flex_deterministic"],
+    }
+    exp.must = {code for code, fails in rules.items() if fails}
+    exp.hook_refused = flex and hook_probe_fails(case)
+    mod, name = hook_name(mask_hook)
+    probe = (layer.get("seq_length") if case.level == "adapter" else None) or DEFAULT_PROBE
+    if on_turbo and not exp.hook_refused and mod == USER and probe >= UNRECOGNISABLE_USER.get(name, math.inf):
+        exp.must.add("mask")
+    if on_turbo and not exp.hook_refused and mod == USER and name == "documents" and \
+            probe > sum(s["turbo_flex_attention_mask_mod_kwargs"]["lengths"]):
+        exp.must.add("mask")  # the hook's id tensor is shorter than the recognition grid
+    probed = mask_hook is not None and not (mod == LIB and name in TAGGED_LIBRARY)
+    exp.certain = not exp.must and not exp.hook_refused and not (on_turbo and probed)
+    return exp
+
+
+def call_window(case: Case) -> tuple[bool, tuple[int, int]]:
+    """``(causal, window_size)`` the call passes (adapter level); Megatron passes the layer's own."""
+    hooked = case.flex and case.mask_hook is not None
+    if case.level == "megatron" or case.call["causal"] == "layer":
+        if hooked:
+            return False, (-1, -1)
+        return layer_causal(case), layer_window(case) or (-1, -1)
+    return bool(case.call["causal"]), tuple(case.call["window"])
+
+
+@dataclass
+class CallExpectation:
+    must: list = field(default_factory=list)
+    """Why this call must be refused (empty: it must run, unless ``may`` is set)."""
+    may: bool = False
+    """A refusal is also acceptable (a probed hook meeting a new shape, say)."""
+    late_sink: bool = False
+
+
+def expect_call(case: Case) -> CallExpectation:
+    exp = CallExpectation()
+    c = case.call
+    hooked = case.flex and case.mask_hook is not None
+    scored = case.flex and case.score_hook is not None
+    mod, name = hook_name(case.mask_hook)
+    probed = hooked and not (mod == LIB and name in TAGGED_LIBRARY)
+    turbo = case.flex and case.resolved_backend == "turbo"
+    if not c["thd"] and hooked and mod == LIB and name == "packed_documents" and c["q_len"] == c["kv_len"] \
+            and case.settings["turbo_flex_attention_mask_mod_kwargs"]["cu_seqlens"][-1] != c["q_len"]:
+        exp.must.append("document mask of another length")
+    if case.level == "adapter":
+        causal, window = call_window(case)
+        if c["return_attn_probs"]:
+            exp.must.append("return_attn_probs")
+        if c["sink"] == "unplanned" and not planned_sink(case):
+            exp.must.append("sink without a planned sink")
+        if c["thd"] and (hooked or scored or c["bias"]):
+            exp.must.append("hook or bias on a packed call")
+        if c["thd"] and turbo and (causal or window != (-1, -1)) and c["docs_q"] != c["docs_kv"]:
+            exp.must.append("packed q and kv documents of different lengths on turbo")
+        if not c["thd"] and hooked and (causal or window != (-1, -1)):
+            exp.must.append("hook plus call causal/window")
+        if c["alibi"] and hook_name(case.score_hook)[1] == "alibi":
+            exp.must.append("explicit alibi plus ALiBi hook")
+        full = not causal and window == (-1, -1)
+        if not c["thd"] and turbo and not hooked and c["q_len"] != c["kv_len"] and not full:
+            exp.must.append("q_len != kv_len on turbo")
+        if not c["thd"] and turbo and c["bias"] and mod == LIB and name == "packed_documents":
+            exp.must.append("bias with a document mask on turbo (varlen kernel)")
+        if probed and turbo and (case.layer["seq_length"] is None or
+                                 (c["q_len"], c["kv_len"]) != (case.layer["seq_length"],) * 2):
+            exp.may = True  # verified once per new shape; the reference runs the hook itself
+        if not c["thd"] and turbo and hooked and (c["q_len"] != c["kv_len"] or c["bias"]):
+            exp.may = True  # a hook recognised as documents meets the same two limits
+        return exp
+    # Megatron's core attention
+    fake = case.fake
+    fp8, cp = case.settings["enable_turbo_attention_float8"], case.layer["context_parallel_size"]
+    has_packed_entry = (not (fp8 or cp > 1)) if not case.flex else True
+    if probed and turbo:
+        exp.may = True  # Megatron gives no seq_length: the hook was recognised on the 512 grid
+    if c["attention_bias"]:
+        exp.must.append("attention_bias")
+    if c["packed_params"] == "sbhd_bounds":
+        exp.must.append("cu_seqlens with qkv_format sbhd")
+    if c["packed_params"] in ("empty", "thd") and not has_packed_entry:
+        exp.must.append("packed params without a packed entry")
+    if c["thd"]:
+        if c["padded"] == "different":
+            exp.must.append("padded boundaries differ")
+        if hooked or scored:
+            exp.must.append("hook on a packed call")
+        if not case.flex and fake is not None and planned_sink(case) and not fake["varlen_sink"]:
+            exp.late_sink = True
+    return exp
+
+
+# ============================================================================ inputs
+def exact_values(gen: torch.Generator, shape, step: float, limit: int) -> torch.Tensor:
+    """Multiples of ``step`` in ``[-limit*step, limit*step]``: exact in every dtype used here."""
+    return torch.randint(-limit, limit + 1, shape, generator=gen).to(torch.float64) * step
+
+
+def make_qkv(case: Case, gen: torch.Generator):
+    c, layer, dtype = case.call, case.layer, case.dtype
+    hq, hkv, d, dv = layer["num_heads"], layer["num_kv_heads"], layer["head_dim"], layer["head_dim_v"]
+    if c["thd"]:
+        shapes = [(c["q_len"], hq, d), (c["kv_len"], hkv, d), (c["kv_len"], hkv, dv)]
+    else:
+        shapes = [(c["batch"], c["q_len"], hq, d), (c["batch"], c["kv_len"], hkv, d),
+                  (c["batch"], c["kv_len"], hkv, dv)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def hook_callable(spec: str, kwargs: Optional[dict]):
+    module, name = hook_name(spec)
+    fn = getattr(importlib.import_module(module), name)
+    return fn(**kwargs) if kwargs is not None else fn
+
+
+def expected_mask(case: Case) -> torch.Tensor:
+    """The mask the spec says this call computes, broadcastable to ``[B, H, Sq, Skv]`` (dense)
+    or ``[Tq, Tkv]`` (packed)."""
+    c = case.call
+    if c["thd"]:
+        causal, window = call_window(case)
+        align = "top_left" if case.flex else "bottom_right"
+        return oracle.packed_mask(bounds_of(c["docs_q"]), bounds_of(c["docs_kv"]), causal=causal, window=window,
+                                  align=align)
+    if case.flex and case.mask_hook is not None:
+        module, name = hook_name(case.mask_hook)
+        kwargs = case.settings.get("turbo_flex_attention_mask_mod_kwargs")
+        if module == LIB:
+            return oracle.library_mask(name, kwargs or {}, c["q_len"], c["kv_len"])
+        return oracle.hook_mask(hook_callable(case.mask_hook, kwargs), c["batch"], case.layer["num_heads"],
+                                c["q_len"], c["kv_len"])
+    causal, window = call_window(case)
+    align = "top_left" if case.flex else "bottom_right"
+    return oracle.flash_mask(c["q_len"], c["kv_len"], causal=causal, window=window, align=align)
+
+
+def score_fn(case: Case):
+    if not case.flex or case.score_hook is None:
+        return None
+    return hook_callable(case.score_hook, None)
+
+
+# ============================================================================ outcomes
+class Mismatch(AssertionError):
+    """The case ran and disagrees with the oracle, or the refusal contract was broken."""
+
+
+@dataclass
+class Ran:
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+    grads: dict
+    want_out: torch.Tensor
+    want_lse: Optional[torch.Tensor]
+    want_grads: dict
+
+
+def check_refusal(case: Case, err: PrimusExtError, when: str, build: BuildExpectation,
+                  call: Optional[CallExpectation], tally) -> None:
+    def fail(why: str) -> None:
+        tally.record(case, "mismatched", why)
+        raise Mismatch(f"{why}\n  refusal: {err}\n  case: {case}")
+
+    late = when == "call" and isinstance(err, UnsupportedConfigError) and call is not None and call.late_sink
+    wanted = UnsupportedConfigError if when == "build" else UnsupportedInputError
+    if not isinstance(err, wanted) and not late:
+        fail(f"refused at {when} time with {type(err).__name__}, expected {wanted.__name__}")
+    if not err.settings:
+        fail("the refusal names no setting")
+    undocumented = [code for code in err.codes if code not in DOCUMENTED_CODES]
+    if undocumented:
+        fail(f"refused by undocumented rule codes {undocumented}")
+    if when == "build":
+        if build.settings_refused or build.hook_refused:
+            pass
+        elif not build.must <= set(err.codes):
+            fail(f"expected rules {sorted(build.must - set(err.codes))} among the refusal's codes {err.codes}")
+        elif build.certain:
+            fail(f"refused at build time although nothing should refuse it (codes {err.codes})")
+    else:
+        assert call is not None
+        if build.must or build.settings_refused or build.hook_refused:
+            fail(f"built, then refused at call time, although rules {sorted(build.must)} refuse it at build time")
+        if not call.must and not call.may and not call.late_sink:
+            fail("refused at call time although the call should run")
+    key = ",".join(err.codes) if err.codes else "call:" + ",".join(err.settings) if when == "call" else \
+        "build:" + ",".join(err.settings)
+    tally.record(case, "refused", key)
+
+
+def check_ran(case: Case, ran: Ran, build: BuildExpectation, call: CallExpectation, tally) -> None:
+    problems = []
+    if build.settings_refused or build.hook_refused or build.must:
+        problems.append(f"built although it must be refused (rules {sorted(build.must)})")
+    if call.must:
+        problems.append(f"ran although the call must be refused ({call.must})")
+    why = oracle.mismatch(ran.out, ran.want_out, oracle.OUTPUT_TOL[case.dtype])
+    if why:
+        problems.append(f"output: {why}")
+    if ran.lse is not None and ran.want_lse is not None:
+        why = oracle.mismatch(ran.lse, ran.want_lse, oracle.OUTPUT_TOL[torch.float32])
+        if why:
+            problems.append(f"lse: {why}")
+    for name, got in ran.grads.items():
+        want = ran.want_grads[name]
+        dtype = got.dtype if got is not None else case.dtype
+        if name == "sink" and dtype == torch.float64:
+            dtype = torch.float32  # the kernels take the sink as float32 (B12): its gradient is float32 too
+        tol = oracle.GRAD_TOL[dtype]
+        why = oracle.mismatch(got, want, tol) if got is not None else "no gradient"
+        if why:
+            problems.append(f"grad {name}: {why}")
+    if problems:
+        tally.record(case, "mismatched", problems[0])
+        raise Mismatch("\n  ".join(["the case ran but:"] + problems + [f"case: {case}"]))
+    tally.record(case, "matched", "")
+
+
+def turbo_installed(case: Case):
+    return fake_primus_turbo(**case.fake) if case.fake is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def own_shared_cache(case: Case):
+    """The Megatron modules share one process-wide BlockMask cache; leave it as found (empty
+    entries), so thousands of shapes neither evict (and warn) nor leak into other tests."""
+    if case.level != "megatron":
+        yield
+        return
+    from primus_ext.attention.block_mask_cache import shared_block_mask_cache
+
+    try:
+        yield
+    finally:
+        shared_block_mask_cache().clear()
+
+
+def run_case(case: Case, tally) -> None:
+    build = expect_build(case)
+    call = expect_call(case)
+    runner = run_adapter if case.level == "adapter" else run_megatron
+    stage = ["build"]
+    try:
+        with turbo_installed(case), own_shared_cache(case):
+            ran = runner(case, stage)
+    except PrimusExtError as err:
+        check_refusal(case, err, stage[0], build, call, tally)
+        return
+    except Mismatch:
+        raise
+    except Exception as exc:
+        tally.record(case, "foreign", f"{type(exc).__name__} at {stage[0]}")
+        raise
+    check_ran(case, ran, build, call, tally)
+
+
+# ============================================================================ the adapter
+def run_adapter(case: Case, stage: list) -> Ran:
+    from primus_ext.attention.flex import TurboFlexAttention
+    from primus_ext.plan import LayerFacts, build_plan
+    from primus_ext.settings import TurboAttentionSettings
+
+    layer, c = case.layer, case.call
+    settings = TurboAttentionSettings.from_dict(case.settings)
+    facts = LayerFacts(
+        num_heads=layer["num_heads"], num_kv_heads=layer["num_kv_heads"], head_dim=layer["head_dim"],
+        head_dim_v=layer["head_dim_v"], layer_number=layer["layer_number"], causal=layer_causal(case),
+        window_size=config_window(case), softmax_scale=layer["softmax_scale"],
+        attention_dropout=layer["attention_dropout"], seq_length=layer["seq_length"],
+        context_parallel_size=layer["context_parallel_size"], cp_comm_type=layer["cp_comm_type"],
+        position_embedding_type=layer["position_embedding_type"], softmax_type=layer["softmax_type"],
+        attn_mask_type=layer["attn_mask_type"], packed=layer["packed"],
+    )
+    adapter = TurboFlexAttention(build_plan(settings, facts))
+    stage[0] = "call"
+
+    gen = torch.Generator().manual_seed(case.seed)
+    q, k, v = make_qkv(case, gen)
+    hq = layer["num_heads"]
+    sink = None
+    if c["sink"] == "unplanned" or (c["sink"] == "planned" and planned_sink(case)):
+        sink_dtype = case.dtype if c["sink_dtype"] == "same" else DTYPES[c["sink_dtype"]]
+        sink = exact_values(gen, (hq,), 0.25, 8).to(sink_dtype)
+    alibi = torch.tensor([user_hooks.SLOPES[h % len(user_hooks.SLOPES)] for h in range(hq)],
+                         dtype=torch.float32) if c["alibi"] else None
+    bias = exact_values(gen, (c["q_len"], c["kv_len"]), 0.125, 8).to(case.dtype) if c["bias"] else None
+    leaves = {"q": q, "k": k, "v": v}
+    if sink is not None:
+        leaves["sink"] = sink
+    if case.grad:
+        for t in leaves.values():
+            t.requires_grad_(True)
+    causal, window = call_window(case)
+    kwargs: dict[str, Any] = dict(dropout_p=0.0, softmax_scale=c["scale"], causal=causal, window_size=window,
+                                  bias=bias, alibi_slopes=alibi, return_lse=c["return_lse"],
+                                  return_attn_probs=c["return_attn_probs"], sink=sink)
+    if c["thd"]:
+        cu_q = torch.tensor(bounds_of(c["docs_q"]), dtype=torch.int32)
+        cu_kv = cu_q if c["docs_kv"] is c["docs_q"] else torch.tensor(bounds_of(c["docs_kv"]), dtype=torch.int32)
+        exact = c["max_seqlen"] == "exact"
+        kwargs.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                      max_seqlen_q=max(c["docs_q"]) if exact else None,
+                      max_seqlen_kv=max(c["docs_kv"]) if exact else None)
+    result = adapter(q, k, v, **kwargs)
+    out, lse = result if c["return_lse"] else (result, None)
+
+    scale = c["scale"] if c["scale"] is not None else layer["softmax_scale"]
+    refs = {name: t.detach().to(torch.float64).requires_grad_(case.grad) for name, t in leaves.items()}
+    extra = dict(scale=scale, sink=refs.get("sink"), score_fn=score_fn(case), alibi=alibi, bias=bias)
+    mask = expected_mask(case)
+    if c["thd"]:
+        want, want_lse = oracle.packed_attention(refs["q"], refs["k"], refs["v"], mask, **extra)
+    else:
+        want, want_lse = oracle.attention(refs["q"], refs["k"], refs["v"], mask, **extra)
+    grads, want_grads = backward_both(case, out, want, leaves, refs, gen)
+    check_lse = lse is not None and sink is None
+    return Ran(out, lse if check_lse else None, grads, want, want_lse if check_lse else None, want_grads)
+
+
+def backward_both(case: Case, out, want, leaves: dict, refs: dict, gen: torch.Generator):
+    """Gradients of q, k, v (and the sink) for one random upstream gradient, both sides."""
+    if not case.grad:
+        return {}, {}
+    grad_out = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    out.backward(grad_out)
+    want.backward(grad_out.to(torch.float64))
+    return ({name: t.grad for name, t in leaves.items()}, {name: refs[name].grad for name in leaves})
+
+
+# ============================================================================ Megatron
+def run_megatron(case: Case, stage: list) -> Ran:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_ext.megatron import PrimusTurboLocalAttention
+    from primus_ext.settings import TurboAttentionSettings
+    from tests.megatron import gpt
+
+    layer, c = case.layer, case.call
+    hq, hkv, d = layer["num_heads"], layer["num_kv_heads"], layer["head_dim"]
+    cfg = gpt.config(num_layers=4, hidden_size=hq * d, num_attention_heads=hq, num_query_groups=hkv, kv_channels=d,
+                     window_size=layer["window_size"], window_attn_skip_freq=layer["window_attn_skip_freq"],
+                     softmax_type=layer["softmax_type"], context_parallel_size=layer["context_parallel_size"],
+                     attention_dropout=layer["attention_dropout"], softmax_scale=layer["softmax_scale"],
+                     params_dtype=torch.bfloat16 if layer["params_bf16"] else torch.float32)
+    cfg.position_embedding_type = layer["position_embedding_type"]
+    mask_type = AttnMaskType[layer["attn_mask_type"]]
+    settings = TurboAttentionSettings.from_dict(case.settings)
+    module = PrimusTurboLocalAttention(config=cfg, layer_number=layer["layer_number"], attn_mask_type=mask_type,
+                                       attention_type="self", cp_comm_type=layer["cp_comm_type"], settings=settings)
+    stage[0] = "call"
+
+    gen = torch.Generator().manual_seed(case.seed)
+    q, k, v = make_qkv(case, gen)  # bshd / thd
+    sink_param = getattr(module, "softmax_offset", None)
+    if isinstance(sink_param, torch.nn.Parameter):
+        with torch.no_grad():
+            sink_param.copy_(exact_values(gen, (hq,), 0.25, 8))
+    training = case.grad and layer["attention_dropout"] == 0.0
+    module.train(training)
+    if c["thd"]:
+        inputs = [t.unsqueeze(1) if c["four_dim_thd"] else t for t in (q, k, v)]
+    else:
+        inputs = [t.transpose(0, 1).contiguous() for t in (q, k, v)]  # Megatron's sbhd
+    leaves = dict(zip("qkv", inputs))
+    if training:
+        for t in leaves.values():
+            t.requires_grad_(True)
+    params = None
+    cu = torch.tensor(bounds_of(c["docs_q"]), dtype=torch.int32) if c["thd"] else None
+    if c["packed_params"] == "thd":
+        longest = max(c["docs_q"])
+        padded = {"none": None, "same": cu.clone(), "kv_clone": None,
+                  "different": cu + torch.arange(cu.numel(), dtype=torch.int32)}[c["padded"]]
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                 cu_seqlens_kv=cu.clone() if c["padded"] == "kv_clone" else cu,
+                                 cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+    elif c["packed_params"] == "empty":
+        params = PackedSeqParams()
+    elif c["packed_params"] == "sbhd_bounds":
+        bounds = torch.tensor([0, c["q_len"]], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
+    bias = torch.zeros(1, hq, c["q_len"], c["kv_len"]) if c["attention_bias"] else None
+    out = module(leaves["q"], leaves["k"], leaves["v"], None, attn_mask_type=mask_type, attention_bias=bias,
+                 packed_seq_params=params)
+
+    sink = sink_param  # a learned parameter, the fixed zeros of off-by-one, or None
+    refs = {name: t.detach().to(torch.float64).requires_grad_(training) for name, t in zip("qkv", (q, k, v))}
+    ref_sink = None
+    if sink is not None:
+        ref_sink = sink.detach().to(torch.float64).requires_grad_(training and isinstance(sink, torch.nn.Parameter))
+    extra = dict(scale=layer["softmax_scale"], sink=ref_sink, score_fn=score_fn(case))
+    mask = expected_mask(case)
+    if c["thd"]:
+        want, _ = oracle.packed_attention(refs["q"], refs["k"], refs["v"], mask, **extra)
+        want_out = want.reshape(want.shape[0], -1)
+        if c["four_dim_thd"]:
+            want_out = want_out.unsqueeze(1)
+    else:
+        want, _ = oracle.attention(refs["q"], refs["k"], refs["v"], mask, **extra)
+        want_out = want.transpose(0, 1).reshape(c["q_len"], c["batch"], -1)
+    grads, want_grads = {}, {}
+    if training:
+        grad_out = torch.randn(want_out.shape, generator=gen, dtype=torch.float64)
+        out.backward(grad_out.to(out.dtype))
+        want_out.backward(grad_out.to(out.dtype).to(torch.float64))
+        for name in "qkv":
+            got = leaves[name].grad
+            if not c["thd"]:
+                got = got.transpose(0, 1)
+            elif c["four_dim_thd"]:
+                got = got.squeeze(1)
+            grads[name], want_grads[name] = got, refs[name].grad
+        if ref_sink is not None and ref_sink.requires_grad:
+            grads["sink"], want_grads["sink"] = sink.grad, ref_sink.grad
+    return Ran(out, None, grads, want_out, None, want_grads)
+
+
+# ============================================================================ the tests
+@FUZZ
+@given(case=adapter_cases())
+def test_adapter_cases_are_refused_or_match_the_oracle(case: Case, fuzz_tally):
+    run_case(case, fuzz_tally)
+
+
+@FUZZ
+@given(case=megatron_cases())
+def test_megatron_cases_are_refused_or_match_the_oracle(case: Case, fuzz_tally):
+    run_case(case, fuzz_tally)

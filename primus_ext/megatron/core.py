@@ -87,7 +87,7 @@ class TurboAttentionCore:
             turbo_module=True,
         )
         self.plan: AttentionPlan = build_plan(self.settings, self.facts)
-        self.contiguous = needs_contiguous_bshd() if torch.cuda.is_available() else False
+        self.contiguous = needs_contiguous_bshd()
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None
         if self.plan.flex:

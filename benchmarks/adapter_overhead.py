@@ -46,7 +46,7 @@ def _settings(**keys: Any) -> Any:
 
 
 def _adapter(packed: bool = False, **keys: Any) -> Any:
-    from primus_ext.attention.flex import TurboFlexAttention
+    from primus_ext.backends.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
 
     facts = LayerFacts(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, seq_length=SEQ, packed=packed)

@@ -78,7 +78,7 @@ def turbo_kernels(mode: Optional[str]) -> Iterator[Any]:
 
 
 def adapter(backend: str, *, packed: bool = False, sink: bool = False) -> Any:
-    from primus_ext.attention.flex import TurboFlexAttention
+    from primus_ext.backends.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
 
     plan = build_plan(_settings(turbo_flex_attention_backend=backend, use_sink_attention=sink),

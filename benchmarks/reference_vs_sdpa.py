@@ -35,7 +35,7 @@ GOAL_RATIO = 1.5
 
 
 def _adapter(**keys: Any) -> Any:
-    from primus_ext.attention.flex import TurboFlexAttention
+    from primus_ext.backends.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
     from primus_ext.settings import TurboAttentionSettings
 

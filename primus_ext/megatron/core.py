@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..attention.block_mask_cache import shared_block_mask_cache
-from ..attention.flex import TurboFlexAttention
+from ..backends.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
 from ..backends.direct import DirectRunner, DirectTarget, choose_direct
 from ..backends.ops import register_target, run_dense, run_packed

@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from ..backends.exact import index_grid
+from ..attention.pattern import index_grid
 from ..errors import Reason, UnsupportedConfigError
 from .settings import HOOK_PATTERN, TurboAttentionSettings
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_ext.attention.flex import TurboFlexAttention
+from primus_ext.backends.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
 from primus_ext.testing.fake_turbo import fake_primus_turbo

@@ -17,13 +17,13 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends import AttentionBackend, make_backend
-from ..backends.base import KernelCall, Output, fp32_sink
-from ..backends.ops import register_target, run_dense, run_packed
+from . import AttentionBackend, make_backend
+from .base import KernelCall, Output, fp32_sink
+from .ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
-from .block_mask_cache import BlockMaskCache
-from .pattern import Pattern, pattern_from_flash_args
-from .recognition import verify_pattern
+from ..attention.block_mask_cache import BlockMaskCache
+from ..attention.pattern import Pattern, pattern_from_flash_args
+from ..attention.recognition import verify_pattern
 
 MASK_KEY = "turbo_flex_attention_mask_mod"
 
@@ -79,13 +79,6 @@ class TurboFlexAttention:
         self._alibi: dict[torch.device, Tensor] = {}
         self._target = PlanTarget(plan, self.backend)
         self.handle = register_target(self._target)
-
-    @classmethod
-    def from_settings(cls, settings: Any, facts: Any, *, backend: Optional[AttentionBackend] = None):
-        """Build the plan (refusing at build time) and the adapter in one step."""
-        from ..plan import build_plan
-
-        return cls(build_plan(settings, facts, backend=backend), backend)
 
     # -- per-call checks -----------------------------------------------------
     def _dense_pattern(self, causal: bool, window_size: Tuple[int, int], flash: Tuple[bool, Tuple[int, int]],

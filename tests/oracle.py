@@ -19,6 +19,11 @@ def window(left: int, right: int) -> Allowed:
     return lambda b, h, i, j: (left < 0 or i - j <= left) and (right < 0 or j - i <= right)
 
 
+def hook(mask_mod: Callable[..., torch.Tensor]) -> Allowed:
+    """A mask_mod evaluated cell by cell on 0-d index tensors, as written."""
+    return lambda b, h, i, j: bool(mask_mod(*map(torch.tensor, (b, h, i, j))))
+
+
 def causal() -> Allowed:
     return window(-1, 0)
 
@@ -44,8 +49,10 @@ def attention(
     scale: Optional[float] = None,
     sink: Optional[Sequence[float]] = None,
     alibi: Optional[Sequence[float]] = None,
+    score_mod: Optional[Callable[..., torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """bshd in, bshd out, float64.  ``alibi[h] * (j - i)`` is added to each score."""
+    """bshd in, bshd out, float64.  ``alibi[h] * (j - i)`` is added to each score;
+    ``score_mod`` is called cell by cell on 0-d tensors, exactly as the hook is written."""
     q, k, v = (t.detach().double() for t in (q, k, v))
     batch, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -62,6 +69,8 @@ def attention(
                     s = float(q[b, i, h] @ k[b, j, g]) * scale
                     if alibi is not None:
                         s += alibi[h] * (j - i)
+                    if score_mod is not None:
+                        s = float(score_mod(torch.tensor(s, dtype=torch.float64), *map(torch.tensor, (b, h, i, j))))
                     logits.append(s)
                     values.append(v[b, j, g])
                 extra = [float(sink[h])] if sink is not None else []

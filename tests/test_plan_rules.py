@@ -9,6 +9,7 @@ from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import RULES, build_plan
 from primus_ext.testing import fake_primus_turbo
 
+from . import oracle
 from .helpers import adapter, facts, packed_qkv, qkv, settings
 
 
@@ -197,14 +198,14 @@ def test_causal_with_unequal_lengths_refused_on_turbo_only():
     adapter(settings())(q, k, v, causal=True)  # reference: top-left, exact
 
 
-def test_probed_user_mask_is_verified_at_new_shapes(tmp_path, monkeypatch):
+def test_user_window_wider_than_any_build_length_is_proven_at_its_width(tmp_path, monkeypatch):
     (tmp_path / "wide.py").write_text(
         "def window(b, h, q, kv):\n    return (kv <= q) & (q - kv <= 40)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     with fake_primus_turbo():
         run = adapter(turbo(turbo_flex_attention_mask_mod="wide:window"), facts(seq_length=16))
-        assert run.plan.pattern.kind == "causal"  # the window is wider than the build grid
-        q, k, v = qkv(s=64, dtype=torch.float32)
-        with pytest.raises(UnsupportedInputError, match="wide:window"):
-            run(q, k, v)
+        assert run.plan.pattern.window == (40, 0)  # a proof, not a 16x16 grid
+        q, k, v = qkv(s=64)
+        torch.testing.assert_close(run(q, k, v), oracle.attention(q, k, v, oracle.window(40, 0)),
+                                   atol=1e-10, rtol=1e-10)

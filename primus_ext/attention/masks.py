@@ -2,8 +2,8 @@
 
 Every factory returns a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``
 built from torch's own ``and_masks`` / ``or_masks``.  Masks that a fixed
-Primus-Turbo kernel can run carry their `Pattern` as ``mask_mod.primus_pattern``
-so they are never probed; the others run on the ``reference`` backend.
+Primus-Turbo kernel can run are registered with their `Pattern` by identity
+(`library`), so they are never traced; the others run on the ``reference`` backend.
 
 Window convention (flash-attention): ``sliding_window(left, right)`` allows
 ``q - left <= kv <= q + right``; ``-1`` is unbounded.  torchtitan's
@@ -25,16 +25,14 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
+from .library import hook_factory, register_library_mask
 from .pattern import CAUSAL, FULL, MaskMod, Pattern
 
 
-def _tagged(mask: MaskMod, pattern: Pattern | None, name: str) -> MaskMod:
-    if pattern is not None:
-        mask.primus_pattern = pattern  # type: ignore[attr-defined]
-    mask.primus_name = name  # type: ignore[attr-defined]
-    return mask
+_tagged = register_library_mask  # known by identity, never by an attribute a wrapper could copy
 
 
+@hook_factory
 def full() -> MaskMod:
     """Every query sees every key."""
 
@@ -44,6 +42,7 @@ def full() -> MaskMod:
     return _tagged(full_mask, FULL, "full")
 
 
+@hook_factory
 def causal() -> MaskMod:
     """A query sees itself and every earlier key (``kv <= q``)."""
 
@@ -56,6 +55,7 @@ def causal() -> MaskMod:
 _causal_mask = causal  # the factories below take a `causal` flag that shadows it
 
 
+@hook_factory
 def sliding_window(left: int, right: int = 0) -> MaskMod:
     """Flash-convention window: allowed iff ``q - left <= kv <= q + right`` (-1 = unbounded).
 
@@ -69,6 +69,7 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
     return _tagged(window_mask, pattern, f"sliding_window({left}, {right})")
 
 
+@hook_factory
 def prefix_lm(prefix_length: int) -> MaskMod:
     """Bidirectional over the first ``prefix_length`` keys, causal after them."""
     if int(prefix_length) < 0:
@@ -81,6 +82,7 @@ def prefix_lm(prefix_length: int) -> MaskMod:
     return _tagged(or_masks(causal(), prefix_mask), None, f"prefix_lm({n})")
 
 
+@hook_factory
 def packed_documents(
     cu_seqlens: Sequence[int] | Tensor, causal: bool = True, window: Sequence[int] = (-1, -1)
 ) -> MaskMod:
@@ -101,6 +103,7 @@ def packed_documents(
     return _tagged(document_mask, pattern, f"packed_documents({len(bounds) - 1})")
 
 
+@hook_factory
 def chunked(chunk_size: int, causal: bool = True) -> MaskMod:
     """Local attention in fixed chunks of ``chunk_size`` (Llama-4 style), causal inside."""
     c = int(chunk_size)

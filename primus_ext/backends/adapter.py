@@ -23,7 +23,6 @@ from .ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from ..attention.block_mask_cache import BlockMaskCache
 from ..attention.pattern import Pattern, pattern_from_flash_args
-from ..attention.recognition import verify_pattern
 
 MASK_KEY = "turbo_flex_attention_mask_mod"
 
@@ -73,12 +72,12 @@ class TurboFlexAttention:
                  *, cache: Optional[BlockMaskCache] = None) -> None:
         self.plan = plan
         self.backend = backend if backend is not None else make_backend(plan.backend, cache=cache)
-        self._verified: set[Tuple[int, int]] = set()
-        if plan.verify_shapes and plan.probed_len:
-            self._verified.add((plan.probed_len, plan.probed_len))  # recognised exactly on that grid
         self._alibi: dict[torch.device, Tensor] = {}
         self._target = PlanTarget(plan, self.backend)
         self.handle = register_target(self._target)
+        # A proof that used a module global or a captured tensor holds while they are
+        # unchanged; the reference evaluates the hooks themselves and needs no check.
+        self._assumptions = () if self.backend.name == "reference" else tuple(plan.hook_assumptions)
 
     # -- per-call checks -----------------------------------------------------
     def _dense_pattern(self, causal: bool, window_size: Tuple[int, int], flash: Tuple[bool, Tuple[int, int]],
@@ -93,16 +92,18 @@ class TurboFlexAttention:
                           "two are not silently composed (B11).",
                           "call with causal=False, window_size=(-1, -1) and put the whole mask in the hook.")
         if self._target.hook_runs_itself:
-            return None  # evaluated at every shape by the backend: nothing recognised to verify
-        if plan.verify_shapes and (q_len, kv_len) not in self._verified:
-            why = verify_pattern(plan.mask_mod, plan.pattern, q_len, kv_len)
-            if why:
-                raise _refuse((MASK_KEY,), f"at q_len={q_len}, kv_len={kv_len} the hook {plan.mask_hook} is "
-                              f"not the {plan.pattern_text} it was recognised as at build time: {why}",
-                              "set turbo_flex_attention_backend: reference, or build with seq_length "
-                              "equal to the training length.")
-            self._verified.add((q_len, kv_len))
+            return None  # evaluated at every call by the backend: exact at every shape
         return plan.pattern
+
+    def _check_assumptions(self) -> None:
+        for assumption in self._assumptions:
+            if not assumption.holds():
+                hooks = " / ".join(h for h in (self.plan.mask_hook, self.plan.score_hook) if h)
+                raise _refuse((MASK_KEY, "turbo_flex_attention_score_mod"),
+                              f"the hook {hooks} was proven equal to a fixed kernel's attention while "
+                              f"{assumption.what}; that no longer holds, so the proof does not either (B31).",
+                              "keep the values a hook reads constant, or set turbo_flex_attention_backend: "
+                              "reference, which evaluates the hook at every call.")
 
     def _check_dense_shape(self, pattern: Optional[Pattern], q_len: int, kv_len: int) -> None:
         if pattern is None or q_len == kv_len or pattern.kind == "full":
@@ -165,6 +166,8 @@ class TurboFlexAttention:
             raise _refuse(("return_attn_probs",), "attention probabilities are never materialised (B26).",
                           "call with return_attn_probs=False.")
         plan = self.plan
+        if self._assumptions:
+            self._check_assumptions()
         scale = softmax_scale if softmax_scale is not None else plan.scale
         dropout = float(dropout_p)
         if sink is not None:
@@ -228,10 +231,13 @@ class PlanTarget:
         self.backend = backend
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
-        # A probed hook equals its recognised pattern only on the probe grid; the reference
-        # runs the hook itself, so it is exact at every shape and never refused for one.
+        # An unproven hook, or one whose proof relies on values that may change, is run
+        # by the reference itself at every call; a proven one runs as its pattern.
         self.hook_runs_itself = (backend.name == "reference" and plan.mask_mod is not None
-                                 and not hasattr(plan.mask_mod, "primus_pattern"))
+                                 and (plan.pattern is None or bool(plan.hook_assumptions)))
+        # Chunks and constant document cuts hold at every length; a call gets its boundaries.
+        self.per_length = plan.pattern is not None and (plan.pattern.chunk is not None
+                                                        or plan.pattern.cuts is not None)
         # Building a frozen KernelCall costs ~1.2 us, a third of the adapter's Python per
         # call, and a layer makes the same call step after step.  Calls without tensor
         # extras are kept per scalar value; the latest call with a sink or ALiBi slopes
@@ -243,7 +249,8 @@ class PlanTarget:
               bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
               dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
         flash = (causal, tuple(window)) if self.plan.mask_mod is None else None
-        call = self._call(True, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse)
+        length = q.shape[1] if self.per_length and flash is None else None
+        call = self._call(True, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse, length)
         return self.backend.dense(q, k, v, call)
 
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
@@ -255,9 +262,9 @@ class PlanTarget:
 
     def _call(self, dense: bool, flash: Any, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], scale: Optional[float], dropout_p: float, deterministic: bool,
-              return_lse: bool) -> KernelCall:
+              return_lse: bool, length: Optional[int] = None) -> KernelCall:
         """The `KernelCall` of these arguments, reused when an equal one was built before."""
-        key = (dense, flash, scale, dropout_p, deterministic, return_lse)
+        key = (dense, flash, scale, dropout_p, deterministic, return_lse, length)
         if bias is None:
             if sink is None and alibi is None:
                 call = self._calls.get(key)
@@ -265,19 +272,19 @@ class PlanTarget:
                     if len(self._calls) >= _CALLS_MAX:
                         self._calls.clear()
                     call = self._calls[key] = self._build(dense, flash, None, None, None, scale, dropout_p,
-                                                          deterministic, return_lse)
+                                                          deterministic, return_lse, length)
                 return call
             last = self._last
             if last is not None and last[1].sink is sink and last[1].alibi_slopes is alibi and last[0] == key:
                 return last[1]
-        call = self._build(dense, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse)
+        call = self._build(dense, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse, length)
         if bias is None:
             self._last = (key, call)
         return call
 
     def _build(self, dense: bool, flash: Any, sink: Optional[Tensor], alibi: Optional[Tensor],
                bias: Optional[Tensor], scale: Optional[float], dropout_p: float, deterministic: bool,
-               return_lse: bool) -> KernelCall:
+               return_lse: bool, length: Optional[int] = None) -> KernelCall:
         if not dense:
             return KernelCall(pattern=_eager_flash_pattern(*_flash_args(*flash)), scale=scale, dropout_p=dropout_p,
                               sink=sink, alibi_slopes=alibi, deterministic=deterministic, return_lse=return_lse)
@@ -286,6 +293,8 @@ class PlanTarget:
             pattern = _eager_flash_pattern(*_flash_args(*flash))
         else:
             pattern = None if self.hook_runs_itself else plan.pattern
+            if pattern is not None and length is not None:
+                pattern = pattern.at_length(length)
         return KernelCall(pattern=pattern, mask_mod=plan.mask_mod, score_mod=self.score_mod, scale=scale,
                           dropout_p=dropout_p, sink=sink, alibi_slopes=alibi, bias=bias,
                           deterministic=deterministic, return_lse=return_lse, flash_args=flash)

@@ -1,11 +1,11 @@
 """``primus-ext check``: what each layer of a Megatron YAML will run, or why it cannot.
 
 Reads the Turbo keys and Megatron's model-shape keys from one YAML, builds every
-layer's plan without allocating a model (hooks are imported and probed, kernels are
+layer's plan without allocating a model (hooks are imported and proven, kernels are
 not called), and prints:
 
 * a table, one row per layer: path, backend, kernel entries, causal, window, sink,
-  packing and what each hook was recognised as;
+  packing and what each hook was proven to be;
 * an ASCII picture of the attention pattern of each distinct layer kind
   (`primus_ext.cli.render`), and with ``--picture`` the same pictures as a PNG;
 * on refusal, every reason of every layer (with the settings it reads and the
@@ -25,10 +25,13 @@ import yaml
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError
 from ..megatron.facts import layer_facts
 from ..plan import build_plan
-from ..plan.build import DEFAULT_PROBE_LEN, layer_window
+from ..plan.build import layer_window
 from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
 from .render import ascii_grid, layer_kinds, layer_list, write_png
+
+PICTURE_LEN = 512
+"""Sequence length of the pictures when the YAML has no seq_length (proofs need none)."""
 
 REFUSED = 2
 
@@ -213,7 +216,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
         raise PrimusExtError(f"cannot read the model keys of {path}: {exc}") from exc
     plans = [o for _, o in outcomes if isinstance(o, AttentionPlan)]
     refused = [(layer, o) for layer, o in outcomes if isinstance(o, UnsupportedConfigError)]
-    seq_length = int(config.get("seq_length") or DEFAULT_PROBE_LEN)
+    seq_length = int(config.get("seq_length") or PICTURE_LEN)
 
     print(_header(path, config, seq_length, seq_len is not None), file=out)
     print(file=out)

@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from ..attention.library import library_name
 from ..backends.exact import mask_from_mask_mod
 from ..errors import PrimusExtError
 from ..plan.plan import AttentionPlan
@@ -63,7 +64,7 @@ def describe_mask(plan: AttentionPlan) -> str:
         if plan.mask_hook:
             text += f" (mask_mod {plan.mask_hook})"
     else:
-        name = getattr(plan.mask_mod, "primus_name", None) or plan.mask_hook or "mask_mod"
+        name = library_name(plan.mask_mod) or plan.mask_hook or "mask_mod"
         text = f"custom mask {name}"
     if plan.packed:
         text += ", inside each packed document"

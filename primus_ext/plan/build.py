@@ -6,8 +6,7 @@ import logging
 from typing import Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
-from ..attention.recognition import recognize_mask
-from ..attention.score_recognition import recognize_score
+from ..attention.hook_proof import MaskProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
 from ..backends.direct import DirectEntries, choose_direct
@@ -20,10 +19,6 @@ from .plan import AttentionPlan
 from .rules import RuleInput, failing_reasons
 
 log = logging.getLogger("primus_ext")
-
-DEFAULT_PROBE_LEN = 512
-"""Grid used to recognise a mask hook when the model's sequence length is unknown."""
-
 
 def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optional[Tuple[int, int]]:
     """The configured sliding window of this layer, flash convention, or None.
@@ -68,12 +63,13 @@ def build_plan(
 ) -> AttentionPlan:
     """Decide one layer's attention; raise `UnsupportedConfigError` once with every reason.
 
-    Hooks are imported and probed here, at model-build time, never at the first forward.
+    Hooks are imported and proven here, at model-build time, never at the first forward;
+    a proof depends on no sequence length, so `primus-ext check` and the build agree.
     """
     flex = settings.use_turbo_flex_attention
     reasons: list[Reason] = []
     mask_mod = score_mod = None
-    mask_rec = score_rec = None
+    mask_proof = score_proof = None
     direct: Optional[DirectEntries] = None
     if flex:
         name, why, problem, caps = _backend_for(settings, backend)
@@ -81,11 +77,10 @@ def build_plan(
             mask_mod, score_mod = resolve_hooks(settings)
         except UnsupportedConfigError as exc:
             reasons.extend(exc.reasons)
-        probe = facts.seq_length or DEFAULT_PROBE_LEN
         if mask_mod is not None:
-            mask_rec = recognize_mask(mask_mod, probe, probe)
+            mask_proof = prove_mask(mask_mod, num_heads=facts.num_heads)
         if score_mod is not None:
-            score_rec = recognize_score(score_mod, facts.num_heads)
+            score_proof = prove_score(score_mod, num_heads=facts.num_heads)
     else:
         name, why, problem, caps = "turbo", "direct path", "", None
         if settings.use_turbo_attention or facts.turbo_module:
@@ -93,14 +88,14 @@ def build_plan(
     window = layer_window(settings, facts)
     ctx = RuleInput(
         settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
-        window=window, mask_recognition=mask_rec, score_recognition=score_rec, direct=direct,
+        window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct,
     )
     reasons.extend(failing_reasons(ctx))
     if reasons:
         raise UnsupportedConfigError(reasons, context=f"layer {facts.layer_number}")
 
-    if mask_rec is not None:
-        pattern = mask_rec.pattern
+    if mask_proof is not None:
+        pattern = mask_proof.pattern
     else:
         pattern = pattern_from_flash_args(facts.causal, window or (-1, -1))
     plan = AttentionPlan(
@@ -120,21 +115,27 @@ def build_plan(
         deterministic=settings.deterministic_mode,
         scale=facts.softmax_scale,
         mask_hook=settings.turbo_flex_attention_mask_mod if flex else None,
-        mask_recognised=(mask_rec.pattern.describe() if mask_rec.pattern else "custom") if mask_rec else None,
+        mask_recognised=_proven_text(mask_proof),
         score_hook=settings.turbo_flex_attention_score_mod if flex else None,
-        score_recognised=score_rec.kind if score_rec else None,
-        alibi_slopes=score_rec.alibi_slopes if score_rec and score_rec.kind == "alibi" else None,
+        score_recognised=score_proof.kind if score_proof else None,
+        alibi_slopes=score_proof.alibi_slopes if score_proof and score_proof.kind == "alibi" else None,
         dense_entry=caps.dense_entry if caps else (direct.dense if direct else None),
         packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
         packed=facts.packed,
         mask_mod=mask_mod,
         score_mod=score_mod,
-        verify_shapes=mask_mod is not None and not hasattr(mask_mod, "primus_pattern") and pattern is not None,
-        probed_len=(facts.seq_length or DEFAULT_PROBE_LEN) if mask_rec is not None else None,
+        hook_assumptions=(mask_proof.assumptions if mask_proof else ()) + (
+            score_proof.assumptions if score_proof else ()),
     )
     if flex:
         log.info("primus_ext %s", plan.describe())
     return plan
 
 
-__all__ = ["DEFAULT_PROBE_LEN", "build_plan", "layer_window"]
+def _proven_text(proof: Optional[MaskProof]) -> Optional[str]:
+    if proof is None:
+        return None
+    return proof.pattern.describe() if proof.pattern is not None else "custom (evaluated exactly)"
+
+
+__all__ = ["build_plan", "layer_window"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+from ..attention.hook_trace import Assumption
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
 
 
@@ -12,8 +13,8 @@ from ..attention.pattern import MaskMod, Pattern, ScoreMod
 class AttentionPlan:
     """A frozen, hashable description of one layer's attention.
 
-    ``pattern`` is the dense mask the layer computes (``None``: a custom mask that
-    only the reference backend runs).  Packed (thd) calls use ``causal``/``window``
+    ``pattern`` is the dense mask the layer computes, proven for every length (``None``:
+    a hook that is not proven, which only the reference backend runs, by evaluating it).  Packed (thd) calls use ``causal``/``window``
     inside each document.  The hook callables are carried along but do not take
     part in equality or hashing; their recognition results do.
     """
@@ -44,10 +45,9 @@ class AttentionPlan:
     """From `LayerFacts.packed`: only thd batches (True), only dense (False), either (None)."""
     mask_mod: Optional[MaskMod] = field(default=None, compare=False, repr=False)
     score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
-    verify_shapes: bool = False
-    """A probed user mask: each new (q_len, kv_len) is checked against ``pattern`` once."""
-    probed_len: Optional[int] = None
-    """The square grid a mask hook was recognised on (already verified there)."""
+    hook_assumptions: Tuple[Assumption, ...] = field(default=(), compare=False, repr=False)
+    """Values a hook proof relied on (a module global, a captured tensor): re-checked before
+    each call that runs the proven pattern instead of the hook."""
 
     @property
     def flex(self) -> bool:
@@ -61,7 +61,7 @@ class AttentionPlan:
     def pattern_text(self) -> str:
         if self.pattern is not None:
             return self.pattern.describe()
-        return "custom mask (reference only)"
+        return "custom mask (evaluated exactly, reference only)"
 
     def describe(self) -> str:
         """One line a person reads: path, backend, entry, mask, sink, heads, numerics."""

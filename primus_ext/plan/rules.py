@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-from ..attention.recognition import MaskRecognition
-from ..attention.score_recognition import ScoreRecognition
+from ..attention.hook_proof import MaskProof, ScoreProof
 from ..backends.base import BackendCapabilities
 from ..backends.direct import DirectEntries
 from ..errors import Reason
@@ -30,8 +29,8 @@ class RuleInput:
     caps: Optional[BackendCapabilities]
     backend_problem: str = ""
     window: Optional[Tuple[int, int]] = None
-    mask_recognition: Optional[MaskRecognition] = None
-    score_recognition: Optional[ScoreRecognition] = None
+    mask_proof: Optional[MaskProof] = None
+    score_proof: Optional[ScoreProof] = None
     direct: Optional[DirectEntries] = None
 
     @property
@@ -71,9 +70,9 @@ class RuleInput:
         return {
             "layer": self.facts.layer_number,
             "mask": self.settings.turbo_flex_attention_mask_mod,
-            "mask_why": self.mask_recognition.reason if self.mask_recognition else "",
+            "mask_why": self.mask_proof.reason if self.mask_proof else "",
             "score": self.settings.turbo_flex_attention_score_mod,
-            "score_why": self.score_recognition.reason if self.score_recognition else "",
+            "score_why": self.score_proof.reason if self.score_proof else "",
             "problem": self.backend_problem,
             "dense_entry": caps.dense_entry if caps else None,
             "packed_entry": caps.packed_entry if caps else None,
@@ -107,7 +106,7 @@ class Rule:
 
 
 def _score_kind(ctx: RuleInput) -> str:
-    return ctx.score_recognition.kind if ctx.score_recognition else "identity"
+    return ctx.score_proof.kind if ctx.score_proof else "identity"
 
 
 def _pow2(n: int) -> bool:
@@ -220,20 +219,24 @@ RULES: Tuple[Rule, ...] = (
          "give ALiBi as turbo_flex_attention_score_mod (an ALiBi score_mod is recognised and "
          "run with alibi_slopes), or use another position embedding.",
          lambda c: c.turbo_path and (c.facts.position_embedding_type == "alibi" or c.facts.has_attention_bias)),
-    Rule("mask", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_backend"),
-         "the mask hook {mask} {mask_why}; Primus-Turbo's fixed kernels run only full, causal, "
-         "sliding-window and packed-document masks.",
-         "set turbo_flex_attention_backend: reference to run any mask exactly (slower), or use "
-         "a recognised mask from primus_ext.attention.masks.",
-         lambda c: c.on_turbo and c.mask_recognition is not None and c.mask_recognition.pattern is None),
+    Rule("B31", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_backend"),
+         "the mask hook {mask} is not proven equal to a mask Primus-Turbo's fixed kernels compute "
+         "(full, causal, a sliding window, chunks or documents at constant positions) for every "
+         "batch, head and position: it {mask_why}.",
+         "set turbo_flex_attention_backend: reference, which evaluates the hook itself at every "
+         "call; pack per-batch documents as THD (packed_seq_params with cu_seqlens); or write "
+         "the mask with primus_ext.attention.masks.",
+         lambda c: c.on_turbo and c.mask_proof is not None and c.mask_proof.pattern is None),
     Rule("softcap", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
-         "the score hook {score} is a logit softcap; no Primus-Turbo dense or varlen backward "
+         "the score hook {score} is a logit softcap ({score_why}); no Primus-Turbo dense or varlen backward "
          "supports softcap.",
          "set turbo_flex_attention_backend: reference, or remove the softcap.",
          lambda c: c.on_turbo and _score_kind(c) == "softcap"),
-    Rule("score", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
-         "the score hook {score} {score_why}; Primus-Turbo runs only identity and ALiBi score_mods.",
-         "set turbo_flex_attention_backend: reference to run it exactly, or use an ALiBi score_mod.",
+    Rule("B31-score", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
+         "the score hook {score} is not proven to be the identity or ALiBi (the only score_mods "
+         "Primus-Turbo runs) for every head, position and score: it {score_why}.",
+         "set turbo_flex_attention_backend: reference, which evaluates the hook itself at every "
+         "call, or use an ALiBi score_mod (score + slope[h] * (kv_idx - q_idx)).",
          lambda c: c.on_turbo and _score_kind(c) == "other"),
     Rule("flex-entry", ("use_turbo_flex_attention", "turbo_flex_attention_backend"),
          "the installed Primus-Turbo has no flex_attention entry (an older build).",

@@ -1,0 +1,358 @@
+"""Proofs that a user hook equals what a fixed Primus-Turbo kernel computes (B31).
+
+A mask hook runs on a fixed kernel only when it is *proven* equal, for every batch
+index, head of the layer, query and key position (no sequence length is assumed),
+to one of the kernel patterns: full, a flash window ``(left, right)``, equal-length
+chunks, or documents cut at constant positions, each optionally windowed inside.
+A score hook is proven the identity or ALiBi ``score + slope[h] * (kv - q)`` over the
+reals, one float32 slope per head.
+
+The hook is traced (`hook_trace`), turned into a z3 formula (`hook_z3`) and the
+candidate pattern is derived by the solver itself (the widest reach to either side,
+the first position where a document starts), then proven equal.  Nothing is sampled:
+either the solver proves equality, or the hook is not run on a kernel.
+
+Proofs are cached per hook, by identity and by a fingerprint of its code and closure
+constants (a factory called again with the same arguments reuses the proof), so a
+model proves each hook once, whatever its layer count or sequence length.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Optional, Union
+
+import torch
+import z3
+
+from .hook_trace import Assumption, HookTrace, trace_hook
+from .hook_z3 import Encoder, Unsupported, boolean, num
+from .library import library_name, library_pattern
+from .pattern import FULL, MaskMod, Pattern, ScoreMod
+
+TIMEOUT_MS = 2000  # per solver query; a query that times out proves nothing
+MAX_CUTS = 64  # constant document boundaries looked for before giving up
+PROOFS: Counter = Counter()
+"""How many proofs were run (``mask_mod`` / ``score_mod``): cache hits do not count."""
+
+
+@dataclass(frozen=True)
+class MaskProof:
+    """``pattern``: what the hook provably computes, or ``None`` (evaluate it, or refuse)."""
+
+    pattern: Optional[Pattern]
+    reason: str
+    reads: tuple[str, ...] = ()
+    assumptions: tuple[Assumption, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class ScoreProof:
+    """``kind``: ``identity``, ``alibi`` (float32 slopes, Turbo's sign), ``softcap`` or ``other``."""
+
+    kind: str
+    alibi_slopes: Optional[tuple[float, ...]]
+    reason: str
+    reads: tuple[str, ...] = ()
+    assumptions: tuple[Assumption, ...] = field(default=(), compare=False)
+
+
+# ----------------------------------------------------------------------------- solver helpers
+def _solve(*constraints: Any) -> tuple[str, Optional[z3.ModelRef]]:
+    solver = z3.Solver()
+    solver.set("timeout", TIMEOUT_MS)
+    solver.add(*constraints)
+    result = solver.check()
+    return str(result), (solver.model() if result == z3.sat else None)
+
+
+def _extreme(objective: z3.ArithRef, constraints: list[Any], *, minimize: bool = False) -> Union[int, str]:
+    """The largest (smallest) value of ``objective``: an int, ``"unbounded"`` or ``"unknown"``."""
+    opt = z3.Optimize()
+    opt.set("timeout", TIMEOUT_MS)
+    opt.add(*constraints)
+    handle = opt.minimize(objective) if minimize else opt.maximize(objective)
+    if opt.check() != z3.sat:
+        return "unknown"
+    value = opt.lower(handle) if minimize else opt.upper(handle)
+    return value.as_long() if z3.is_int_value(value) else "unbounded"
+
+
+def _where(model: z3.ModelRef, names: dict[str, z3.ExprRef]) -> str:
+    parts = []
+    for label, var in names.items():
+        value = model.eval(var, model_completion=True)
+        parts.append(f"{label}={value.as_decimal(6) if z3.is_real(value) else value}")
+    return ", ".join(parts)
+
+
+def pattern_formula(pattern: Pattern, q: z3.ArithRef, kv: z3.ArithRef) -> z3.BoolRef:
+    """``pattern.allows(q, kv)`` as a z3 formula (length-free patterns only)."""
+    ok: list[Any] = []
+    if pattern.left >= 0:
+        ok.append(q - kv <= pattern.left)
+    if pattern.right >= 0:
+        ok.append(kv - q <= pattern.right)
+    if pattern.chunk is not None:
+        ok.append(q / pattern.chunk == kv / pattern.chunk)
+    for cut in pattern.cuts or ():
+        ok.append((q >= cut) == (kv >= cut))
+    if pattern.boundaries is not None:
+        raise ValueError("fixed-length document patterns are not proven")
+    return z3.And(*ok) if ok else z3.BoolVal(True)
+
+
+# ----------------------------------------------------------------------------- masks
+class _MaskProver:
+    def __init__(self, trace: HookTrace, num_heads: Optional[int]) -> None:
+        self.trace = trace
+        self.b, self.h, self.q, self.kv = z3.Ints("b h q_idx kv_idx")
+        self.domain = [self.b >= 0, self.h >= 0, self.q >= 0, self.kv >= 0]
+        if num_heads:
+            self.domain.append(self.h < num_heads)
+        self.names = {"b": self.b, "h": self.h, "q": self.q, "kv": self.kv}
+
+    def result(self, pattern: Optional[Pattern], reason: str) -> MaskProof:
+        return MaskProof(pattern, reason, tuple(self.trace.reads), tuple(self.trace.assumptions))
+
+    def run(self) -> MaskProof:
+        trace = self.trace
+        if trace.graph is None:
+            return self.result(None, trace.problem)
+        if trace.dynamic:
+            return self.result(None, "reads " + "; ".join(trace.dynamic))
+        encoder = Encoder(trace.graph, trace.tensor_names)
+        try:
+            mask = boolean(encoder.run({"b": self.b, "h": self.h, "q_idx": self.q, "kv_idx": self.kv}))
+        except Unsupported as exc:
+            return self.result(None, str(exc))
+        for obligation, text in encoder.obligations:
+            status, model = _solve(*self.domain, z3.Not(obligation))
+            if status != "unsat":
+                where = f" at {_where(model, self.names)}" if model is not None else " (undecided)"
+                return self.result(None, f"{text}{where}")
+        why = self.shared_across_batch_and_heads(mask)
+        if why:
+            return self.result(None, why)
+        return self.classify(z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(0))))
+
+    def shared_across_batch_and_heads(self, mask: z3.BoolRef) -> str:
+        """Empty when the mask is the same for every batch index and head (kernels share one)."""
+        if not {"the batch index", "the head index"} & set(self.trace.reads):
+            return ""
+        first = z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(0)))
+        status, model = _solve(*self.domain, mask != first)
+        if status == "unsat":
+            return ""
+        if model is None:
+            return "could not be proven independent of the batch and head indices within the time limit"
+        allows = z3.is_true(model.eval(mask, model_completion=True))
+        words = [w for w, v in (("batch", self.b), ("head", self.h))
+                 if model.eval(v, model_completion=True).as_long() != 0]
+        return (f"depends on the {' and '.join(words)} index: at {_where(model, self.names)} it "
+                f"{'allows' if allows else 'blocks'} attention, at b=0, h=0 it does not; fixed kernels "
+                "share one mask across batch and heads")
+
+    def classify(self, mask: z3.BoolRef) -> MaskProof:
+        status, _ = _solve(*self.domain, z3.Not(mask))
+        if status == "unsat":
+            return self.result(FULL, "proven full attention")
+        status, _ = _solve(*self.domain, mask)
+        if status == "unsat":
+            return self.result(None, "allows no key for any query")
+        allowed = [*self.domain, mask]
+        left = _extreme(self.q - self.kv, allowed)
+        right = _extreme(self.kv - self.q, allowed)
+        if "unknown" in (left, right):
+            return self.result(None, "could not be decided by the solver within its time limit")
+        left = -1 if left == "unbounded" else left - (left < 0)  # a negative reach maps below -1
+        right = -1 if right == "unbounded" else right - (right < 0)
+        if left < -1 or right < -1:  # e.g. kv < q: the diagonal itself is excluded
+            return self.result(None, "never lets a query see its own position (no flash window has that shape)")
+        window = Pattern(left, right)
+        why = self.differs(mask, window)
+        if why is None:
+            return self.result(window, f"proven {window.describe()} for every position")
+        docs = self.documents(mask, left, right)
+        if isinstance(docs, Pattern):
+            return self.result(docs, f"proven {docs.describe()} for every position")
+        return self.result(None, why + docs)
+
+    def differs(self, mask: z3.BoolRef, pattern: Pattern) -> Optional[str]:
+        expected = pattern_formula(pattern, self.q, self.kv)
+        status, model = _solve(*self.domain, mask != expected)
+        if status == "unsat":
+            return None
+        if model is None:
+            return f"could not be proven equal to {pattern.describe()} within the solver's time limit"
+        allows = z3.is_true(model.eval(mask, model_completion=True))
+        mine, theirs = ("allows", "blocks") if allows else ("blocks", "allows")
+        return f"at {_where(model, self.names)} the hook {mine} attention but {pattern.describe()} {theirs} it"
+
+    def documents(self, mask: z3.BoolRef, left: int, right: int) -> Union[Pattern, str]:
+        if left == 0:
+            return ""
+        gap = z3.Not(z3.substitute(mask, (self.kv, self.q - 1)))
+        first = _extreme(self.q, [*self.domain, self.q >= 1, gap], minimize=True)
+        if not isinstance(first, int):
+            return ""
+        inside = lambda bound: bound if 0 <= bound < first - 1 else -1  # noqa: E731 - a bound a chunk never reaches
+        chunks = Pattern(inside(left), inside(right), chunk=first)
+        if self.differs(mask, chunks) is None:
+            return chunks
+        cuts = [first]
+        while len(cuts) <= MAX_CUTS:
+            nxt = _extreme(self.q, [*self.domain, self.q > cuts[-1], gap], minimize=True)
+            if not isinstance(nxt, int):
+                break
+            cuts.append(nxt)
+        if len(cuts) > MAX_CUTS:
+            return f"; it has more than {MAX_CUTS} document boundaries (pack documents as THD instead)"
+        documents = Pattern(left, right, cuts=tuple(cuts))
+        why = self.differs(mask, documents)
+        return documents if why is None else f"; as {documents.describe()}: {why}"
+
+
+# ----------------------------------------------------------------------------- scores
+def _float32(value: Fraction) -> bool:
+    return Fraction(torch.tensor(float(value), dtype=torch.float32).item()) == value
+
+
+def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
+    reads, assumptions = tuple(trace.reads), tuple(trace.assumptions)
+
+    def result(kind: str, reason: str, slopes: Optional[tuple[float, ...]] = None) -> ScoreProof:
+        return ScoreProof(kind, slopes, reason, reads, assumptions)
+
+    if trace.graph is not None and any(getattr(n.target, "__name__", n.target) == "tanh"
+                                       for n in trace.graph.graph.nodes):
+        return result("softcap", "uses tanh, a logit softcap")
+    if trace.graph is None:
+        return result("other", trace.problem)
+    if trace.dynamic:
+        return result("other", "reads " + "; ".join(trace.dynamic))
+    score = z3.Real("score")
+    b, h, q, kv = z3.Ints("b h q_idx kv_idx")
+    names = {"score": score, "b": b, "h": h, "q": q, "kv": kv}
+    domain = [b >= 0, h >= 0, q >= 0, kv >= 0] + ([h < num_heads] if num_heads else [])
+    per_head = "the head index" in trace.reads and bool(num_heads)
+    heads: list[Optional[int]] = list(range(int(num_heads))) if per_head else [None]  # type: ignore[arg-type]
+    slopes: list[Fraction] = []
+    identity = True
+    for head in heads:
+        encoder = Encoder(trace.graph, trace.tensor_names)
+        h_value = h if head is None else z3.IntVal(head)
+        try:
+            out = num(encoder.run({"score": score, "b": b, "h": h_value, "q_idx": q, "kv_idx": kv}))
+        except Unsupported as exc:
+            return result("other", str(exc))
+        out = z3.ToReal(out) if z3.is_int(out) else out
+        local = domain + ([] if head is None else [h == head])
+        for obligation, text in encoder.obligations:
+            status, model = _solve(*local, z3.Not(obligation))
+            if status != "unsat":
+                return result("other", text + (f" at {_where(model, names)}" if model is not None else ""))
+        at = z3.simplify(z3.substitute(out - score, (score, z3.RealVal(0)), (b, z3.IntVal(0)),
+                                       (h, z3.IntVal(head or 0)), (q, z3.IntVal(0)), (kv, z3.IntVal(1))))
+        if not (z3.is_rational_value(at) or z3.is_int_value(at)):
+            return result("other", "its offset from the score is not a constant times (kv_idx - q_idx)")
+        slope = Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
+        expected = score + z3.RealVal(slope) * z3.ToReal(kv - q)
+        status, model = _solve(*local, out != expected)
+        if status != "unsat":
+            if model is None:
+                return result("other", "could not be decided by the solver within its time limit")
+            got = model.eval(out, model_completion=True).as_decimal(6)
+            form = "the score unchanged" if slope == 0 else f"score + {float(slope):g} * (kv - q)"
+            return result("other", f"at {_where(model, names)} it gives {got}, not {form}: it is neither the "
+                                   "identity nor ALiBi for every position and score")
+        if not _float32(slope):
+            return result("other", f"its ALiBi slope {float(slope)!r}"
+                                   f"{'' if head is None else f' of head {head}'} is not a float32 value "
+                                   "(Primus-Turbo's alibi_slopes are float32)")
+        identity = identity and slope == 0
+        slopes.append(slope)
+    if identity:
+        return result("identity", "proven to return the score unchanged")
+    values = tuple(float(s) for s in slopes) * (int(num_heads or 1) if len(slopes) == 1 else 1)
+    return result("alibi", f"proven ALiBi: score + slope[h] * (kv - q) with slopes {list(values)}", values)
+
+
+# ----------------------------------------------------------------------------- cache
+_BY_OBJECT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_BY_FINGERPRINT: dict[Any, Any] = {}
+_FINGERPRINTS_MAX = 1024
+
+
+class _Unhashable(Exception):
+    pass
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, types.FunctionType):
+        return _fingerprint(value)
+    if isinstance(value, tuple):
+        return tuple(_value_key(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return (type(value), value)
+    if isinstance(value, Pattern):
+        return value
+    raise _Unhashable
+
+
+def _fingerprint(fn: types.FunctionType) -> Any:
+    cells = tuple(_value_key(c.cell_contents) for c in fn.__closure__ or ())
+    kwdefaults = tuple(sorted((fn.__kwdefaults__ or {}).items()))
+    return (fn.__code__, id(fn.__globals__), cells, _value_key(fn.__defaults__), _value_key(kwdefaults))
+
+
+def _cached(hook: Any, kind: str, num_heads: Optional[int],
+            prove: Callable[[HookTrace, Optional[int]], Any]) -> Any:
+    key = (kind, num_heads)
+    fingerprint = None
+    if isinstance(hook, types.FunctionType):
+        try:
+            fingerprint = (_fingerprint(hook), key)
+        except (_Unhashable, ValueError):  # ValueError: an empty closure cell
+            fingerprint = None
+    try:
+        per_object = _BY_OBJECT.setdefault(hook, {})
+    except TypeError:
+        per_object = {}
+    found = per_object.get(key) or (_BY_FINGERPRINT.get(fingerprint) if fingerprint else None)
+    if found is not None and all(a.holds() for a in found.assumptions):
+        per_object[key] = found
+        return found
+    PROOFS[kind] += 1
+    proof = prove(trace_hook(hook, kind), num_heads)
+    per_object[key] = proof
+    if fingerprint is not None:
+        if len(_BY_FINGERPRINT) >= _FINGERPRINTS_MAX:
+            _BY_FINGERPRINT.clear()
+        _BY_FINGERPRINT[fingerprint] = proof
+    return proof
+
+
+# ----------------------------------------------------------------------------- public
+def prove_mask(mask_mod: Optional[MaskMod], *, num_heads: Optional[int] = None) -> MaskProof:
+    """What ``mask_mod`` provably computes for heads ``0 .. num_heads - 1`` (all if None)."""
+    if mask_mod is None:
+        return MaskProof(FULL, "no mask_mod: full attention")
+    known = library_pattern(mask_mod)
+    if known is not None:
+        return MaskProof(known, f"library mask {library_name(mask_mod)}: {known.describe()}")
+    return _cached(mask_mod, "mask_mod", num_heads, lambda t, n: _MaskProver(t, n).run())
+
+
+def prove_score(score_mod: Optional[ScoreMod], *, num_heads: Optional[int] = None) -> ScoreProof:
+    """Whether ``score_mod`` is provably the identity or ALiBi (slopes for ``num_heads`` heads)."""
+    if score_mod is None:
+        return ScoreProof("identity", None, "no score_mod")
+    return _cached(score_mod, "score_mod", num_heads, _prove_score)
+
+
+__all__ = ["MaskProof", "PROOFS", "ScoreProof", "pattern_formula", "prove_mask", "prove_score"]

@@ -1,0 +1,377 @@
+"""A traced hook's graph as a z3 formula over unbounded integer indices and real scores.
+
+Indices are mathematical integers (no length, so a proof holds at every sequence
+length) and scores are reals.  Each supported torch operation maps to its exact
+integer / real meaning; ``//`` and ``%`` are supported by positive constants, which
+keeps the arithmetic linear and decidable.  An operation without an exact meaning
+here (``tanh``, a reshape, a data-dependent index) raises `Unsupported`, and the hook
+is then not proven: evaluated exactly, or refused.
+
+Indexing a captured tensor by an index expression becomes a chain of ``If`` over its
+values, plus an *obligation* that the index stays inside the tensor for every input;
+a tensor indexed by ``q_idx`` has a fixed length, so that obligation fails at some
+length and the hook is unprovable, as it should be.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from fractions import Fraction
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import z3
+
+MAX_TABLE = 4096  # longest captured tensor turned into an If-chain
+
+
+class Unsupported(Exception):
+    """The graph uses something without an exact encoding; the text says what."""
+
+
+class _Meta:
+    """A device, dtype or shape read off an index tensor: never a value."""
+
+
+class Captured:
+    """A concrete tensor the hook closed over (or built from constants)."""
+
+    def __init__(self, tensor: torch.Tensor, name: str) -> None:
+        self.tensor, self.name = tensor.detach(), name
+
+
+def _const(x: Any) -> z3.ExprRef:
+    if isinstance(x, bool):
+        return z3.BoolVal(x)
+    if isinstance(x, int):
+        return z3.IntVal(x)
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            raise Unsupported(f"uses the non-finite constant {x}")
+        return z3.RealVal(Fraction(x))
+    raise Unsupported(f"uses a constant of type {type(x).__name__}")
+
+
+def _scalar(c: Captured) -> z3.ExprRef:
+    if c.tensor.numel() != 1:
+        raise Unsupported(f"uses {c.name} with {c.tensor.numel()} elements as a scalar")
+    return _const(c.tensor.reshape(()).item())
+
+
+def expr(v: Any) -> z3.ExprRef:
+    if isinstance(v, z3.ExprRef):
+        return v
+    if isinstance(v, Captured):
+        return _scalar(v)
+    return _const(v)
+
+
+def num(v: Any) -> z3.ArithRef:
+    e = expr(v)
+    return z3.If(e, 1, 0) if z3.is_bool(e) else e
+
+
+def boolean(v: Any) -> z3.BoolRef:
+    e = expr(v)
+    return e if z3.is_bool(e) else e != 0
+
+
+def _pair(a: Any, b: Any) -> tuple[z3.ArithRef, z3.ArithRef]:
+    x, y = num(a), num(b)
+    if z3.is_real(x) and z3.is_int(y):
+        y = z3.ToReal(y)
+    elif z3.is_int(x) and z3.is_real(y):
+        x = z3.ToReal(x)
+    return x, y
+
+
+def _positive_int(d: Any, what: str) -> int:
+    if isinstance(d, Captured) and d.tensor.numel() == 1:
+        d = d.tensor.item()
+    if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+        raise Unsupported(f"uses {what} by {d!r}; only a positive integer constant divisor is proven")
+    return d
+
+
+def _floordiv(a: Any, d: Any) -> z3.ArithRef:
+    x = num(a)
+    if not z3.is_int(x):
+        raise Unsupported("uses floor division on a floating value")
+    return x / _positive_int(d, "floor division")  # z3's Euclidean division is floor for d > 0
+
+
+def _mod(a: Any, d: Any) -> z3.ArithRef:
+    x = num(a)
+    if not z3.is_int(x):
+        raise Unsupported("uses % on a floating value")
+    return x % _positive_int(d, "%")  # Euclidean == Python's (and torch.remainder's) for d > 0
+
+
+def _trunc_div(a: Any, d: Any) -> z3.ArithRef:
+    x, n = num(a), _positive_int(d, "truncating division")
+    return z3.If(x >= 0, x / n, -((-x) / n))
+
+
+def _fmod(a: Any, d: Any) -> z3.ArithRef:
+    x, n = num(a), _positive_int(d, "fmod")
+    return z3.If(x >= 0, x % n, -((-x) % n))
+
+
+def _truediv(a: Any, b: Any) -> z3.ArithRef:
+    x, y = num(a), num(b)
+    x = z3.ToReal(x) if z3.is_int(x) else x
+    if not isinstance(b, (int, float)) or b == 0:
+        raise Unsupported("divides by a non-constant (or zero)")
+    return x / z3.RealVal(Fraction(b))
+
+
+def _div(a: Any, b: Any, rounding_mode: Optional[str] = None) -> z3.ArithRef:
+    if rounding_mode == "floor":
+        return _floordiv(a, b)
+    if rounding_mode == "trunc":
+        return _trunc_div(a, b)
+    return _truediv(a, b)
+
+
+def _logic(op: Callable[..., Any]) -> Callable[[Any, Any], z3.ExprRef]:
+    def run(a: Any, b: Any) -> z3.ExprRef:
+        x, y = expr(a), expr(b)
+        if z3.is_bool(x) and z3.is_bool(y):
+            return op(x, y)
+        raise Unsupported("uses a bitwise operation on integers")
+    return run
+
+
+def _compare(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], z3.BoolRef]:
+    def run(a: Any, b: Any) -> z3.BoolRef:
+        x, y = expr(a), expr(b)
+        if z3.is_bool(x) and z3.is_bool(y) and op in (operator.eq, operator.ne):
+            return op(x, y)
+        return op(*_pair(x, y))
+    return run
+
+
+def _arith(op: Callable[[Any, Any], Any]) -> Callable[..., z3.ArithRef]:
+    def run(a: Any, b: Any, alpha: Any = 1) -> z3.ArithRef:
+        x, y = _pair(a, b)
+        if alpha != 1:
+            y = y * num(alpha)
+        return op(x, y)
+    return run
+
+
+def _invert(a: Any) -> z3.BoolRef:
+    x = expr(a)
+    if not z3.is_bool(x):
+        raise Unsupported("uses ~ on an integer")
+    return z3.Not(x)
+
+
+def _where(c: Any, a: Any, b: Any) -> z3.ExprRef:
+    x, y = expr(a), expr(b)
+    if not (z3.is_bool(x) and z3.is_bool(y)):
+        x, y = _pair(x, y)
+    return z3.If(boolean(c), x, y)
+
+
+def _minimum(a: Any, b: Any) -> z3.ArithRef:
+    x, y = _pair(a, b)
+    return z3.If(x <= y, x, y)
+
+
+def _maximum(a: Any, b: Any) -> z3.ArithRef:
+    x, y = _pair(a, b)
+    return z3.If(x >= y, x, y)
+
+
+def _clamp(a: Any, min: Any = None, max: Any = None) -> z3.ArithRef:  # noqa: A002 - torch's names
+    x = num(a)
+    if min is not None:
+        x = _maximum(x, min)
+    if max is not None:
+        x = _minimum(x, max)
+    return x
+
+
+def _abs(a: Any) -> z3.ArithRef:
+    x = num(a)
+    return z3.If(x >= 0, x, -x)
+
+
+def _sign(a: Any) -> z3.ArithRef:
+    x = num(a)
+    return z3.If(x > 0, 1, z3.If(x < 0, -1, 0))
+
+
+def _cast(kind: str) -> Callable[..., z3.ExprRef]:
+    def run(a: Any, *args: Any, **kwargs: Any) -> z3.ExprRef:
+        dtype = kwargs.get("dtype") or next((x for x in args if isinstance(x, torch.dtype)), None)
+        target = kind if dtype is None else ("bool" if dtype == torch.bool else
+                                             "float" if dtype.is_floating_point else "int")
+        x = expr(a)
+        if target == "same":
+            return x
+        if target == "bool":
+            return boolean(x)
+        if target == "float":
+            x = num(x)
+            return z3.ToReal(x) if z3.is_int(x) else x
+        x = num(x)
+        if z3.is_real(x):
+            raise Unsupported("converts a floating value to an integer")
+        return x
+    return run
+
+
+def _like(fill: Any) -> Callable[..., z3.ExprRef]:
+    def run(a: Any, *args: Any, dtype: Any = None, **_: Any) -> z3.ExprRef:
+        value = fill if fill is not None else (args[0] if args else 0)
+        source = None if isinstance(a, _Meta) else expr(a)
+        if dtype == torch.bool or (dtype is None and source is not None and z3.is_bool(source)):
+            return z3.BoolVal(bool(value))
+        if (dtype is not None and dtype.is_floating_point) or (
+                dtype is None and source is not None and z3.is_real(source)):
+            return z3.RealVal(Fraction(float(value)))
+        return _const(int(value))
+    return run
+
+
+def _new(fill: Any) -> Callable[..., z3.ExprRef]:
+    def run(src: Any, size: Any = (), *args: Any, dtype: Any = None, **_: Any) -> z3.ExprRef:
+        value = fill if fill is not None else (args[0] if args else 0)
+        if dtype == torch.bool:
+            return z3.BoolVal(bool(value))
+        if dtype is not None and dtype.is_floating_point:
+            return z3.RealVal(Fraction(float(value)))
+        return _const(value)
+    return run
+
+
+def _tensor(data: Any, *args: Any, dtype: Any = None, **_: Any) -> Any:
+    """``torch.tensor(constant)``: its values were read while tracing (and are assumed constant)."""
+    floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+    if isinstance(data, (bool, int, float)):
+        return float(data) if floating else data
+    try:
+        values = torch.tensor(data, dtype=torch.float64 if floating else None)
+    except (TypeError, ValueError) as exc:
+        raise Unsupported(f"builds a tensor from {type(data).__name__} values inside the hook") from exc
+    return Captured(values, "a tensor built by the hook")
+
+
+def _bucketize(x: Any, bounds: Any, *, right: bool = False, out_int32: bool = False) -> z3.ArithRef:
+    if not isinstance(bounds, Captured) or bounds.tensor.dim() != 1:
+        raise Unsupported("uses torch.bucketize with non-constant boundaries")
+    v = num(x)
+    return z3.Sum([z3.If(num(b) <= v if right else num(b) < v, 1, 0) for b in bounds.tensor.tolist()] or [z3.IntVal(0)])
+
+
+FUNCTIONS: dict[Any, Callable[..., Any]] = {
+    operator.add: _arith(operator.add), operator.sub: _arith(operator.sub),
+    operator.mul: _arith(operator.mul), operator.neg: lambda a: -num(a), operator.pos: num,
+    operator.floordiv: _floordiv, operator.mod: _mod, operator.truediv: _truediv,
+    operator.lt: _compare(operator.lt), operator.le: _compare(operator.le),
+    operator.gt: _compare(operator.gt), operator.ge: _compare(operator.ge),
+    operator.eq: _compare(operator.eq), operator.ne: _compare(operator.ne),
+    operator.and_: _logic(z3.And), operator.or_: _logic(z3.Or), operator.xor: _logic(z3.Xor),
+    operator.invert: _invert, operator.abs: _abs,
+    torch.add: _arith(operator.add), torch.sub: _arith(operator.sub), torch.mul: _arith(operator.mul),
+    torch.neg: lambda a: -num(a), torch.div: _div, torch.true_divide: _truediv,
+    torch.floor_divide: _floordiv, torch.remainder: _mod, torch.fmod: _fmod,
+    torch.lt: _compare(operator.lt), torch.le: _compare(operator.le), torch.gt: _compare(operator.gt),
+    torch.ge: _compare(operator.ge), torch.eq: _compare(operator.eq), torch.ne: _compare(operator.ne),
+    torch.logical_and: lambda a, b: z3.And(boolean(a), boolean(b)),
+    torch.logical_or: lambda a, b: z3.Or(boolean(a), boolean(b)),
+    torch.logical_xor: lambda a, b: z3.Xor(boolean(a), boolean(b)),
+    torch.logical_not: lambda a: z3.Not(boolean(a)),
+    torch.bitwise_and: _logic(z3.And), torch.bitwise_or: _logic(z3.Or), torch.bitwise_xor: _logic(z3.Xor),
+    torch.bitwise_not: _invert, torch.where: _where, torch.minimum: _minimum, torch.maximum: _maximum,
+    torch.min: _minimum, torch.max: _maximum, torch.clamp: _clamp, torch.clip: _clamp,
+    torch.abs: _abs, torch.sign: _sign, torch.ones_like: _like(1), torch.zeros_like: _like(0),
+    torch.full_like: _like(None), torch.tensor: _tensor, torch.scalar_tensor: _tensor,
+    torch.bucketize: _bucketize,
+}
+METHODS: dict[str, Callable[..., Any]] = {
+    "add": _arith(operator.add), "sub": _arith(operator.sub), "mul": _arith(operator.mul),
+    "__add__": _arith(operator.add), "__sub__": _arith(operator.sub), "__mul__": _arith(operator.mul),
+    "div": _div, "floor_divide": _floordiv, "remainder": _mod, "fmod": _fmod,
+    "lt": _compare(operator.lt), "le": _compare(operator.le), "gt": _compare(operator.gt),
+    "ge": _compare(operator.ge), "eq": _compare(operator.eq), "ne": _compare(operator.ne),
+    "logical_and": FUNCTIONS[torch.logical_and], "logical_or": FUNCTIONS[torch.logical_or],
+    "logical_not": FUNCTIONS[torch.logical_not], "logical_xor": FUNCTIONS[torch.logical_xor],
+    "abs": _abs, "clamp": _clamp, "clip": _clamp, "sign": _sign, "where": lambda a, c, b: _where(c, a, b),
+    "minimum": _minimum, "maximum": _maximum,
+    "new_ones": _new(1), "new_zeros": _new(0), "new_full": _new(None), "new_tensor": _new(None),
+    "bool": _cast("bool"), "float": _cast("float"), "double": _cast("float"), "half": _cast("float"),
+    "bfloat16": _cast("float"), "long": _cast("int"), "int": _cast("int"), "to": _cast("same"),
+    "type_as": _cast("same"), "expand": lambda a, *s, **k: expr(a), "expand_as": lambda a, b: expr(a),
+    "contiguous": lambda a, *k, **kw: expr(a), "clone": lambda a, *k, **kw: expr(a),
+    "detach": lambda a: expr(a),
+}
+
+
+class Encoder:
+    """Evaluates a traced graph on z3 values; collects the index-range obligations."""
+
+    def __init__(self, graph: fx.GraphModule, names: dict[int, str]) -> None:
+        self.graph, self.names = graph, names
+        self.obligations: list[tuple[z3.BoolRef, str]] = []
+        self.ops: set[str] = set()
+
+    def run(self, inputs: dict[str, Any]) -> z3.ExprRef:
+        env: dict[fx.Node, Any] = {}
+        for node in self.graph.graph.nodes:
+            if node.op == "output":
+                return expr(fx.node.map_arg(node.args[0], env.__getitem__))
+            env[node] = self._node(node, env, inputs)
+        raise Unsupported("returns nothing")
+
+    def _node(self, node: fx.Node, env: dict[fx.Node, Any], inputs: dict[str, Any]) -> Any:
+        if node.op == "placeholder":
+            return inputs[node.target]
+        if node.op == "get_attr":
+            tensor = getattr(self.graph, node.target)
+            return Captured(tensor, self.names.get(id(tensor), "a captured tensor"))
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        if node.op == "call_function":
+            if node.target is getattr:
+                return _Meta()
+            if node.target is operator.getitem:
+                return self._index(*args)
+            fn = FUNCTIONS.get(node.target)
+            label = f"{getattr(node.target, '__module__', '') or ''}.{getattr(node.target, '__name__', node.target)}"
+        elif node.op == "call_method":
+            if node.target == "__getitem__":
+                return self._index(*args)
+            fn = METHODS.get(node.target)
+            label = f"Tensor.{node.target}"
+        else:
+            fn, label = None, f"a {node.op} node"
+        self.ops.add(label.split(".")[-1])
+        if fn is None:
+            raise Unsupported(f"uses {label.lstrip('.')}, which the prover has no exact meaning for")
+        return fn(*args, **kwargs)
+
+    def _index(self, base: Any, index: Any) -> Any:
+        if not isinstance(base, Captured):
+            raise Unsupported("indexes an index or score tensor")
+        table = base.tensor
+        if table.dim() != 1 or table.numel() > MAX_TABLE or table.numel() == 0:
+            raise Unsupported(f"indexes {base.name} of shape {tuple(table.shape)} (only 1-D tensors up to "
+                              f"{MAX_TABLE} elements are proven)")
+        i = num(index)
+        if not z3.is_int(i):
+            raise Unsupported(f"indexes {base.name} with a floating value")
+        n = table.numel()
+        self.obligations.append((z3.And(i >= 0, i < n), f"indexes {base.name} (length {n}) out of range"))
+        values = [expr(x) for x in table.tolist()]
+        result = values[-1]
+        for k in range(n - 2, -1, -1):
+            result = z3.If(i == k, values[k], result)
+        return result
+
+
+__all__ = ["Captured", "Encoder", "Unsupported", "boolean", "expr", "num"]

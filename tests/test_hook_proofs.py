@@ -1,0 +1,224 @@
+"""B31: a user hook runs on a fixed kernel only when proven equal to its pattern.
+
+Every hook here is held to an independent float64 oracle that evaluates the hook as
+written, cell by cell (`tests.oracle`); or the build refuses it on ``turbo`` naming
+what the hook reads.  The unsound cases are the ones grid probing used to accept.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_ext.attention.hook_proof import PROOFS, prove_mask
+from primus_ext.attention.library import library_pattern
+from primus_ext.attention.pattern import Pattern
+from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
+from primus_ext.plan import build_plan
+from primus_ext.testing import fake_primus_turbo
+
+from . import oracle, proof_hooks
+from .helpers import facts, qkv, settings
+
+HOOKS = "tests.proof_hooks"
+TOL = dict(atol=1e-10, rtol=1e-10)
+
+
+def mask_settings(name: str, backend: str):
+    return settings(turbo_flex_attention_backend=backend, turbo_flex_attention_mask_mod=f"{HOOKS}:{name}")
+
+
+def score_settings(name: str, backend: str):
+    return settings(turbo_flex_attention_backend=backend, turbo_flex_attention_score_mod=f"{HOOKS}:{name}")
+
+
+def run(config, *args, **kwargs):
+    return TurboFlexAttention(build_plan(config, facts()))(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- unsound cases
+UNSOUND_MASKS = {
+    "doc_ids": "DOC_IDS",  # a captured tensor indexed by position: its length bounds it
+    "head_three": "depends on the head index",
+    "batch_two": "depends on the batch index",
+    "batch_one": "depends on the batch index",
+    "wrapped_window": "not proven",  # functools.wraps copies nothing that counts
+    "far_row": "the hook blocks attention but window(left=-1, right=1) allows it",
+    "near_row": "the hook blocks attention but window(left=-1, right=3) allows it",
+    "branchy": "control flow",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSOUND_MASKS))
+def test_unprovable_mask_is_refused_on_turbo_with_what_it_reads(name):
+    with fake_primus_turbo():
+        with pytest.raises(UnsupportedConfigError) as err:
+            build_plan(mask_settings(name, "turbo"), facts())
+    text = str(err.value)
+    assert UNSOUND_MASKS[name] in text and [r.code for r in err.value.reasons] == ["B31"]
+    assert "turbo_flex_attention_backend: reference" in text
+
+
+@pytest.mark.parametrize("name", sorted(set(UNSOUND_MASKS) - {"branchy"}))
+def test_unprovable_mask_is_evaluated_exactly_on_reference(name):
+    q, k, v = qkv()
+    out = run(mask_settings(name, "reference"), q, k, v)
+    expected = oracle.attention(q, k, v, oracle.hook(getattr(proof_hooks, name)))
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_wrapper_of_a_library_mask_is_not_the_library_mask():
+    assert library_pattern(proof_hooks.wrapped_window) is None
+    assert library_pattern(proof_hooks._library_window) == Pattern(4, 0)
+    assert prove_mask(proof_hooks.wrapped_window, num_heads=4).pattern is None
+
+
+def test_captured_doc_ids_updated_in_place_are_read_at_every_call_on_reference():
+    q, k, v = qkv()
+    layer = TurboFlexAttention(build_plan(mask_settings("doc_ids", "reference"), facts()))
+    saved = proof_hooks.DOC_IDS.clone()
+    try:
+        for cut in (6, 11, 3):  # the data loader writes new boundaries each step
+            proof_hooks.DOC_IDS.copy_((torch.arange(16) >= cut).long())
+            expected = oracle.attention(q, k, v, oracle.hook(proof_hooks.doc_ids))
+            torch.testing.assert_close(layer(q, k, v), expected, **TOL)
+    finally:
+        proof_hooks.DOC_IDS.copy_(saved)
+
+
+UNSOUND_SCORES = ("distance_penalty", "clipped_alibi", "hard_clamp")
+
+
+@pytest.mark.parametrize("name", UNSOUND_SCORES)
+def test_score_differing_only_far_away_or_at_large_scores_is_refused_on_turbo(name):
+    with fake_primus_turbo():
+        with pytest.raises(UnsupportedConfigError, match="neither the identity nor ALiBi"):
+            build_plan(score_settings(name, "turbo"), facts())
+
+
+@pytest.mark.parametrize("name", UNSOUND_SCORES)
+def test_unprovable_score_is_evaluated_exactly_on_reference(name):
+    q, k, v = qkv(s=24)
+    q = q * 60  # scores beyond +-100 and distances beyond 16 are reached
+    out = run(score_settings(name, "reference"), q, k, v, causal=True)
+    expected = oracle.attention(q, k, v, oracle.causal(), score_mod=getattr(proof_hooks, name))
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+# ----------------------------------------------------------------------------- ordinary hooks run on Turbo
+def _flex_block_mask_pattern(fake):
+    (call,) = fake.calls_to("flex_attention_bshd")
+    return library_pattern(call.args["block_mask"].mask_mod)
+
+
+ORDINARY = {
+    # name: (proven pattern, entry that runs it)
+    "causal": (Pattern(-1, 0), "flex_attention_bshd"),
+    "full": (Pattern(-1, -1), "flex_attention_bshd"),
+    "gym_window": (Pattern(8, 0), "flex_attention_bshd"),
+    "titan_window": (Pattern(7, 0), "flex_attention_bshd"),
+    "global_window": (Pattern(8, 0), "flex_attention_bshd"),
+    "head_independent": (Pattern(-1, 0), "flex_attention_bshd"),
+    "band": (Pattern(3, 3), "flash_attn_func"),
+    "chunked": (Pattern(-1, 0, chunk=4), "flex_attention_varlen"),
+    "constant_documents": (Pattern(-1, 0, cuts=(6,)), "flex_attention_varlen"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ORDINARY))
+def test_ordinary_mask_is_proven_and_runs_on_its_kernel(name):
+    pattern, entry = ORDINARY[name]
+    q, k, v = qkv()
+    with fake_primus_turbo() as fake:
+        plan = build_plan(mask_settings(name, "turbo"), facts())
+        assert plan.pattern == pattern
+        out = TurboFlexAttention(plan)(q, k, v)
+        assert [c.entry for c in fake.calls] == [entry]
+        call = fake.calls[0]
+        if entry == "flex_attention_bshd":
+            assert _flex_block_mask_pattern(fake) == pattern
+        elif entry == "flash_attn_func":
+            assert call.args["window_size"] == (3, 3) and call.args["causal"] is False
+        else:
+            bounds = pattern.at_length(16).boundaries
+            expected_cu = list(bounds) + [16 + b for b in bounds[1:]]
+            assert call.args["cu_seqlens_q"].tolist() == expected_cu
+    expected = oracle.attention(q, k, v, oracle.hook(getattr(proof_hooks, name)))
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+@pytest.mark.parametrize("name", ["alibi_list", "alibi_tensor"])
+def test_alibi_score_is_proven_and_runs_with_its_slopes(name):
+    q, k, v = qkv()
+    with fake_primus_turbo() as fake:
+        plan = build_plan(score_settings(name, "turbo"), facts())
+        assert plan.alibi_slopes == tuple(proof_hooks.ALIBI_SLOPES)
+        out = TurboFlexAttention(plan)(q, k, v, causal=True)
+        (call,) = fake.calls_to("flash_attn_func")
+        assert call.args["alibi_slopes"].tolist() == proof_hooks.ALIBI_SLOPES
+    expected = oracle.attention(q, k, v, oracle.causal(), alibi=proof_hooks.ALIBI_SLOPES)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+# ----------------------------------------------------------------------------- proofs that rely on values
+def test_rebinding_a_global_the_proof_read_refuses_the_next_turbo_call():
+    q, k, v = qkv()
+    with fake_primus_turbo():
+        layer = TurboFlexAttention(build_plan(mask_settings("global_window", "turbo"), facts()))
+        layer(q, k, v)
+        try:
+            proof_hooks.WINDOW = 4
+            with pytest.raises(UnsupportedInputError, match="WINDOW"):
+                layer(q, k, v)
+        finally:
+            proof_hooks.WINDOW = 8
+        layer(q, k, v)  # holds again once the value is back
+
+
+def test_changing_a_captured_slope_tensor_in_place_refuses_the_next_turbo_call():
+    q, k, v = qkv()
+    with fake_primus_turbo():
+        layer = TurboFlexAttention(build_plan(score_settings("alibi_tensor", "turbo"), facts()))
+        layer(q, k, v, causal=True)
+        proof_hooks.SLOPE_TENSOR.mul_(2)
+        try:
+            with pytest.raises(UnsupportedInputError, match="SLOPE_TENSOR"):
+                layer(q, k, v, causal=True)
+        finally:
+            proof_hooks.SLOPE_TENSOR.div_(2)
+        # a new build proves the (restored) values again
+        assert build_plan(score_settings("alibi_tensor", "turbo"), facts()).alibi_slopes == tuple(
+            proof_hooks.ALIBI_SLOPES)
+
+
+def test_reference_runs_a_proven_hook_with_changing_inputs_itself():
+    q, k, v = qkv()
+    layer = TurboFlexAttention(build_plan(mask_settings("global_window", "reference"), facts()))
+    try:
+        proof_hooks.WINDOW = 2
+        torch.testing.assert_close(layer(q, k, v), oracle.attention(q, k, v, oracle.window(2, 0)), **TOL)
+    finally:
+        proof_hooks.WINDOW = 8
+
+
+# ----------------------------------------------------------------------------- cost and agreement
+def test_one_proof_per_hook_for_a_whole_model():
+    config = settings(turbo_flex_attention_mask_mod="primus_ext.attention.masks:chunked",
+                      turbo_flex_attention_mask_mod_kwargs={"chunk_size": 13})
+    before = PROOFS["mask_mod"]
+    plans = [build_plan(config, facts(layer_number=n)) for n in range(1, 97)]
+    assert PROOFS["mask_mod"] - before == 1
+    assert {p.pattern for p in plans} == {Pattern(-1, 0, chunk=13)}
+
+
+@pytest.mark.parametrize("name", sorted(ORDINARY) + sorted(UNSOUND_MASKS))
+def test_verdict_does_not_depend_on_the_sequence_length(name):
+    def verdict(seq_length):
+        with fake_primus_turbo():
+            try:
+                return build_plan(mask_settings(name, "turbo"), facts(seq_length=seq_length)).pattern
+            except UnsupportedConfigError as exc:
+                return str(exc)
+
+    assert verdict(None) == verdict(16) == verdict(131072)

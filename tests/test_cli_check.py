@@ -333,3 +333,16 @@ def test_picture_of_a_refused_config_is_not_written(tmp_path, capsys):
     assert main(["check", str(EXAMPLES_DIR / "refused.yaml"), "--picture", str(png)]) == 2
     assert not png.exists()
     assert "no layer can run" in capsys.readouterr().out
+
+
+def test_a_hook_naming_a_program_is_refused_and_never_run(tmp_path, capsys):
+    # B32: `check` only names hooks; subprocess.run with a shell command must not run.
+    pwned = tmp_path / "pwned"
+    cfg = write_yaml(tmp_path, **SHAPE, **FLEX, seq_length=8,
+                     turbo_flex_attention_mask_mod="subprocess:run",
+                     turbo_flex_attention_mask_mod_kwargs={"args": f"touch {pwned}", "shell": True})
+    code, _, err = run(capsys, cfg)
+    assert not pwned.exists()
+    assert code == 2
+    assert "turbo_flex_attention_mask_mod" in err and "'subprocess:run'" in err
+    assert "standard-library" in err and "(B32)" in err and "Alternative:" in err

@@ -6,6 +6,13 @@ checks the call signature, and runs the hook once on a tiny probe grid (``B=2, H
 8x8``) to see that it returns what FlexAttention expects.  Nothing is ``eval``'d: the
 string only names a module for `importlib.import_module` and attributes for `getattr`.
 
+B32: a config only *names* a hook; it cannot run programs.  Probing calls the named
+object, so ``"subprocess:run"`` with ``_kwargs {args: ..., shell: true}`` would run a
+shell command.  Hence only a plain Python function (``def``/``lambda``) defined outside
+the standard library, or an object registered by `primus_ext.attention.library`, is
+ever called; a standard-library module is not even imported.  A factory is called with
+``<setting>_kwargs`` only if it opted in with ``@primus_ext.hook_factory``.
+
 Convention shared with `TurboAttentionSettings`: ``kwargs=None`` means the attribute is
 the hook itself; a mapping (even ``{}``) means it is a factory called with ``**kwargs``
 that returns the hook (``"primus_ext.attention.masks:causal"`` needs ``{}``).
@@ -16,13 +23,17 @@ The returned callable is the user's object, untouched: no attributes are set on 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
+import sys
+import types
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
+from ..attention.library import is_hook_factory, is_library_mask
 from ..attention.pattern import index_grid
 from ..errors import Reason, UnsupportedConfigError
 from .settings import HOOK_PATTERN, TurboAttentionSettings
@@ -40,6 +51,56 @@ _EXAMPLE = {
     "mask_mod": '"primus_ext.attention.masks:prefix_lm" with _kwargs {prefix_length: 64}',
     "score_mod": '"my_pkg.mods:tanh_softcap" returning a float tensor shaped like score',
 }
+
+
+TRUST_CODE = "B32"
+
+# C-level callables: they have no Python body to read and may do anything (os.system).
+_C_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
+                types.MethodDescriptorType, types.ClassMethodDescriptorType)
+
+
+def _is_stdlib(module_name: Any) -> bool:
+    """True for builtins and standard-library modules, judged by the top-level package."""
+    if not isinstance(module_name, str) or not module_name:
+        return True  # no importable home: nothing vouches for it
+    top = module_name.split(".", 1)[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins"
+
+
+def _untrusted(obj: Any) -> Optional[str]:
+    """What ``obj`` is, if a config may not have it called (B32); ``None`` if it may."""
+    if is_library_mask(obj) or is_hook_factory(obj):
+        return None  # registered by the library or opted in by its author, by identity
+    if isinstance(obj, types.FunctionType):
+        module = getattr(obj, "__module__", None)
+        return f"a function of the standard library module `{module}`" if _is_stdlib(module) else None
+    if isinstance(obj, type):
+        return f"the class `{obj.__module__}.{obj.__qualname__}`"
+    if isinstance(obj, functools.partial):
+        return "a functools.partial"
+    if isinstance(obj, _C_CALLABLES):
+        return "a built-in (C) function"
+    if isinstance(obj, types.MethodType):
+        return "a bound method"
+    return f"a callable `{type(obj).__name__}` instance"
+
+
+def _arity_problem(sig: inspect.Signature, count: int) -> Optional[str]:
+    """Why ``count`` positional arguments do not fit ``sig``, from the hook's point of view."""
+    kinds = inspect.Parameter
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    star = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+    keyword_only = [p.name for p in params if p.kind is kinds.KEYWORD_ONLY and p.default is p.empty]
+    if len(positional) < count and not star:
+        return f"it takes {len(positional)} positional arguments, too few for the {count} it is given"
+    if len(required) > count:
+        return f"it requires {len(required)} positional arguments, too many: only {count} are given"
+    if keyword_only:
+        return f"its keyword-only parameters ({', '.join(keyword_only)}) have no default and are never passed"
+    return None if _binds(sig, count) else "the arguments do not bind"
 
 
 class _Refused(Exception):
@@ -64,21 +125,57 @@ class _Resolver:
         self.spec, self.kind, self.setting, self.kwargs, self.device = spec, kind, setting, kwargs, device
         self.kwargs_key = f"{setting}_kwargs"
 
-    def refuse(self, reason: str, alternative: str, *, with_kwargs: bool = False) -> _Refused:
+    def refuse(self, reason: str, alternative: str, *, with_kwargs: bool = False, code: str = "") -> _Refused:
         keys = (self.setting, self.kwargs_key) if with_kwargs else (self.setting,)
         return _Refused(Reason(settings=keys, reason=f"{self.setting} = {self.spec!r}: {reason}",
-                               alternative=alternative))
+                               alternative=alternative, code=code))
 
     def run(self) -> Callable[..., Tensor]:
         module_name, attr_path = self.split()
+        if _is_stdlib(module_name):  # refused before import: importing already runs its code
+            raise self.refuse(f"`{module_name}` is a standard-library or builtins module; a config may "
+                              "only name a hook from your own code or from primus_ext, so it was not "
+                              "imported (B32).", f"{self.own_function()}.", code=TRUST_CODE)
         target = self.follow(self.import_module(module_name), module_name, attr_path)
-        if not callable(target):
-            raise self.refuse(f"`{attr_path}` is a value of type {type(target).__name__}, not a callable.",
-                              f"point {self.setting} at a function, e.g. {_EXAMPLE[self.kind]}.")
-        hook = self.call_factory(target) if self.kwargs is not None else target
+        self.check_named(target, attr_path)
+        hook = self.call_factory(target, attr_path) if self.kwargs is not None else self.as_hook(target, attr_path)
         self.check_arity(hook)
         self.probe(hook)
         return hook
+
+    # ------------------------------------------------------------- trust (B32)
+    def check_named(self, target: Any, attr_path: str) -> None:
+        """Only plain functions outside the stdlib, or the library's own objects, are called."""
+        if not callable(target):
+            raise self.refuse(f"`{attr_path}` is a value of type {type(target).__name__}, not a callable.",
+                              f"point {self.setting} at a function, e.g. {_EXAMPLE[self.kind]}.")
+        what = _untrusted(target)
+        if what is not None:
+            raise self.refuse(f"`{attr_path}` is {what}; a config may only name a plain Python function "
+                              "defined outside the standard library, or a primus_ext library mask or "
+                              "@hook_factory, because nothing else is ever called (B32).",
+                              f"{self.own_function()}.", code=TRUST_CODE)
+
+    def as_hook(self, target: Callable[..., Any], attr_path: str) -> Callable[..., Any]:
+        """``_kwargs: null``: the attribute is the hook, unless it is a marked factory."""
+        if not is_hook_factory(target):
+            return target
+        try:
+            names = [p.name for p in inspect.signature(target).parameters.values()
+                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        except (TypeError, ValueError):
+            names = []
+        add = f"add `{self.kwargs_key}: {{}}`"
+        if names:
+            add += f", or the factory's keywords: `{self.kwargs_key}: {{{', '.join(f'{n}: ...' for n in names)}}}`"
+        raise self.refuse(f"`{attr_path}` is a hook factory (it makes the {self.kind} when called), but "
+                          f"{self.kwargs_key} is null, so it would be used as the {self.kind} itself.",
+                          f"{add}.", with_kwargs=True)
+
+    def own_function(self) -> str:
+        args = ", ".join(ARITY[self.kind])
+        return (f"write `def my_{self.kind}({args})` in your own module and name it "
+                f"(\"my_pkg.hooks:my_{self.kind}\"), or use a primus_ext.attention.masks factory")
 
     # ---------------------------------------------------------------- lookup steps
     def split(self) -> tuple[str, str]:
@@ -119,7 +216,15 @@ class _Resolver:
             walked = f"{walked}{'.' if ':' in walked else ':'}{part}"
         return obj
 
-    def call_factory(self, factory: Callable[..., Any]) -> Any:
+    def call_factory(self, factory: Callable[..., Any], attr_path: str) -> Any:
+        if not is_hook_factory(factory):
+            raise self.refuse(f"{self.kwargs_key} is set, so `{attr_path}` would be called as a factory, "
+                              "but a config may only call a factory marked with @primus_ext.hook_factory "
+                              "(B32).",
+                              "decorate the factory with `@primus_ext.hook_factory` (a factory you do not "
+                              f"own: call it from your own decorated one), or set {self.kwargs_key}: null "
+                              f"if `{self.spec}` is itself the {self.kind}.",
+                              with_kwargs=True, code=TRUST_CODE)
         try:
             hook = factory(**dict(self.kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - the factory's own error is the message
@@ -133,25 +238,33 @@ class _Resolver:
                               f"{type(hook).__name__}, not a {self.kind}.",
                               f"set {self.kwargs_key}: null if `{self.spec}` is itself the {self.kind}.",
                               with_kwargs=True)
+        what = _untrusted(hook)  # the probe calls it next: the same rule as for a named hook
+        if what is not None:
+            raise self.refuse(f"the factory returned {what}; the {self.kind} it returns must be a plain "
+                              "Python function defined outside the standard library, or a primus_ext "
+                              "library mask (B32).",
+                              f"return a nested `def {self.kind}({', '.join(ARITY[self.kind])})` "
+                              "from the factory.", with_kwargs=True, code=TRUST_CODE)
         return hook
 
     def check_arity(self, hook: Callable[..., Any]) -> None:
         try:
             sig = inspect.signature(hook)
         except (TypeError, ValueError):
-            return  # builtins without a signature: the probe decides
+            return  # a registered object without a signature: the probe decides
         params = ARITY[self.kind]
-        try:
-            sig.bind(*params)
-        except TypeError as exc:
-            factory_hint = ""
-            if self.kwargs is None and _binds(sig, 0):
-                factory_hint = f" It takes no arguments, so it looks like a factory: set {self.kwargs_key}: {{}}."
-            raise self.refuse(f"a {self.kind} is called as {self.kind}({', '.join(params)}) but this "
-                              f"callable has signature {sig} ({exc}).{factory_hint}",
-                              f"define it with exactly {len(params)} positional parameters "
-                              f"({', '.join(params)}).",
-                              with_kwargs=self.kwargs is not None) from exc
+        problem = _arity_problem(sig, len(params))
+        if problem is None:
+            return
+        factory_hint = ""
+        if self.kwargs is None and _binds(sig, 0):
+            factory_hint = (f" It takes no arguments, so it looks like a factory: decorate it with "
+                            f"@primus_ext.hook_factory and set {self.kwargs_key}: {{}}.")
+        raise self.refuse(f"a {self.kind} is called as {self.kind}({', '.join(params)}) but this "
+                          f"callable has signature {sig}: {problem}.{factory_hint}",
+                          f"define it with exactly {len(params)} positional parameters "
+                          f"({', '.join(params)}).",
+                          with_kwargs=self.kwargs is not None)
 
     # ----------------------------------------------------------------------- probe
     def probe(self, hook: Callable[..., Tensor]) -> None:

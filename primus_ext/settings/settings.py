@@ -15,6 +15,7 @@ Hook conventions (decided here, relied on by `primus_ext.settings.hooks`):
 ``turbo_flex_attention_mask_mod_kwargs: null`` means the named attribute *is* the
 mask_mod; a mapping (even ``{}``) means the attribute is a factory called with
 those keyword arguments, e.g. ``"primus_ext.attention.masks:causal"`` with ``{}``.
+Only factories marked ``@primus_ext.hook_factory`` may be called that way (B32).
 """
 
 from __future__ import annotations
@@ -86,14 +87,14 @@ class TurboAttentionSettings:
         "Hook 'package.module:attr' giving mask_mod(b, h, q_idx, kv_idx) -> bool tensor.",
         "str | null", "B2, B11, B17"))
     turbo_flex_attention_mask_mod_kwargs: Optional[dict] = field(default=None, metadata=_meta(
-        "If a mapping (even {}), the mask_mod hook is a factory called with these kwargs.",
-        "mapping | null", "B2"))
+        "If a mapping (even {}), the mask_mod hook is a @hook_factory called with these kwargs.",
+        "mapping | null", "B2, B32"))
     turbo_flex_attention_score_mod: Optional[str] = field(default=None, metadata=_meta(
         "Hook 'package.module:attr' giving score_mod(score, b, h, q_idx, kv_idx) -> float tensor.",
         "str | null", "B2, B17"))
     turbo_flex_attention_score_mod_kwargs: Optional[dict] = field(default=None, metadata=_meta(
-        "If a mapping (even {}), the score_mod hook is a factory called with these kwargs.",
-        "mapping | null", "B2"))
+        "If a mapping (even {}), the score_mod hook is a @hook_factory called with these kwargs.",
+        "mapping | null", "B2, B32"))
     turbo_flex_attention_backend: str = field(default="auto", metadata=_meta(
         "Flex backend: turbo (Primus-Turbo), reference (exact torch math), auto (turbo if it imports).",
         "auto | turbo | reference", "B7, B8"))

@@ -291,15 +291,16 @@ def test_custom_mask_is_drawn_from_its_mask_mod(capsys):
         assert row == [kv < 64 or kv <= q for kv in pos]
 
 
-def test_seq_len_changes_the_recognised_grid(capsys):
+def test_seq_len_changes_the_picture_not_the_verdict(capsys):
     code, out, _ = run(capsys, str(EXAMPLES_DIR / "plain_causal.yaml"), "--seq-len", "8")
     assert code == 0 and "seq_length 8 (--seq-len)" in out
     assert only_grid(out)["positions"] == list(range(8))
-    # prefix-LM over 64 tokens: at 256 tokens a custom mask, at 32 every key is in the prefix.
+    # prefix-LM over 64 tokens: the verdict is a proof, the same at every length; only the
+    # picture follows --seq-len (at 32 tokens every key it shows is in the prefix).
     _, out, _ = run(capsys, str(EXAMPLES_DIR / "prefix_lm_hook.yaml"))
-    assert table_rows(out)[0]["hooks (recognised as)"].endswith("-> custom")
+    assert table_rows(out)[0]["hooks (recognised as)"].endswith("-> custom (evaluated exactly)")
     _, out, _ = run(capsys, str(EXAMPLES_DIR / "prefix_lm_hook.yaml"), "--seq-len", "32")
-    assert table_rows(out)[0]["hooks (recognised as)"].endswith("-> full")
+    assert table_rows(out)[0]["hooks (recognised as)"].endswith("-> custom (evaluated exactly)")
     grid = only_grid(out)
     assert grid["positions"] == list(range(0, 32, 2))
     assert all(all(row) for row in grid["rows"])

@@ -7,15 +7,22 @@ what the hook reads.  The unsound cases are the ones grid probing used to accept
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
+import yaml
 
 from primus_ext.attention.hook_proof import PROOFS, prove_mask
 from primus_ext.attention.library import library_pattern
 from primus_ext.attention.pattern import Pattern
 from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.cli.check import _plans as check_plans
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
+from primus_ext.megatron.facts import layer_facts
 from primus_ext.plan import build_plan
+from primus_ext.settings import TurboAttentionSettings
 from primus_ext.testing import fake_primus_turbo
 
 from . import oracle, proof_hooks
@@ -222,3 +229,29 @@ def test_verdict_does_not_depend_on_the_sequence_length(name):
                 return str(exc)
 
     assert verdict(None) == verdict(16) == verdict(131072)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "configs" / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_check_and_the_megatron_build_reach_the_same_verdict(path):
+    """`check` reads seq_length from the YAML; a Megatron build has none (TransformerConfig)."""
+    config = yaml.safe_load(path.read_text())
+    config.pop("demo", None)
+    cfg = TurboAttentionSettings.from_dict(config)
+
+    def verdicts(source):
+        out = []
+        for layer in range(1, int(config.get("num_layers") or 1) + 1):
+            try:
+                out.append(build_plan(cfg, layer_facts(source, layer)).describe())
+            except UnsupportedConfigError as exc:
+                out.append(str(exc))
+        return out
+
+    without_length = SimpleNamespace(**{k: v for k, v in config.items() if k != "seq_length"})
+    with fake_primus_turbo():
+        assert verdicts(config) == verdicts(without_length)
+    assert [o.describe() if hasattr(o, "describe") else str(o)
+            for _, o in check_plans(cfg, config)] == verdicts(config)

@@ -80,9 +80,8 @@ Outcome = Union[AttentionPlan, UnsupportedConfigError]
 def _plans(settings: TurboAttentionSettings, config: Mapping[str, Any]) -> list[tuple[int, Outcome]]:
     """Each layer's plan or refusal.
 
-    Probing a mask hook at a long seq_length takes a while, so a layer whose facts and
-    window equal an earlier runnable layer's reuses that plan under its own number
-    (the layer number enters a plan only through the window).  Refused layers are
+    A layer whose facts and window equal an earlier runnable layer's reuses that plan
+    under its own number (the layer number enters a plan only through the window).  Refused layers are
     always built afresh, because their reasons quote the layer number.
     """
     out: list[tuple[int, Outcome]] = []

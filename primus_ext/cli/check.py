@@ -36,7 +36,7 @@ PICTURE_LEN = 512
 REFUSED = 2
 
 COLUMNS = ("layer", "path", "backend", "dense entry", "packed entry", "causal", "window", "sink",
-           "packing", "hooks (recognised as)")
+           "packing", "hooks (proven as)")
 
 LEGEND = ("entries: '-' = this layer gets no such batches (packed_sequences), "
           "'none' = the installed kernels have no such entry")

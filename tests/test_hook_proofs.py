@@ -255,3 +255,29 @@ def test_check_and_the_megatron_build_reach_the_same_verdict(path):
         assert verdicts(config) == verdicts(without_length)
     assert [o.describe() if hasattr(o, "describe") else str(o)
             for _, o in check_plans(cfg, config)] == verdicts(config)
+
+
+def test_a_module_attribute_the_proof_read_is_an_assumption(tmp_path, monkeypatch):
+    (tmp_path / "cfg_w.py").write_text("W = 6\n")
+    (tmp_path / "attr_hook.py").write_text(
+        "import cfg_w\n\ndef window(b, h, q, kv):\n    return (kv <= q) & (q - kv <= cfg_w.W)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import attr_hook
+    import cfg_w
+
+    proof = prove_mask(attr_hook.window, num_heads=4)
+    assert proof.pattern == Pattern(6, 0) and any("cfg_w.W" in r for r in proof.reads)
+    monkeypatch.setattr(cfg_w, "W", 2)
+    assert not all(a.holds() for a in proof.assumptions)
+    assert prove_mask(attr_hook.window, num_heads=4).pattern == Pattern(2, 0)  # proven again
+
+
+def test_proving_works_under_a_profiler():
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        assert prove_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 11).pattern == Pattern(11, -1)
+    finally:
+        profiler.disable()

@@ -2,10 +2,10 @@
 
 A proof about a hook is only as good as the inputs it assumed.  Tracing gives the
 hook's arithmetic as a graph over ``(b, h, q_idx, kv_idx)`` (and ``score``); Python
-control flow on those values cannot be traced and makes the hook unprovable.  While
-tracing, the frames of the hook's own Python code (not torch's, not the standard
-library's) are watched, so every module global and closure variable it reads is
-known by name:
+control flow on those values cannot be traced and makes the hook unprovable.  The
+functions a hook can run (its own Python code, not torch's or the standard library's)
+are found from its closures and globals, so every module global, module attribute
+(``cfg.WINDOW``), default argument and closure variable it reads is known by name:
 
 * code (functions, modules, classes), dtypes, devices and immutable closure values
   (numbers, strings, tuples of them, frozen dataclasses) are part of the hook;
@@ -22,7 +22,6 @@ import builtins
 import dataclasses
 import dis
 import os
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -90,32 +89,76 @@ def _user_code(code: types.CodeType) -> bool:
     return not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR) or path.startswith("<frozen"))
 
 
-def _loaded_globals(code: types.CodeType) -> set[str]:
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    return {n for n in names if isinstance(n, str)}
+def _global_reads(code: types.CodeType) -> set[tuple[str, ...]]:
+    """``("cfg", "W")`` for every ``cfg.W`` a code object (and the code nested in it) loads.
+
+    An attribute chain is kept after a global so that a module attribute (``cfg.W``) is
+    seen, not just the module; it is resolved while the value is a module.
+    """
+    reads: set[tuple[str, ...]] = set()
+    chain: list[str] = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            if chain:
+                reads.add(tuple(chain))
+            chain = [str(ins.argval)]
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and chain:
+            chain.append(str(ins.argval))
+        elif chain:
+            reads.add(tuple(chain))
+            chain = []
+    if chain:
+        reads.add(tuple(chain))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            reads |= _global_reads(const)
+    return reads
 
 
-class _Watcher:
-    """Records each user-code frame entered while the hook itself runs under the tracer."""
+def _cells(fn: types.FunctionType) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell: filled later, so not a constant
+            out[name] = _MISSING
+    return out
 
-    def __init__(self, root: types.CodeType) -> None:
-        self.root, self.active = root, 0
-        self.frames: list[tuple[types.CodeType, dict[str, Any], dict[str, Any]]] = []
-        self._seen: set[int] = set()
 
-    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> None:
-        code = frame.f_code
-        if code is self.root:  # only what runs inside the hook counts, not the tracer around it
-            self.active += 1 if event == "call" else -1 if event == "return" else 0
-            return
-        if event != "call" or not self.active or not _user_code(code) or str(
-                frame.f_globals.get("__name__", "")).startswith("torch"):
-            return
-        free = {name: frame.f_locals.get(name) for name in code.co_freevars}
-        key = id(code) ^ hash(tuple(id(v) for v in free.values()))
-        if key not in self._seen:
-            self._seen.add(key)
-            self.frames.append((code, frame.f_globals, free))
+def _reachable(hook: Any) -> list[tuple[types.FunctionType, dict[str, Any]]]:
+    """The Python functions a hook can run, found from its closures, defaults and globals.
+
+    Found statically (no tracing hook is installed, so profilers and debuggers keep
+    working): torch's own functions are followed only through their closures
+    (``and_masks`` keeps the user's masks there), never through their globals.
+    """
+    found: list[tuple[types.FunctionType, dict[str, Any]]] = []
+    seen: set[int] = set()
+    stack: list[Any] = [hook]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, (tuple, list)):
+            stack.extend(v for v in obj if callable(v) or isinstance(v, (tuple, list)))
+            continue
+        if isinstance(obj, types.MethodType):
+            obj = obj.__func__
+        if not isinstance(obj, types.FunctionType) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        cells = _cells(obj)
+        stack.extend(cells.values())
+        if not _user_code(obj.__code__):
+            continue
+        found.append((obj, cells))
+        for chain in _global_reads(obj.__code__):
+            value = obj.__globals__.get(chain[0])
+            for attr in chain[1:]:
+                if not isinstance(value, types.ModuleType):
+                    break
+                value = getattr(value, attr, None)
+            if isinstance(value, types.FunctionType):
+                stack.append(value)
+    return found
 
 
 def _rebinding_check(globals_: dict[str, Any], name: str, value: Any) -> Callable[[], bool]:
@@ -161,17 +204,43 @@ def _classify(trace: HookTrace, name: str, value: Any, where: str, rebind: Optio
     trace.dynamic.append(f"{label}, a {type(value).__name__} that can change between calls")
 
 
-def _inspect_frames(trace: HookTrace, watcher: _Watcher) -> None:
-    for code, globals_, free in watcher.frames:
-        for name, value in free.items():
-            _classify(trace, name, value, "captured variable", None)
-        builtin_names = vars(builtins)
-        for name in sorted(_loaded_globals(code)):
-            if name in globals_:
-                value = globals_[name]
-                _classify(trace, name, value, "module global", _rebinding_check(globals_, name, value))
-            elif name not in builtin_names:
-                trace.dynamic.append(f"the undefined global {name}")
+def _attribute_check(owner: Any, attr: str, value: Any) -> Callable[[], bool]:
+    return lambda: getattr(owner, attr, _MISSING) is value
+
+
+def _inspect(trace: HookTrace, hook: Any) -> None:
+    builtin_names = vars(builtins)
+    for fn, cells in _reachable(hook):
+        for name, value in cells.items():
+            if value is _MISSING:
+                trace.dynamic.append(f"the captured variable {name}, which is not yet set")
+            else:
+                _classify(trace, name, value, "captured variable", None)
+        for i, value in enumerate(fn.__defaults__ or ()):
+            _classify(trace, f"#{i}", value, "default argument", None)
+        for name, value in (fn.__kwdefaults__ or {}).items():
+            _classify(trace, name, value, "default argument", None)
+        globals_ = fn.__globals__
+        for chain in sorted(_global_reads(fn.__code__)):
+            if chain[0] not in globals_:
+                if chain[0] not in builtin_names:
+                    trace.dynamic.append(f"the undefined global {chain[0]}")
+                continue
+            owner: Any = globals_
+            value = globals_[chain[0]]
+            check = _rebinding_check(globals_, chain[0], value)
+            for attr in chain[1:]:
+                if not isinstance(value, types.ModuleType) or not hasattr(value, attr):
+                    break
+                owner, value = value, getattr(value, attr)
+                check = _attribute_check(owner, attr, value)
+            depth = 1
+            walk = globals_[chain[0]]
+            for attr in chain[1:]:
+                if not isinstance(walk, types.ModuleType) or not hasattr(walk, attr):
+                    break
+                walk, depth = getattr(walk, attr), depth + 1
+            _classify(trace, ".".join(chain[:depth]), value, "module global", check)
 
 
 def _value_uses(graph: fx.Graph, placeholder: fx.Node) -> bool:
@@ -189,9 +258,6 @@ def trace_hook(hook: Callable[..., Any], kind: str) -> HookTrace:
     """Trace ``hook`` (``kind`` ``mask_mod`` or ``score_mod``) symbolically; never raises."""
 
     root = _root(hook, kind)
-    watcher = _Watcher(root.__code__)
-    previous = sys.getprofile()
-    sys.setprofile(watcher)
     try:
         graph = fx.symbolic_trace(root)
         problem = ""
@@ -199,10 +265,8 @@ def trace_hook(hook: Callable[..., Any], kind: str) -> HookTrace:
         graph, problem = None, f"uses Python control flow on index or score values ({exc})"
     except Exception as exc:  # noqa: BLE001 - any failure to trace leaves the hook unprovable
         graph, problem = None, f"cannot be traced symbolically ({type(exc).__name__}: {exc})"
-    finally:
-        sys.setprofile(previous)
     trace = HookTrace(graph=graph, problem=problem)
-    _inspect_frames(trace, watcher)
+    _inspect(trace, hook)
     if graph is not None:
         words = {"b": "the batch index", "h": "the head index"}
         for node in graph.graph.nodes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import dis
+import functools
 import os
 import types
 from dataclasses import dataclass, field
@@ -89,7 +90,8 @@ def _user_code(code: types.CodeType) -> bool:
     return not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR) or path.startswith("<frozen"))
 
 
-def _global_reads(code: types.CodeType) -> set[tuple[str, ...]]:
+@functools.lru_cache(maxsize=1024)
+def _global_reads(code: types.CodeType) -> frozenset[tuple[str, ...]]:
     """``("cfg", "W")`` for every ``cfg.W`` a code object (and the code nested in it) loads.
 
     An attribute chain is kept after a global so that a module attribute (``cfg.W``) is
@@ -112,7 +114,7 @@ def _global_reads(code: types.CodeType) -> set[tuple[str, ...]]:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             reads |= _global_reads(const)
-    return reads
+    return frozenset(reads)
 
 
 def _cells(fn: types.FunctionType) -> dict[str, Any]:

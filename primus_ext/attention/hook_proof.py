@@ -30,7 +30,7 @@ import torch
 import z3
 
 from .hook_trace import Assumption, HookTrace, trace_hook
-from .hook_z3 import Encoder, Unsupported, boolean, num
+from .hook_z3 import INDEX_BOUND, Encoder, Unsupported, boolean, num
 from .library import library_name, library_pattern
 from .pattern import FULL, MaskMod, Pattern, ScoreMod
 
@@ -79,7 +79,9 @@ def _extreme(objective: z3.ArithRef, constraints: list[Any], *, minimize: bool =
     if opt.check() != z3.sat:
         return "unknown"
     value = opt.lower(handle) if minimize else opt.upper(handle)
-    return value.as_long() if z3.is_int_value(value) else "unbounded"
+    if not z3.is_int_value(value) or abs(value.as_long()) >= INDEX_BOUND // 2:
+        return "unbounded"  # indices are bounded only to check int64 overflow
+    return value.as_long()
 
 
 def _where(model: z3.ModelRef, names: dict[str, z3.ExprRef]) -> str:
@@ -111,7 +113,7 @@ class _MaskProver:
     def __init__(self, trace: HookTrace, num_heads: Optional[int]) -> None:
         self.trace = trace
         self.b, self.h, self.q, self.kv = z3.Ints("b h q_idx kv_idx")
-        self.domain = [self.b >= 0, self.h >= 0, self.q >= 0, self.kv >= 0]
+        self.domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (self.b, self.h, self.q, self.kv)]
         if num_heads:
             self.domain.append(self.h < num_heads)
         self.names = {"b": self.b, "h": self.h, "q": self.q, "kv": self.kv}
@@ -238,7 +240,7 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
     score = z3.Real("score")
     b, h, q, kv = z3.Ints("b h q_idx kv_idx")
     names = {"score": score, "b": b, "h": h, "q": q, "kv": kv}
-    domain = [b >= 0, h >= 0, q >= 0, kv >= 0] + ([h < num_heads] if num_heads else [])
+    domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (b, h, q, kv)] + ([h < num_heads] if num_heads else [])
     per_head = "the head index" in trace.reads and bool(num_heads)
     heads: list[Optional[int]] = list(range(int(num_heads))) if per_head else [None]  # type: ignore[arg-type]
     slopes: list[Fraction] = []

@@ -117,24 +117,54 @@ def _global_reads(code: types.CodeType) -> frozenset[tuple[str, ...]]:
     return frozenset(reads)
 
 
-def _cells(fn: types.FunctionType) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+_DYNAMIC_BUILTINS = {"globals", "vars", "locals", "eval", "exec", "__import__", "getattr", "setattr",
+                     "compile", "open", "input"}
+
+
+def _has_attributes(value: Any) -> bool:
+    """Values whose attributes a chain ``a.b.c`` is followed through (and can be rebound)."""
+    return isinstance(value, (types.ModuleType, type, types.FunctionType))
+
+
+def _follow(value: Any, attrs: tuple[str, ...]) -> tuple[Any, Any, str, int]:
+    """``(owner, value, last attribute, depth)`` after following ``attrs`` as far as they lead."""
+    owner, last, depth = None, "", 0
+    for attr in attrs:
+        if not _has_attributes(value) or not hasattr(value, attr):
+            break
+        owner, last = value, attr
+        value, depth = getattr(value, attr), depth + 1
+    return owner, value, last, depth
+
+
+def _cells(fn: types.FunctionType) -> dict[str, tuple[Any, Any]]:
+    """``name -> (cell, value)``; an empty cell (filled later) has the value `_MISSING`."""
+    out: dict[str, tuple[Any, Any]] = {}
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         try:
-            out[name] = cell.cell_contents
-        except ValueError:  # an empty cell: filled later, so not a constant
-            out[name] = _MISSING
+            out[name] = (cell, cell.cell_contents)
+        except ValueError:
+            out[name] = (cell, _MISSING)
     return out
 
 
-def _reachable(hook: Any) -> list[tuple[types.FunctionType, dict[str, Any]]]:
+def _cell_check(cell: Any, value: Any) -> Callable[[], bool]:
+    def holds() -> bool:  # `nonlocal` can rebind a captured variable after the proof
+        try:
+            return cell.cell_contents is value
+        except ValueError:
+            return False
+    return holds
+
+
+def _reachable(hook: Any) -> list[tuple[types.FunctionType, dict[str, tuple[Any, Any]]]]:
     """The Python functions a hook can run, found from its closures, defaults and globals.
 
     Found statically (no tracing hook is installed, so profilers and debuggers keep
     working): torch's own functions are followed only through their closures
     (``and_masks`` keeps the user's masks there), never through their globals.
     """
-    found: list[tuple[types.FunctionType, dict[str, Any]]] = []
+    found: list[tuple[types.FunctionType, dict[str, tuple[Any, Any]]]] = []
     seen: set[int] = set()
     stack: list[Any] = [hook]
     while stack:
@@ -148,17 +178,15 @@ def _reachable(hook: Any) -> list[tuple[types.FunctionType, dict[str, Any]]]:
             continue
         seen.add(id(obj))
         cells = _cells(obj)
-        stack.extend(cells.values())
+        stack.extend(v for _, v in cells.values())
+        stack.extend(obj.__defaults__ or ())
+        stack.extend((obj.__kwdefaults__ or {}).values())
         if not _user_code(obj.__code__):
             continue
         found.append((obj, cells))
         for chain in _global_reads(obj.__code__):
-            value = obj.__globals__.get(chain[0])
-            for attr in chain[1:]:
-                if not isinstance(value, types.ModuleType):
-                    break
-                value = getattr(value, attr, None)
-            if isinstance(value, types.FunctionType):
+            _, value, _, _ = _follow(obj.__globals__.get(chain[0]), chain[1:])
+            if isinstance(value, (types.FunctionType, types.MethodType, tuple, list)):
                 stack.append(value)
     return found
 
@@ -183,6 +211,8 @@ def _list_check(value: list[Any]) -> Callable[[], bool]:
 def _classify(trace: HookTrace, name: str, value: Any, where: str, rebind: Optional[Callable[[], bool]]) -> None:
     label = f"the {where} {name}"
     if _is_code(value) and not isinstance(value, torch.Tensor):
+        if rebind is not None:  # a helper function or module can be rebound too
+            trace.assumptions.append(Assumption(f"{label} is the same object", rebind))
         return
     if isinstance(value, torch.Tensor):
         trace.tensor_names.setdefault(id(value), name)
@@ -213,36 +243,38 @@ def _attribute_check(owner: Any, attr: str, value: Any) -> Callable[[], bool]:
 def _inspect(trace: HookTrace, hook: Any) -> None:
     builtin_names = vars(builtins)
     for fn, cells in _reachable(hook):
-        for name, value in cells.items():
+        code = fn.__code__
+        if any(ins.opname == "IMPORT_NAME" for ins in dis.get_instructions(code)):
+            trace.dynamic.append(f"an import inside {code.co_name}, whose values can change between calls")
+        for name, (cell, value) in cells.items():
             if value is _MISSING:
                 trace.dynamic.append(f"the captured variable {name}, which is not yet set")
             else:
-                _classify(trace, name, value, "captured variable", None)
+                _classify(trace, name, value, "captured variable", _cell_check(cell, value))
         for i, value in enumerate(fn.__defaults__ or ()):
             _classify(trace, f"#{i}", value, "default argument", None)
         for name, value in (fn.__kwdefaults__ or {}).items():
             _classify(trace, name, value, "default argument", None)
         globals_ = fn.__globals__
-        for chain in sorted(_global_reads(fn.__code__)):
+        for chain in sorted(_global_reads(code)):
             if chain[0] not in globals_:
-                if chain[0] not in builtin_names:
+                if chain[0] in _DYNAMIC_BUILTINS:
+                    trace.dynamic.append(f"the builtin {chain[0]}(), which reads or changes state by name")
+                elif chain[0] not in builtin_names:
                     trace.dynamic.append(f"the undefined global {chain[0]}")
                 continue
-            owner: Any = globals_
-            value = globals_[chain[0]]
-            check = _rebinding_check(globals_, chain[0], value)
-            for attr in chain[1:]:
-                if not isinstance(value, types.ModuleType) or not hasattr(value, attr):
-                    break
-                owner, value = value, getattr(value, attr)
-                check = _attribute_check(owner, attr, value)
-            depth = 1
-            walk = globals_[chain[0]]
-            for attr in chain[1:]:
-                if not isinstance(walk, types.ModuleType) or not hasattr(walk, attr):
-                    break
-                walk, depth = getattr(walk, attr), depth + 1
-            _classify(trace, ".".join(chain[:depth]), value, "module global", check)
+            root = globals_[chain[0]]
+            if getattr(root, "__name__", "") == "importlib" or root is builtins:
+                trace.dynamic.append(f"{chain[0]}, which loads values by name at call time")
+                continue
+            owner, value, attr, depth = _follow(root, chain[1:])
+            check = (_rebinding_check(globals_, chain[0], root) if owner is None
+                     else _both(_rebinding_check(globals_, chain[0], root), _attribute_check(owner, attr, value)))
+            _classify(trace, ".".join(chain[:depth + 1]), value, "module global", check)
+
+
+def _both(first: Callable[[], bool], second: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: first() and second()
 
 
 def _value_uses(graph: fx.Graph, placeholder: fx.Node) -> bool:

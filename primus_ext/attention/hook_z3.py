@@ -25,6 +25,10 @@ import torch.fx as fx
 import z3
 
 MAX_TABLE = 4096  # longest captured tensor turned into an If-chain
+FLOAT_CONST_MAX = 2.0 ** 20  # float constants beyond (or below its inverse) are refused
+INDEX_BOUND = 2 ** 40
+"""Indices are proven below this bound, so int64 arithmetic on them is checked for overflow."""
+INT64 = 2 ** 63
 
 
 class Unsupported(Exception):
@@ -48,8 +52,9 @@ def _const(x: Any) -> z3.ExprRef:
     if isinstance(x, int):
         return z3.IntVal(x)
     if isinstance(x, float):
-        if not math.isfinite(x):
-            raise Unsupported(f"uses the non-finite constant {x}")
+        if not math.isfinite(x) or abs(x) > FLOAT_CONST_MAX or 0 < abs(x) < 1 / FLOAT_CONST_MAX:
+            raise Unsupported(f"uses the constant {x!r}, whose floating-point rounding a proof over "
+                              "the reals does not model")
         return z3.RealVal(Fraction(x))
     raise Unsupported(f"uses a constant of type {type(x).__name__}")
 
@@ -109,13 +114,20 @@ def _mod(a: Any, d: Any) -> z3.ArithRef:
     return x % _positive_int(d, "%")  # Euclidean == Python's (and torch.remainder's) for d > 0
 
 
+def _int_operand(a: Any, what: str) -> z3.ArithRef:
+    x = num(a)
+    if not z3.is_int(x):
+        raise Unsupported(f"uses {what} on a floating value")
+    return x
+
+
 def _trunc_div(a: Any, d: Any) -> z3.ArithRef:
-    x, n = num(a), _positive_int(d, "truncating division")
+    x, n = _int_operand(a, "truncating division"), _positive_int(d, "truncating division")
     return z3.If(x >= 0, x / n, -((-x) / n))
 
 
 def _fmod(a: Any, d: Any) -> z3.ArithRef:
-    x, n = num(a), _positive_int(d, "fmod")
+    x, n = _int_operand(a, "fmod"), _positive_int(d, "fmod")
     return z3.If(x >= 0, x % n, -((-x) % n))
 
 
@@ -153,9 +165,17 @@ def _compare(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], z3.BoolRef]:
     return run
 
 
+_BOOL_ARITH = {operator.add: z3.Or, operator.mul: z3.And}  # torch: bool + bool is a bool
+
+
 def _arith(op: Callable[[Any, Any], Any]) -> Callable[..., z3.ArithRef]:
     def run(a: Any, b: Any, alpha: Any = 1) -> z3.ArithRef:
-        x, y = _pair(a, b)
+        ea, eb = expr(a), expr(b)
+        if z3.is_bool(ea) and z3.is_bool(eb):
+            if op not in _BOOL_ARITH or alpha != 1:
+                raise Unsupported("subtracts boolean tensors")
+            return _BOOL_ARITH[op](ea, eb)
+        x, y = _pair(ea, eb)
         if alpha != 1:
             y = y * num(alpha)
         return op(x, y)
@@ -205,23 +225,51 @@ def _sign(a: Any) -> z3.ArithRef:
     return z3.If(x > 0, 1, z3.If(x < 0, -1, 0))
 
 
-def _cast(kind: str) -> Callable[..., z3.ExprRef]:
-    def run(a: Any, *args: Any, **kwargs: Any) -> z3.ExprRef:
-        dtype = kwargs.get("dtype") or next((x for x in args if isinstance(x, torch.dtype)), None)
-        target = kind if dtype is None else ("bool" if dtype == torch.bool else
-                                             "float" if dtype.is_floating_point else "int")
-        x = expr(a)
-        if target == "same":
-            return x
-        if target == "bool":
-            return boolean(x)
-        if target == "float":
-            x = num(x)
-            return z3.ToReal(x) if z3.is_int(x) else x
-        x = num(x)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _convert(x: z3.ExprRef, target: Any) -> z3.ExprRef:
+    """``x`` as ``target`` (a dtype, or "float64"/"narrow"), exactly, or `Unsupported`."""
+    if target == torch.bool:
+        return boolean(x)
+    if z3.is_bool(x):
+        return z3.If(x, 1.0, 0.0) if target in (torch.float64, *_FLOATS) else z3.If(x, 1, 0)
+    if target == torch.float64:
+        return z3.ToReal(x) if z3.is_int(x) else x
+    if target in _FLOATS:
+        if z3.is_int(x):
+            raise Unsupported(f"converts index values to {target}, which rounds large indices")
+        return x  # a score stays a score: its rounding is the kernel's too
+    if target == torch.int64:
         if z3.is_real(x):
             raise Unsupported("converts a floating value to an integer")
         return x
+    raise Unsupported(f"converts values to {target}, which wraps or rounds some of them")
+
+
+_METHOD_DTYPES = {"bool": torch.bool, "float": torch.float32, "double": torch.float64,
+                  "half": torch.float16, "bfloat16": torch.bfloat16, "long": torch.int64, "int": torch.int32}
+
+
+def _cast(method: str) -> Callable[..., z3.ExprRef]:
+    def run(a: Any, *args: Any, **kwargs: Any) -> z3.ExprRef:
+        x = expr(a)
+        if method in _METHOD_DTYPES:
+            return _convert(x, _METHOD_DTYPES[method])
+        dtype = kwargs.get("dtype") or next((v for v in args if isinstance(v, torch.dtype)), None)
+        if method == "type_as":
+            other = args[0] if args else None
+            if isinstance(other, _Meta) or other is None:
+                raise Unsupported("uses type_as with a tensor of unknown dtype")
+            o = expr(other)
+            if z3.is_bool(o):
+                return boolean(x)
+            if z3.is_int(o):
+                return _convert(x, torch.int64)
+            if z3.is_int(x):
+                raise Unsupported("converts index values to a floating dtype with type_as")
+            return x
+        return x if dtype is None else _convert(x, dtype)
     return run
 
 
@@ -238,14 +286,32 @@ def _like(fill: Any) -> Callable[..., z3.ExprRef]:
     return run
 
 
-def _new(fill: Any) -> Callable[..., z3.ExprRef]:
-    def run(src: Any, size: Any = (), *args: Any, dtype: Any = None, **_: Any) -> z3.ExprRef:
-        value = fill if fill is not None else (args[0] if args else 0)
-        if dtype == torch.bool:
+def _new(method: str) -> Callable[..., z3.ExprRef]:
+    """``new_ones`` / ``new_zeros`` / ``new_full`` / ``new_tensor``: the source's dtype unless given."""
+    def run(src: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> z3.ExprRef:
+        if method == "new_tensor":
+            value = args[0] if args else kwargs.get("data")
+        elif method == "new_full":
+            value = args[1] if len(args) > 1 else kwargs.get("fill_value")
+        else:
+            value = 1 if method == "new_ones" else 0
+        if not isinstance(value, (bool, int, float)):
+            raise Unsupported(f"uses {method} with a non-scalar value")
+        if dtype is None:
+            source = None if isinstance(src, _Meta) else expr(src)
+            if source is None:
+                raise Unsupported(f"uses {method} on a value of unknown dtype")
+            kind = "bool" if z3.is_bool(source) else "float" if z3.is_real(source) else "int"
+        else:
+            kind = "bool" if dtype == torch.bool else "float" if dtype in (torch.float64, torch.float32) else (
+                "int" if dtype == torch.int64 else None)
+            if kind is None:
+                raise Unsupported(f"uses {method} with dtype {dtype}")
+        if kind == "bool":
             return z3.BoolVal(bool(value))
-        if dtype is not None and dtype.is_floating_point:
-            return z3.RealVal(Fraction(float(value)))
-        return _const(value)
+        if kind == "int":
+            return z3.IntVal(int(value))  # torch truncates a float fill toward zero
+        return _const(float(value))
     return run
 
 
@@ -264,6 +330,9 @@ def _tensor(data: Any, *args: Any, dtype: Any = None, **_: Any) -> Any:
 def _bucketize(x: Any, bounds: Any, *, right: bool = False, out_int32: bool = False) -> z3.ArithRef:
     if not isinstance(bounds, Captured) or bounds.tensor.dim() != 1:
         raise Unsupported("uses torch.bucketize with non-constant boundaries")
+    values = bounds.tensor.tolist()
+    if any(a > b for a, b in zip(values, values[1:])):
+        raise Unsupported(f"uses torch.bucketize with unsorted boundaries {bounds.name}")
     v = num(x)
     return z3.Sum([z3.If(num(b) <= v if right else num(b) < v, 1, 0) for b in bounds.tensor.tolist()] or [z3.IntVal(0)])
 
@@ -303,13 +372,17 @@ METHODS: dict[str, Callable[..., Any]] = {
     "logical_not": FUNCTIONS[torch.logical_not], "logical_xor": FUNCTIONS[torch.logical_xor],
     "abs": _abs, "clamp": _clamp, "clip": _clamp, "sign": _sign, "where": lambda a, c, b: _where(c, a, b),
     "minimum": _minimum, "maximum": _maximum,
-    "new_ones": _new(1), "new_zeros": _new(0), "new_full": _new(None), "new_tensor": _new(None),
-    "bool": _cast("bool"), "float": _cast("float"), "double": _cast("float"), "half": _cast("float"),
-    "bfloat16": _cast("float"), "long": _cast("int"), "int": _cast("int"), "to": _cast("same"),
-    "type_as": _cast("same"), "expand": lambda a, *s, **k: expr(a), "expand_as": lambda a, b: expr(a),
+    "new_ones": _new("new_ones"), "new_zeros": _new("new_zeros"), "new_full": _new("new_full"),
+    "new_tensor": _new("new_tensor"),
+    "bool": _cast("bool"), "float": _cast("float"), "double": _cast("double"), "half": _cast("half"),
+    "bfloat16": _cast("bfloat16"), "long": _cast("long"), "int": _cast("int"), "to": _cast("to"),
+    "type_as": _cast("type_as"), "expand": lambda a, *s, **k: expr(a), "expand_as": lambda a, b: expr(a),
     "contiguous": lambda a, *k, **kw: expr(a), "clone": lambda a, *k, **kw: expr(a),
     "detach": lambda a: expr(a),
 }
+
+
+_MAY_OVERFLOW = {operator.mul, torch.mul, "mul", "__mul__", operator.add, operator.sub, torch.add, torch.sub}
 
 
 class Encoder:
@@ -321,11 +394,20 @@ class Encoder:
         self.ops: set[str] = set()
 
     def run(self, inputs: dict[str, Any]) -> z3.ExprRef:
+        try:
+            return self._run(inputs)
+        except z3.Z3Exception as exc:
+            raise Unsupported(f"mixes value kinds the prover cannot encode ({exc})") from exc
+
+    def _run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         env: dict[fx.Node, Any] = {}
         for node in self.graph.graph.nodes:
             if node.op == "output":
                 return expr(fx.node.map_arg(node.args[0], env.__getitem__))
-            env[node] = self._node(node, env, inputs)
+            env[node] = value = self._node(node, env, inputs)
+            if isinstance(value, z3.ArithRef) and z3.is_int(value) and node.target in _MAY_OVERFLOW:
+                self.obligations.append((z3.And(value > -INT64, value < INT64),
+                                         "overflows int64 arithmetic"))
         raise Unsupported("returns nothing")
 
     def _node(self, node: fx.Node, env: dict[fx.Node, Any], inputs: dict[str, Any]) -> Any:

@@ -22,6 +22,7 @@ from .base import KernelCall, Output, fp32_sink
 from .ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from ..attention.block_mask_cache import BlockMaskCache
+from ..attention.library import library_pattern
 from ..attention.pattern import Pattern, pattern_from_flash_args
 
 MASK_KEY = "turbo_flex_attention_mask_mod"
@@ -231,10 +232,10 @@ class PlanTarget:
         self.backend = backend
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
-        # An unproven hook, or one whose proof relies on values that may change, is run
-        # by the reference itself at every call; a proven one runs as its pattern.
+        # The reference evaluates every user hook itself at every call, proven or not, so
+        # it stays exact whatever a proof assumed; only library masks run as their pattern.
         self.hook_runs_itself = (backend.name == "reference" and plan.mask_mod is not None
-                                 and (plan.pattern is None or bool(plan.hook_assumptions)))
+                                 and library_pattern(plan.mask_mod) is None)
         # Chunks and constant document cuts hold at every length; a call gets its boundaries.
         self.per_length = plan.pattern is not None and (plan.pattern.chunk is not None
                                                         or plan.pattern.cuts is not None)

@@ -61,11 +61,16 @@ _C_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.Wrappe
 
 
 def _is_stdlib(module_name: Any) -> bool:
-    """True for builtins and standard-library modules, judged by the top-level package."""
+    """True for builtins, standard-library and torch modules, judged by the top-level package.
+
+    torch's own functions are never a user's hook, and some change process state when
+    called (``torch:set_printoptions``), so a config may not name them either.
+    """
     if not isinstance(module_name, str) or not module_name:
         return True  # no importable home: nothing vouches for it
     top = module_name.split(".", 1)[0]
-    return top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins"
+    return (top in sys.stdlib_module_names or top in sys.builtin_module_names
+            or top in ("builtins", "torch"))
 
 
 def _untrusted(obj: Any) -> Optional[str]:
@@ -133,7 +138,7 @@ class _Resolver:
     def run(self) -> Callable[..., Tensor]:
         module_name, attr_path = self.split()
         if _is_stdlib(module_name):  # refused before import: importing already runs its code
-            raise self.refuse(f"`{module_name}` is a standard-library or builtins module; a config may "
+            raise self.refuse(f"`{module_name}` is a standard-library, builtins or torch module; a config may "
                               "only name a hook from your own code or from primus_ext, so it was not "
                               "imported (B32).", f"{self.own_function()}.", code=TRUST_CODE)
         target = self.follow(self.import_module(module_name), module_name, attr_path)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from primus_ext.attention.pattern import Pattern
+
 from primus_ext.backends.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
@@ -71,15 +73,14 @@ def test_regression_reference_refused_a_probed_hook_at_a_new_length():
     keys = dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:chunked",
                 turbo_flex_attention_mask_mod_kwargs={"chunk_size": 2, "causal": False})
     run = adapter(settings(**keys), facts(seq_length=None))
-    assert run.plan.pattern is not None and run.plan.pattern.boundaries is not None  # recognised, as before
-    for s in (1, 5, 6):
-        q, k, v = qkv(s=s)
-        want, _ = oracle.attention(q, k, v, oracle.library_mask("chunked", {"chunk_size": 2, "causal": False}, s, s))
-        torch.testing.assert_close(run(q, k, v), want, **TOL)
-    with fake_primus_turbo():  # turbo still refuses what its fixed kernels cannot prove
+    assert run.plan.pattern == Pattern(-1, -1, chunk=2)  # now proven, for every length
+    with fake_primus_turbo():
         turbo = adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts(seq_length=None))
-        with pytest.raises(UnsupportedInputError, match="documents"):
-            turbo(*qkv(s=6))
+        for s in (1, 5, 6):
+            q, k, v = qkv(s=s)
+            want, _ = oracle.attention(q, k, v, oracle.library_mask("chunked", {"chunk_size": 2, "causal": False}, s, s))
+            torch.testing.assert_close(run(q, k, v), want, **TOL)
+            torch.testing.assert_close(turbo(q, k, v), want, **TOL)
 
 
 def test_regression_fp8_refused_the_unbounded_window():
@@ -100,7 +101,7 @@ def test_regression_hook_that_raises_on_the_recognition_grid():
     `mask` naming the error; the reference builds and runs it at its own length."""
     with fake_primus_turbo():
         err = refused(dict(turbo_flex_attention_backend="turbo", **DOCS_HOOK), facts(seq_length=None))
-    assert "mask" in err.codes and "IndexError" in str(err) and "512x512" in str(err)
+    assert "B31" in err.codes and "out of range" in str(err)  # proven impossible, not probed
     run = adapter(settings(**DOCS_HOOK), facts(seq_length=None))
     q, k, v = qkv(s=10)
     want, _ = oracle.attention(q, k, v, oracle.packed_mask([0, 4, 10], [0, 4, 10], causal=True, window=(-1, -1)))

@@ -117,3 +117,24 @@ def branchy(b, h, q_idx, kv_idx):
     if q_idx.sum() > 3:  # Python control flow on index values
         return kv_idx <= q_idx
     return kv_idx >= 0
+
+
+# ---------------------------------------------------------------- torch semantics a proof must respect
+def uint8_window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).to(torch.uint8) <= 3  # wraps below 0
+
+
+def bool_sum(b, h, q_idx, kv_idx):
+    return ((kv_idx <= q_idx) + (q_idx - kv_idx <= 3)) > 1  # bool + bool is a bool: never > 1
+
+
+def half_causal(b, h, q_idx, kv_idx):
+    return kv_idx.half() <= q_idx.half()  # rounds indices above 2048
+
+
+class Config:
+    W = 3
+
+
+def class_window(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= Config.W)

@@ -281,3 +281,26 @@ def test_proving_works_under_a_profiler():
         assert prove_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 11).pattern == Pattern(11, -1)
     finally:
         profiler.disable()
+
+
+@pytest.mark.parametrize("name", ["uint8_window", "bool_sum", "half_causal"])
+def test_hooks_whose_torch_semantics_differ_from_integers_are_not_proven(name):
+    assert prove_mask(getattr(proof_hooks, name), num_heads=4).pattern is None
+    q, k, v = qkv()
+    out = run(mask_settings(name, "reference"), q, k, v)
+    torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.hook(getattr(proof_hooks, name))), **TOL)
+
+
+def test_rebinding_a_class_attribute_the_proof_read_refuses_the_next_turbo_call(monkeypatch):
+    q, k, v = qkv()
+    with fake_primus_turbo():
+        layer = TurboFlexAttention(build_plan(mask_settings("class_window", "turbo"), facts()))
+        layer(q, k, v)
+        monkeypatch.setattr(proof_hooks.Config, "W", 100)
+        with pytest.raises(UnsupportedInputError, match="Config.W"):
+            layer(q, k, v)
+
+
+def test_a_torch_function_cannot_be_named_as_a_hook():
+    with pytest.raises(UnsupportedConfigError, match="torch"):
+        build_plan(settings(turbo_flex_attention_mask_mod="torch:set_printoptions"), facts())

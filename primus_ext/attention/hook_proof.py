@@ -36,6 +36,7 @@ from .pattern import FULL, MaskMod, Pattern, ScoreMod
 
 TIMEOUT_MS = 2000  # per solver query; a query that times out proves nothing
 MAX_CUTS = 64  # constant document boundaries looked for before giving up
+GUESS_GRID = 64  # side of the grid a candidate window is read from (then proven, never trusted)
 PROOFS: Counter = Counter()
 """How many proofs were run (``mask_mod`` / ``score_mod``): cache hits do not count."""
 
@@ -92,6 +93,21 @@ def _where(model: z3.ModelRef, names: dict[str, z3.ExprRef]) -> str:
     return ", ".join(parts)
 
 
+def _broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.ExprRef]) -> str:
+    """Empty when every obligation (index ranges, no overflow) holds for all inputs: one query."""
+    if not encoder.obligations:
+        return ""
+    status, model = _solve(*domain, z3.Not(z3.And(*[o for o, _ in encoder.obligations])))
+    if status == "unsat":
+        return ""
+    if model is None:
+        return "could not be checked within the solver's time limit"
+    for obligation, text in encoder.obligations:
+        if not z3.is_true(model.eval(obligation, model_completion=True)):
+            return f"{text} at {_where(model, names)}"
+    return "breaks an obligation"
+
+
 def pattern_formula(pattern: Pattern, q: z3.ArithRef, kv: z3.ArithRef) -> z3.BoolRef:
     """``pattern.allows(q, kv)`` as a z3 formula (length-free patterns only)."""
     ok: list[Any] = []
@@ -132,11 +148,9 @@ class _MaskProver:
             mask = boolean(encoder.run({"b": self.b, "h": self.h, "q_idx": self.q, "kv_idx": self.kv}))
         except Unsupported as exc:
             return self.result(None, str(exc))
-        for obligation, text in encoder.obligations:
-            status, model = _solve(*self.domain, z3.Not(obligation))
-            if status != "unsat":
-                where = f" at {_where(model, self.names)}" if model is not None else " (undecided)"
-                return self.result(None, f"{text}{where}")
+        why = _broken_obligation(encoder, self.domain, self.names)
+        if why:
+            return self.result(None, why)
         why = self.shared_across_batch_and_heads(mask)
         if why:
             return self.result(None, why)
@@ -160,6 +174,9 @@ class _MaskProver:
                 "share one mask across batch and heads")
 
     def classify(self, mask: z3.BoolRef) -> MaskProof:
+        guess = self.guess()
+        if guess is not None and self.differs(mask, guess) is None:
+            return self.result(guess, f"proven {guess.describe()} for every position")
         status, _ = _solve(*self.domain, z3.Not(mask))
         if status == "unsat":
             return self.result(FULL, "proven full attention")
@@ -183,6 +200,32 @@ class _MaskProver:
         if isinstance(docs, Pattern):
             return self.result(docs, f"proven {docs.describe()} for every position")
         return self.result(None, why + docs)
+
+    def guess(self) -> Optional[Pattern]:
+        """A window read off the hook evaluated on a small grid: only a candidate to prove.
+
+        Most hooks are a window, and one equality proof is far cheaper than deriving the
+        candidate with the solver; a wrong guess just falls back to the derivation.
+        """
+        n = GUESS_GRID
+        idx = torch.arange(n)
+        try:
+            with torch.no_grad():
+                allowed = self.trace.graph(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long),
+                                           idx.view(-1, 1), idx.view(1, -1))
+            allowed = torch.broadcast_to(torch.as_tensor(allowed, dtype=torch.bool), (n, n))
+        except Exception:  # noqa: BLE001 - the hook as traced cannot run concretely: no guess
+            return None
+        if not bool(allowed.any()):
+            return None
+        offset = idx.view(-1, 1) - idx.view(1, -1)  # q - kv
+        left = int(offset[allowed].max())
+        right = int((-offset)[allowed].max())
+        left = -1 if left >= n - 1 else left
+        right = -1 if right >= n - 1 else right
+        if left < -1 or right < -1 or (left < 0 and left != -1) or (right < 0 and right != -1):
+            return None
+        return Pattern(left, right)
 
     def differs(self, mask: z3.BoolRef, pattern: Pattern) -> Optional[str]:
         expected = pattern_formula(pattern, self.q, self.kv)
@@ -254,10 +297,9 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
             return result("other", str(exc))
         out = z3.ToReal(out) if z3.is_int(out) else out
         local = domain + ([] if head is None else [h == head])
-        for obligation, text in encoder.obligations:
-            status, model = _solve(*local, z3.Not(obligation))
-            if status != "unsat":
-                return result("other", text + (f" at {_where(model, names)}" if model is not None else ""))
+        why = _broken_obligation(encoder, local, names)
+        if why:
+            return result("other", why)
         at = z3.simplify(z3.substitute(out - score, (score, z3.RealVal(0)), (b, z3.IntVal(0)),
                                        (h, z3.IntVal(head or 0)), (q, z3.IntVal(0)), (kv, z3.IntVal(1))))
         if not (z3.is_rational_value(at) or z3.is_int_value(at)):

@@ -138,3 +138,47 @@ class Config:
 
 def class_window(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (q_idx - kv_idx <= Config.W)
+
+
+def float_window(b, h, q_idx, kv_idx):
+    d = q_idx - kv_idx
+    return (d >= 0) & (d * 0.3 <= 0.9)  # float32: 3 * 0.3 > 0.9, so window 2, not 3
+
+
+def requires_grad_full(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | torch.full_like(q_idx, q_idx.requires_grad, dtype=torch.bool)
+
+
+def infinite_fill(score, b, h, q_idx, kv_idx):
+    return torch.where(kv_idx > q_idx + 1000, torch.full_like(score, -float("inf")), score)
+
+
+def _window_from(cfg):
+    def captured_class_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= cfg.W)
+    return captured_class_window
+
+
+class CapturedConfig:
+    W = 3
+
+
+captured_class_window = _window_from(CapturedConfig)
+
+WIDTH = torch.tensor([3])
+
+
+def tensor_width(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= WIDTH[0])
+
+
+def signed_zero(c):
+    import math
+
+    def mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (q_idx >= 0) if math.copysign(1.0, c) > 0 else kv_idx <= q_idx
+    return mask
+
+
+def head_four_and_up(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (h >= 4)

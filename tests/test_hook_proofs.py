@@ -304,3 +304,62 @@ def test_rebinding_a_class_attribute_the_proof_read_refuses_the_next_turbo_call(
 def test_a_torch_function_cannot_be_named_as_a_hook():
     with pytest.raises(UnsupportedConfigError, match="torch"):
         build_plan(settings(turbo_flex_attention_mask_mod="torch:set_printoptions"), facts())
+
+
+@pytest.mark.parametrize("name", ["float_window", "requires_grad_full"])
+def test_float_index_arithmetic_and_tensor_attributes_are_not_proven(name):
+    assert prove_mask(getattr(proof_hooks, name), num_heads=4).pattern is None
+
+
+def test_an_infinite_fill_is_refused_on_turbo_and_runs_on_reference():
+    with fake_primus_turbo():
+        with pytest.raises(UnsupportedConfigError):
+            build_plan(score_settings("infinite_fill", "turbo"), facts())
+    build_plan(score_settings("infinite_fill", "reference"), facts())
+
+
+@pytest.mark.parametrize("name, change", [
+    ("captured_class_window", lambda: setattr(proof_hooks.CapturedConfig, "W", 0)),
+    ("tensor_width", lambda: proof_hooks.WIDTH.data.fill_(0)),  # bypasses the version counter
+])
+def test_changing_what_a_proof_read_refuses_the_next_turbo_call(name, change):
+    q, k, v = qkv()
+    saved = (proof_hooks.CapturedConfig.W, proof_hooks.WIDTH.clone())
+    with fake_primus_turbo():
+        layer = TurboFlexAttention(build_plan(mask_settings(name, "turbo"), facts()))
+        layer(q, k, v)
+        try:
+            change()
+            with pytest.raises(UnsupportedInputError, match="B31"):
+                layer(q, k, v)
+        finally:
+            proof_hooks.CapturedConfig.W = saved[0]
+            proof_hooks.WIDTH.data.copy_(saved[1])
+
+
+def test_closures_over_values_equal_in_python_but_different_in_torch_do_not_share_a_proof():
+    assert prove_mask(proof_hooks.signed_zero(0.0), num_heads=4).pattern == Pattern(-1, -1)
+    assert prove_mask(proof_hooks.signed_zero(-0.0), num_heads=4).pattern == Pattern(-1, 0)
+
+
+def test_an_object_equal_to_a_library_mask_is_not_it():
+    from primus_ext.attention import masks
+
+    lib = masks.causal()
+
+    class Impostor:
+        def __hash__(self):
+            return hash(lib)
+
+        def __eq__(self, other):
+            return True
+
+    assert library_pattern(Impostor()) is None
+
+
+def test_a_call_with_more_heads_than_planned_is_refused():
+    q, k, v = qkv(hq=8, hkv=2)
+    with fake_primus_turbo():
+        layer = TurboFlexAttention(build_plan(mask_settings("head_four_and_up", "turbo"), facts()))
+        with pytest.raises(UnsupportedInputError, match="num_attention_heads"):
+            layer(q, k, v)

@@ -101,7 +101,7 @@ def test_lru_65_shapes_warn_once_and_stay_at_64():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for s in range(3, 3 + 65):
-                q, k, v = qkv(b=1, s=s, hq=2, hkv=2, d=4, dtype=torch.float32)
+                q, k, v = qkv(b=1, s=s, hq=4, hkv=2, d=4, dtype=torch.float32)
                 run(q, k, v, causal=True, window_size=(2, 0))
     assert len(run.backend.cache) == 64
     assert sum(issubclass(w.category, RuntimeWarning) for w in caught) == 1

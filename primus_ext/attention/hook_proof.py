@@ -93,6 +93,20 @@ def _where(model: z3.ModelRef, names: dict[str, z3.ExprRef]) -> str:
     return ", ".join(parts)
 
 
+def _uses_reals(formula: z3.ExprRef) -> bool:
+    """True when any subterm is real-valued (a mask's float arithmetic is rounded by torch)."""
+    stack, seen = [formula], set()
+    while stack:
+        e = stack.pop()
+        if e.get_id() in seen:
+            continue
+        seen.add(e.get_id())
+        if z3.is_real(e):
+            return True
+        stack.extend(e.children())
+    return False
+
+
 def _broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.ExprRef]) -> str:
     """Empty when every obligation (index ranges, no overflow) holds for all inputs: one query."""
     if not encoder.obligations:
@@ -148,6 +162,9 @@ class _MaskProver:
             mask = boolean(encoder.run({"b": self.b, "h": self.h, "q_idx": self.q, "kv_idx": self.kv}))
         except Unsupported as exc:
             return self.result(None, str(exc))
+        if _uses_reals(mask):
+            return self.result(None, "computes with floating-point values of the indices, which torch "
+                                     "rounds (float32); write the mask with integer arithmetic")
         why = _broken_obligation(encoder, self.domain, self.names)
         if why:
             return self.result(None, why)
@@ -336,22 +353,31 @@ class _Unhashable(Exception):
     pass
 
 
-def _value_key(value: Any) -> Any:
-    if isinstance(value, types.FunctionType):
-        return _fingerprint(value)
-    if isinstance(value, tuple):
-        return tuple(_value_key(v) for v in value)
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+_SCALARS = (bool, int, str, type(None))
+
+
+def _value_key(value: Any, seen: frozenset[int] = frozenset()) -> Any:
+    """A hashable key that differs whenever two closure values could differ (exact types)."""
+    if id(value) in seen:
+        raise _Unhashable  # a closure that refers to itself
+    if type(value) is types.FunctionType:
+        return _fingerprint(value, seen | {id(value)})
+    if type(value) is tuple:
+        return tuple(_value_key(v, seen | {id(value)}) for v in value)
+    if type(value) in _SCALARS:
         return (type(value), value)
-    if isinstance(value, Pattern):
-        return value
+    if type(value) is float:
+        return (float, value.hex())  # -0.0 and 0.0 differ
+    if isinstance(value, torch.dtype) or type(value) is Pattern:
+        return (type(value), value)
     raise _Unhashable
 
 
-def _fingerprint(fn: types.FunctionType) -> Any:
-    cells = tuple(_value_key(c.cell_contents) for c in fn.__closure__ or ())
+def _fingerprint(fn: types.FunctionType, seen: frozenset[int] = frozenset()) -> Any:
+    cells = tuple(_value_key(c.cell_contents, seen) for c in fn.__closure__ or ())
     kwdefaults = tuple(sorted((fn.__kwdefaults__ or {}).items()))
-    return (fn.__code__, id(fn.__globals__), cells, _value_key(fn.__defaults__), _value_key(kwdefaults))
+    return (fn.__code__, id(fn.__globals__), cells, _value_key(fn.__defaults__, seen),
+            _value_key(kwdefaults, seen))
 
 
 def _cached(hook: Any, kind: str, num_heads: Optional[int],
@@ -361,7 +387,7 @@ def _cached(hook: Any, kind: str, num_heads: Optional[int],
     if isinstance(hook, types.FunctionType):
         try:
             fingerprint = (_fingerprint(hook), key)
-        except (_Unhashable, ValueError):  # ValueError: an empty closure cell
+        except (_Unhashable, ValueError, RecursionError):  # ValueError: an empty closure cell
             fingerprint = None
     try:
         per_object = _BY_OBJECT.setdefault(hook, {})

@@ -90,20 +90,25 @@ def _user_code(code: types.CodeType) -> bool:
     return not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR) or path.startswith("<frozen"))
 
 
-@functools.lru_cache(maxsize=1024)
-def _global_reads(code: types.CodeType) -> frozenset[tuple[str, ...]]:
-    """``("cfg", "W")`` for every ``cfg.W`` a code object (and the code nested in it) loads.
+_LOADS = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "deref", "LOAD_CLASSDEREF": "deref",
+          "LOAD_FAST": "fast"}
 
-    An attribute chain is kept after a global so that a module attribute (``cfg.W``) is
-    seen, not just the module; it is resolved while the value is a module.
+
+@functools.lru_cache(maxsize=1024)
+def _reads(code: types.CodeType) -> frozenset[tuple[str, ...]]:
+    """``("global", "cfg", "W")`` for every ``cfg.W`` a code object (and code nested in it) loads.
+
+    The first item says where the name lives: a module global, a closure cell
+    (``deref``) or a local such as a parameter with a default (``fast``).  The attribute
+    chain is kept so that ``cfg.W`` is seen, not just ``cfg``.
     """
     reads: set[tuple[str, ...]] = set()
     chain: list[str] = []
     for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+        if ins.opname in _LOADS:
             if chain:
                 reads.add(tuple(chain))
-            chain = [str(ins.argval)]
+            chain = [_LOADS[ins.opname], str(ins.argval)]
         elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and chain:
             chain.append(str(ins.argval))
         elif chain:
@@ -113,8 +118,12 @@ def _global_reads(code: types.CodeType) -> frozenset[tuple[str, ...]]:
         reads.add(tuple(chain))
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            reads |= _global_reads(const)
+            reads |= {r for r in _reads(const) if r[0] == "global"}
     return frozenset(reads)
+
+
+def _global_reads(code: types.CodeType) -> frozenset[tuple[str, ...]]:
+    return frozenset(r[1:] for r in _reads(code) if r[0] == "global")
 
 
 _DYNAMIC_BUILTINS = {"globals", "vars", "locals", "eval", "exec", "__import__", "getattr", "setattr",
@@ -198,9 +207,27 @@ def _rebinding_check(globals_: dict[str, Any], name: str, value: Any) -> Callabl
 _MISSING = object()
 
 
+SNAPSHOT_MAX = 4096  # captured tensors up to this size are also compared by value
+
+
 def _tensor_check(tensor: torch.Tensor) -> Callable[[], bool]:
+    """In-place writes bump ``_version``; writes through ``.data`` or numpy do not, so small
+    tensors are also compared with a copy (on a device, by an asynchronous assert: no sync)."""
     version, ptr = tensor._version, tensor.data_ptr()
-    return lambda: tensor._version == version and tensor.data_ptr() == ptr
+    snapshot = tensor.detach().clone() if tensor.numel() <= SNAPSHOT_MAX else None
+
+    def holds() -> bool:
+        if tensor._version != version or tensor.data_ptr() != ptr:
+            return False
+        if snapshot is None:
+            return True
+        if tensor.device.type == "cpu":
+            return torch.equal(tensor.detach(), snapshot)
+        torch._assert_async((tensor.detach() == snapshot).all(),
+                            "primus_ext: a tensor a hook proof read has changed (B31)")
+        return True
+
+    return holds
 
 
 def _list_check(value: list[Any]) -> Callable[[], bool]:
@@ -255,6 +282,7 @@ def _inspect(trace: HookTrace, hook: Any) -> None:
             _classify(trace, f"#{i}", value, "default argument", None)
         for name, value in (fn.__kwdefaults__ or {}).items():
             _classify(trace, name, value, "default argument", None)
+        _inspect_attribute_reads(trace, fn, cells)
         globals_ = fn.__globals__
         for chain in sorted(_global_reads(code)):
             if chain[0] not in globals_:
@@ -271,6 +299,32 @@ def _inspect(trace: HookTrace, hook: Any) -> None:
             check = (_rebinding_check(globals_, chain[0], root) if owner is None
                      else _both(_rebinding_check(globals_, chain[0], root), _attribute_check(owner, attr, value)))
             _classify(trace, ".".join(chain[:depth + 1]), value, "module global", check)
+
+
+def _defaults(fn: types.FunctionType) -> dict[str, Any]:
+    code = fn.__code__
+    names = code.co_varnames[:code.co_argcount]
+    values = dict(zip(names[len(names) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
+    values.update(fn.__kwdefaults__ or {})
+    return values
+
+
+def _inspect_attribute_reads(trace: HookTrace, fn: types.FunctionType, cells: dict[str, tuple[Any, Any]]) -> None:
+    """``cfg.W`` where ``cfg`` is a captured variable or a parameter's default (a class, a module)."""
+    defaults = _defaults(fn)
+    for where, name, *attrs in sorted(_reads(fn.__code__)):
+        if not attrs or where == "global":
+            continue
+        if where == "deref" and name in cells and cells[name][1] is not _MISSING:
+            root, label = cells[name][1], "captured variable"
+        elif where == "fast" and name in defaults:
+            root, label = defaults[name], "default argument"
+        else:
+            continue
+        owner, value, attr, depth = _follow(root, tuple(attrs))
+        if depth:
+            _classify(trace, ".".join([name, *attrs[:depth]]), value, label,
+                      _attribute_check(owner, attr, value))
 
 
 def _both(first: Callable[[], bool], second: Callable[[], bool]) -> Callable[[], bool]:

@@ -25,7 +25,7 @@ import torch.fx as fx
 import z3
 
 MAX_TABLE = 4096  # longest captured tensor turned into an If-chain
-FLOAT_CONST_MAX = 2.0 ** 20  # float constants beyond (or below its inverse) are refused
+FLOAT_CONST_MAX = 2.0 ** 12  # float constants beyond (or below its inverse) are refused
 INDEX_BOUND = 2 ** 40
 """Indices are proven below this bound, so int64 arithmetic on them is checked for overflow."""
 INT64 = 2 ** 63
@@ -55,7 +55,7 @@ def _const(x: Any) -> z3.ExprRef:
         if not math.isfinite(x) or abs(x) > FLOAT_CONST_MAX or 0 < abs(x) < 1 / FLOAT_CONST_MAX:
             raise Unsupported(f"uses the constant {x!r}, whose floating-point rounding a proof over "
                               "the reals does not model")
-        return z3.RealVal(Fraction(x))
+        return z3.RealVal(Fraction(torch.tensor(x, dtype=torch.float32).item()))  # torch's float32 scalar
     raise Unsupported(f"uses a constant of type {type(x).__name__}")
 
 
@@ -68,6 +68,8 @@ def _scalar(c: Captured) -> z3.ExprRef:
 def expr(v: Any) -> z3.ExprRef:
     if isinstance(v, z3.ExprRef):
         return v
+    if isinstance(v, _Meta):
+        raise Unsupported("uses a tensor attribute (device, dtype, shape, ...) as a value")
     if isinstance(v, Captured):
         return _scalar(v)
     return _const(v)
@@ -134,9 +136,9 @@ def _fmod(a: Any, d: Any) -> z3.ArithRef:
 def _truediv(a: Any, b: Any) -> z3.ArithRef:
     x, y = num(a), num(b)
     x = z3.ToReal(x) if z3.is_int(x) else x
-    if not isinstance(b, (int, float)) or b == 0:
+    if type(b) not in (int, float) or b == 0:
         raise Unsupported("divides by a non-constant (or zero)")
-    return x / z3.RealVal(Fraction(b))
+    return x / _const(float(b))
 
 
 def _div(a: Any, b: Any, rounding_mode: Optional[str] = None) -> z3.ArithRef:
@@ -276,6 +278,9 @@ def _cast(method: str) -> Callable[..., z3.ExprRef]:
 def _like(fill: Any) -> Callable[..., z3.ExprRef]:
     def run(a: Any, *args: Any, dtype: Any = None, **_: Any) -> z3.ExprRef:
         value = fill if fill is not None else (args[0] if args else 0)
+        if type(value) not in (bool, int, float):
+            raise Unsupported(f"fills a tensor with a {type(value).__name__}, not a constant")
+        _const(value)  # refuses non-finite values
         source = None if isinstance(a, _Meta) else expr(a)
         if dtype == torch.bool or (dtype is None and source is not None and z3.is_bool(source)):
             return z3.BoolVal(bool(value))
@@ -295,8 +300,9 @@ def _new(method: str) -> Callable[..., z3.ExprRef]:
             value = args[1] if len(args) > 1 else kwargs.get("fill_value")
         else:
             value = 1 if method == "new_ones" else 0
-        if not isinstance(value, (bool, int, float)):
-            raise Unsupported(f"uses {method} with a non-scalar value")
+        if type(value) not in (bool, int, float):
+            raise Unsupported(f"uses {method} with a non-constant value")
+        _const(value)  # refuses non-finite values
         if dtype is None:
             source = None if isinstance(src, _Meta) else expr(src)
             if source is None:
@@ -398,6 +404,8 @@ class Encoder:
             return self._run(inputs)
         except z3.Z3Exception as exc:
             raise Unsupported(f"mixes value kinds the prover cannot encode ({exc})") from exc
+        except (ArithmeticError, TypeError, ValueError, IndexError, RecursionError) as exc:
+            raise Unsupported(f"cannot be encoded ({type(exc).__name__}: {exc})") from exc
 
     def _run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         env: dict[fx.Node, Any] = {}

@@ -20,40 +20,50 @@ if TYPE_CHECKING:  # pattern.py registers its own mask_mods here, so no runtime 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_PATTERNS: "weakref.WeakKeyDictionary[Any, Optional[Pattern]]" = weakref.WeakKeyDictionary()
-_NAMES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-_FACTORIES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class _IdentityRegistry:
+    """Values keyed by the identity of live objects (``__eq__``/``__hash__`` are never used,
+    so an object that claims to equal a library mask is not it)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple["weakref.ref[Any]", Any]] = {}
+
+    def add(self, obj: Any, value: Any) -> None:
+        key = id(obj)
+        self._entries[key] = (weakref.ref(obj, lambda _, k=key: self._entries.pop(k, None)), value)
+
+    def get(self, obj: Any, default: Any = None) -> Any:
+        entry = self._entries.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            return default
+        return entry[1]
+
+    def __contains__(self, obj: Any) -> bool:
+        entry = self._entries.get(id(obj))
+        return entry is not None and entry[0]() is obj
+
+
+_MASKS = _IdentityRegistry()  # mask -> (pattern or None, name)
+_FACTORIES = _IdentityRegistry()
 
 
 def register_library_mask(mask: F, pattern: "Optional[Pattern]", name: str) -> F:
     """Record ``mask`` (this very object) as computing ``pattern``; ``None``: no fixed kernel."""
-    _PATTERNS[mask] = pattern
-    _NAMES[mask] = name
+    _MASKS.add(mask, (pattern, name))
     return mask
-
-
-def _lookup(table: Any, obj: Any) -> Any:
-    try:
-        return table.get(obj)
-    except TypeError:  # unhashable or not weak-referenceable: not ours
-        return None
 
 
 def library_pattern(mask: Any) -> "Optional[Pattern]":
     """The pattern of a library mask, by identity; ``None`` for anything else."""
-    return _lookup(_PATTERNS, mask)
+    return _MASKS.get(mask, (None, None))[0]
 
 
 def library_name(mask: Any) -> Optional[str]:
     """``"sliding_window(4, 0)"``-style name of a library mask, by identity."""
-    return _lookup(_NAMES, mask)
+    return _MASKS.get(mask, (None, None))[1]
 
 
 def is_library_mask(mask: Any) -> bool:
-    try:
-        return mask in _PATTERNS
-    except TypeError:
-        return False
+    return mask in _MASKS
 
 
 def hook_factory(factory: F) -> F:
@@ -69,15 +79,12 @@ def hook_factory(factory: F) -> F:
                 return (q_idx - kv_idx).abs() <= width
             return mask
     """
-    _FACTORIES.add(factory)
+    _FACTORIES.add(factory, True)
     return factory
 
 
 def is_hook_factory(obj: Any) -> bool:
-    try:
-        return obj in _FACTORIES
-    except TypeError:
-        return False
+    return obj in _FACTORIES
 
 
 __all__ = ["hook_factory", "is_hook_factory", "is_library_mask", "library_name", "library_pattern",

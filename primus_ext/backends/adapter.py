@@ -167,6 +167,12 @@ class TurboFlexAttention:
             raise _refuse(("return_attn_probs",), "attention probabilities are never materialised (B26).",
                           "call with return_attn_probs=False.")
         plan = self.plan
+        if q.shape[-2] != plan.num_heads or k.shape[-2] != plan.num_kv_heads:
+            # Hooks are proven for the planned heads only, and sinks / slopes are per head.
+            raise _refuse(("num_attention_heads", "num_query_groups"),
+                          f"the call has {q.shape[-2]} query and {k.shape[-2]} key/value heads, but the layer "
+                          f"was planned for {plan.num_heads} and {plan.num_kv_heads}.",
+                          "build the layer with the head counts (per tensor-parallel rank) it is called with.")
         if self._assumptions:
             self._check_assumptions()
         scale = softmax_scale if softmax_scale is not None else plan.scale

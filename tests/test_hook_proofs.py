@@ -363,3 +363,26 @@ def test_a_call_with_more_heads_than_planned_is_refused():
         layer = TurboFlexAttention(build_plan(mask_settings("head_four_and_up", "turbo"), facts()))
         with pytest.raises(UnsupportedInputError, match="num_attention_heads"):
             layer(q, k, v)
+
+
+LIBRARY_HOOKS = {  # the factories docs/mask_hooks.md lists, with arguments
+    "full": {}, "causal": {}, "sliding_window": {"left": 16, "right": 0},
+    "packed_documents": {"cu_seqlens": [0, 100, 512]}, "prefix_lm": {"prefix_length": 64},
+    "chunked": {"chunk_size": 64},
+}
+
+
+@pytest.mark.parametrize("factory", sorted(LIBRARY_HOOKS))
+def test_each_documented_library_hook_gets_one_verdict_at_any_length(factory):
+    config = settings(turbo_flex_attention_backend="turbo",
+                      turbo_flex_attention_mask_mod=f"primus_ext.attention.masks:{factory}",
+                      turbo_flex_attention_mask_mod_kwargs=LIBRARY_HOOKS[factory])
+
+    def verdict(seq_length):
+        with fake_primus_turbo():
+            try:
+                return build_plan(config, facts(seq_length=seq_length)).pattern
+            except UnsupportedConfigError as exc:
+                return str(exc)
+
+    assert verdict(None) == verdict(512) == verdict(65536)

@@ -39,11 +39,17 @@ class Tally:
         self.refusals: Counter = Counter()
         self.grads = 0
         self.first_problem = ""
+        self.by_hook: Counter = Counter()
 
     def record(self, case, outcome: str, detail: str) -> None:
         assert outcome in self.OUTCOMES, outcome
         self.outcomes[outcome] += 1
         self.by_level[(case.level, outcome)] += 1
+        if case.flex:
+            for spec in (case.mask_hook, case.score_hook):
+                if spec and spec.startswith("tests.fuzz.user_hooks:"):
+                    where = "turbo" if case.resolved_backend == "turbo" and case.fake is not None else "reference"
+                    self.by_hook[(spec.partition(":")[2], where, outcome)] += 1
         if outcome == "refused":
             self.refusals[detail] += 1
         elif outcome == "matched" and case.grad:
@@ -65,6 +71,14 @@ class Tally:
             out.append(f"  {level:8s} {parts}")
         top = ", ".join(f"{key or '?'}: {n}" for key, n in self.refusals.most_common(12))
         out.append(f"  refusals by rule: {top}")
+        hooks = sorted({name for name, _, _ in self.by_hook})
+        if hooks:
+            out.append("  user hooks, matched/refused on turbo | on reference:")
+            parts = [f"{name} {self.by_hook[(name, 'turbo', 'matched')]}/{self.by_hook[(name, 'turbo', 'refused')]}"
+                     f"|{self.by_hook[(name, 'reference', 'matched')]}/{self.by_hook[(name, 'reference', 'refused')]}"
+                     for name in hooks]
+            for i in range(0, len(parts), 6):
+                out.append("    " + ", ".join(parts[i:i + 6]))
         if self.first_problem:
             out.append(f"  first problem: {self.first_problem}")
         return out

@@ -11,6 +11,7 @@ Everything is drawn so that hypothesis can shrink a failure to a small case.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,24 +22,40 @@ LIB = "primus_ext.attention.masks"
 USER = "tests.fuzz.user_hooks"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 MASK_TYPES = ("causal", "no_mask", "causal_bottom_right", "padding")
+
+
+# Strategies are made once and reused: hypothesis validates every new strategy object on
+# its first draw, and building them afresh per case cost as much as running the case.
+@functools.lru_cache(maxsize=None)
+def ints(low: int, high: int):
+    return st.integers(low, high)
+
+
+@functools.lru_cache(maxsize=None, typed=True)  # typed: pick(0, 1) is not pick(0.0, 1.0)
+def pick(*values):
+    return st.sampled_from(values)
+
+
 # A window bound: unbounded, zero, or a positive width (small or past the sequence).
-BOUND = st.one_of(st.just(-1), st.just(0), st.integers(1, 6), st.integers(7, 40))
+BOUND = st.one_of(st.just(-1), st.just(0), ints(1, 6), ints(7, 40))
 
 
+@functools.lru_cache(maxsize=None)
 def one_in(n: int):
     """True about once in ``n`` draws.
 
     Hypothesis favours the ends of a range, so the rare value sits in the middle (a
     True at either end would come up far more often than 1/n); it shrinks to False.
     """
-    return st.integers(0, n - 1).map(lambda i: n > 1 and i == n // 2)
+    return ints(0, n - 1).map(lambda i: n > 1 and i == n // 2)
 
 
+@functools.lru_cache(maxsize=None)
 def weighted(*options):
     """``(value, weight)`` options; the first is the common one and also owns both ends of
     the range, where hypothesis' integer draws pile up, so rare values stay rare."""
     values = [v for v, w in options for _ in range(w)] + [options[0][0]]
-    return st.integers(0, len(values) - 1).map(values.__getitem__)
+    return ints(0, len(values) - 1).map(values.__getitem__)
 
 
 @dataclass(frozen=True)
@@ -80,16 +97,24 @@ class Case:
 
 
 # ----------------------------------------------------------------------------- pieces
-@st.composite
+@functools.lru_cache(maxsize=None)
+def _lists(elements, min_size: int, max_size: int):
+    return st.lists(elements, min_size=min_size, max_size=max_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _doc_lengths(max_docs: int):
+    return _lists(st.one_of(st.just(0), st.just(1), ints(2, 9)), 1, max_docs)
+
+
 def document_lengths(draw, total: Optional[int] = None, max_docs: int = 5) -> list[int]:
     """Document lengths, empty and length-1 documents included; sum ``total`` if given."""
     if total is None:
-        lengths = draw(st.lists(st.one_of(st.just(0), st.just(1), st.integers(2, 9)), min_size=1,
-                                max_size=max_docs))
+        lengths = draw(_doc_lengths(max_docs))
         if sum(lengths) == 0:
-            lengths[-1] = draw(st.integers(1, 6))
+            lengths[-1] = draw(ints(1, 6))
         return lengths
-    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=0, max_size=max_docs - 1)))
+    cuts = sorted(draw(_lists(ints(0, total), 0, max_docs - 1)))
     bounds = [0, *cuts, total]
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
@@ -101,58 +126,158 @@ def bounds_of(lengths: list[int]) -> list[int]:
     return out
 
 
-@st.composite
 def heads(draw, allow_bad: bool) -> tuple[int, int]:
-    hq = draw(st.sampled_from((1, 2, 3, 4, 6, 8)))
+    hq = draw(pick(*(1, 2, 3, 4, 6, 8)))
     if allow_bad and draw(one_in(20)):
         bad = [g for g in (2, 3, 4, 5) if hq % g]
         if bad:
-            return hq, draw(st.sampled_from(bad))
-    return hq, draw(st.sampled_from([g for g in range(1, hq + 1) if hq % g == 0]))
+            return hq, draw(pick(*bad))
+    return hq, draw(pick(*[g for g in range(1, hq + 1) if hq % g == 0]))
 
 
-@st.composite
 def mask_hook(draw, q_len: int, kv_len: int) -> tuple[Optional[str], Optional[dict]]:
     """A mask hook setting and its kwargs: library masks, and hooks written as a user would.
 
-    The user's document hook indexes a tensor; it is always long enough for the call
+    The user's document hooks index a tensor; it is always long enough for the call
     itself (a hook that cannot be evaluated at the user's own shape is the user's bug),
-    but it may be shorter than the grid the project probes it on.
+    but it may be shorter than the 8x8 grid a hook is first checked on.
     """
-    kind = draw(weighted(("none", 2), ("library", 2), ("user", 1)))
+    kind = draw(weighted(("none", 4), ("library", 4), ("user", 2), ("user_new", 3)))
     if kind == "none":
         return None, None
     if kind == "library":
-        name = draw(st.sampled_from(("full", "causal", "sliding_window", "prefix_lm", "chunked",
+        name = draw(pick(*("full", "causal", "sliding_window", "prefix_lm", "chunked",
                                      "packed_documents")))
         if name in ("full", "causal"):
             return f"{LIB}:{name}", {}
         if name == "sliding_window":
             return f"{LIB}:{name}", {"left": draw(BOUND), "right": draw(BOUND)}
         if name == "prefix_lm":
-            return f"{LIB}:{name}", {"prefix_length": draw(st.integers(0, q_len + 2))}
+            return f"{LIB}:{name}", {"prefix_length": draw(ints(0, q_len + 2))}
         if name == "chunked":
-            return f"{LIB}:{name}", {"chunk_size": draw(st.integers(1, q_len + 2)), "causal": draw(st.booleans())}
-        total = q_len if not draw(one_in(6)) else draw(st.integers(1, q_len + 4))
-        bounds = bounds_of(draw(document_lengths(total)))
+            return f"{LIB}:{name}", {"chunk_size": draw(ints(1, q_len + 2)), "causal": draw(st.booleans())}
+        total = q_len if not draw(one_in(6)) else draw(ints(1, q_len + 4))
+        bounds = bounds_of(document_lengths(draw, total))
         return f"{LIB}:{name}", {"cu_seqlens": bounds, "causal": draw(st.booleans()),
                                  "window": [draw(BOUND), draw(BOUND)]}
-    name = draw(st.sampled_from(("causal", "everything", "strictly_causal", "prefix_four", "every_other_key",
-                                 "first_head_sees_all", "first_batch_causal", "band", "documents")))
-    if name == "band":
-        return f"{USER}:band", {"left": draw(BOUND), "right": draw(BOUND)}
+    if kind == "user":
+        name = draw(pick(*("causal", "everything", "strictly_causal", "prefix_four", "every_other_key",
+                                     "first_head_sees_all", "first_batch_causal", "band", "documents")))
+        if name == "band":
+            return f"{USER}:band", {"left": draw(BOUND), "right": draw(BOUND)}
+        if name == "documents":
+            return f"{USER}:documents", document_kwargs(draw, max(q_len, kv_len))
+        return f"{USER}:{name}", None
+    return new_mask_hook(draw, q_len, kv_len)
+
+
+def document_kwargs(draw, longest: int) -> dict:
+    total = longest if not draw(one_in(4)) else draw(ints(longest, longest + 12))
+    kwargs: dict[str, Any] = {"lengths": document_lengths(draw, total), "causal": draw(st.booleans())}
+    if draw(one_in(3)):
+        kwargs["window"] = draw(BOUND)
+    return kwargs
+
+
+# Per-head values (widths, slopes) are tables of 8, the most heads a case has; entries at
+# or past the layer's head count are never read by it.
+HEAD_TABLE = 8
+# Document starts: small, or past every sequence drawn here.
+CUT = st.one_of(ints(1, 12), ints(13, 60))
+WIDTH = st.one_of(ints(0, 6), ints(7, 40))
+THRESHOLD = st.one_of(ints(-2, 8), ints(9, 60))  # a distance, often past every sequence here
+
+
+def new_mask_hook(draw, q_len: int, kv_len: int) -> tuple[str, Optional[dict]]:
+    """Hooks that read b and h (indices past the layer's heads too), captured tensors and
+    module globals, chunks and documents at constant positions."""
+    name = draw(pick(*("head_or", "head_not", "batch_or", "head_widths", "head_width_table",
+                                 "global_window", "global_band", "global_documents", "documents", "chunks",
+                                 "cut_documents", "titan_window")))
+    if name in ("head_or", "head_not"):
+        return f"{USER}:{name}", {"k": draw(ints(0, HEAD_TABLE))}
+    if name == "batch_or":
+        return f"{USER}:{name}", {"k": draw(ints(0, 4))}
+    if name == "head_widths":
+        base = draw(WIDTH)
+        widths = [base] * HEAD_TABLE
+        if not draw(one_in(3)):
+            widths[draw(ints(0, HEAD_TABLE - 1))] = draw(ints(0, 8))
+        return f"{USER}:{name}", {"widths": widths}
     if name == "documents":
-        longest = max(q_len, kv_len)
-        total = longest if not draw(one_in(4)) else draw(st.integers(longest, longest + 12))
-        return f"{USER}:documents", {"lengths": draw(document_lengths(total)), "causal": draw(st.booleans())}
+        return f"{USER}:{name}", document_kwargs(draw, max(q_len, kv_len))
+    if name == "chunks":
+        return f"{USER}:{name}", {"size": draw(ints(1, q_len + 4)), "causal": draw(st.booleans())}
+    if name == "cut_documents":
+        cuts = sorted(set(draw(_lists(CUT, 0, 4))))
+        return f"{USER}:{name}", {"cuts": cuts, "causal": draw(st.booleans()), "left": draw(BOUND)}
+    if name == "titan_window":
+        return f"{USER}:{name}", {"width": draw(WIDTH)}
     return f"{USER}:{name}", None
 
 
-SCORE_HOOKS = weighted((None, 12), ("identity", 1), ("alibi", 3), ("alibi_third", 1), ("symmetric_distance", 1),
-                       ("softcap", 1), ("doubled", 1))
+def score_hook(draw) -> tuple[Optional[str], Optional[dict]]:
+    """A score hook and its kwargs: fixed hooks, ALiBi from tables, thresholds and clamps."""
+    name = draw(weighted((None, 24), ("identity", 2), ("alibi", 5), ("alibi_third", 2), ("symmetric_distance", 2),
+                         ("softcap", 2), ("doubled", 2), ("alibi_list", 3), ("alibi_tensor", 3),
+                         ("alibi_table", 3), ("distance_threshold", 3), ("clipped_alibi", 2), ("hard_clamp", 2)))
+    if name is None:
+        return None, None
+    kwargs: Optional[dict] = None
+    if name == "alibi_table":
+        exact = pick(*(0.0, 0.5, 0.25, 0.125, 1.0, 2.0, 0.0625, 0.75))
+        slopes = [draw(exact)] * HEAD_TABLE if draw(one_in(4)) else draw(
+            _lists(exact, HEAD_TABLE, HEAD_TABLE))
+        # Only float32-exact slopes, whose products with a distance are exact too: a slope
+        # that is no float32 value is generated as `alibi_third` (a Python constant).  In a
+        # float64 table it is proven with its float32 rounding (reported; docs/reliability.md).
+        kwargs = {"slopes": slopes, "dtype": draw(pick("float32", "float64"))}
+    elif name == "distance_threshold":
+        kwargs = {"threshold": draw(THRESHOLD),
+                  "penalty": draw(pick(*(0.0, 0.5, 3.0, 1000.0, -2.0)))}
+    elif name == "clipped_alibi":
+        kwargs = {"slope": draw(pick(*(0.0, 0.25, 0.5, 2.0))),
+                  "floor": draw(pick(*(0.0, 1.0, 4.0, 100.0)))}
+    elif name == "hard_clamp":
+        kwargs = {"limit": draw(pick(*(1.0, 50.0, 100.0, 1000.0)))}
+    return f"{USER}:{name}", kwargs
 
 
-@st.composite
+# Module globals of user_hooks a hook reads, and the new value a mutation gives them.
+GLOBAL_READS = {"global_window": "WINDOW", "global_band": "BAND", "head_width_table": "HEAD_WIDTHS",
+                "alibi_list": "ALIBI_LIST", "alibi_tensor": "ALIBI_TENSOR"}
+
+
+def mutation(draw, mask: tuple, score: tuple) -> Optional[dict]:
+    """Sometimes change a module global the hooks read, after the build and before the call."""
+    targets = [GLOBAL_READS[spec.partition(":")[2]] for spec in (mask[0], score[0])
+               if spec and spec.startswith(USER) and spec.partition(":")[2] in GLOBAL_READS]
+    if not targets or not draw(one_in(3)):
+        return None
+    target = draw(pick(*targets))
+    if target == "WINDOW":
+        return {"target": target, "value": draw(pick(*(0, 1, 5, 30)))}
+    if target == "BAND":
+        return {"target": target, "value": [draw(ints(0, 4)), draw(ints(0, 4))]}
+    index = draw(ints(0, HEAD_TABLE - 1))
+    if target == "HEAD_WIDTHS":
+        return {"target": target, "index": index, "value": draw(ints(0, 8))}
+    return {"target": target, "index": index, "value": draw(pick(*(0.0, 4.0, 0.3)))}
+
+
+def magnitude(draw) -> tuple[Optional[int], Optional[float]]:
+    """``(q gain, softmax scale)``: scores beyond +-100 from a scaled q or a large scale.
+
+    q and k are then exact multiples of 1/4 and the gain and the scale powers of two,
+    so every score is exact in float32 and a difference from the oracle is not rounding.
+    """
+    if not draw(one_in(8)):
+        return None, None
+    if draw(st.booleans()):
+        return draw(pick(*(64, 512))), draw(pick(*(0.25, 0.5, 1.0)))
+    return 1, draw(pick(*(16.0, 64.0)))
+
+
 def turbo_build(draw, need: bool = False) -> Optional[dict]:
     """Knobs of the fake Primus-Turbo build, or None (not installed)."""
     if not need and draw(one_in(10)):
@@ -165,7 +290,6 @@ def turbo_build(draw, need: bool = False) -> Optional[dict]:
     }
 
 
-@st.composite
 def common_settings(draw, flex: bool, backend: str, q_len: int) -> dict:
     keys: dict[str, Any] = {
         "use_turbo_attention": not draw(one_in(60)) or not flex,
@@ -179,61 +303,56 @@ def common_settings(draw, flex: bool, backend: str, q_len: int) -> dict:
     }
     choice = draw(weighted(("none", 44), ("window", 15), ("malformed", 1)))
     if choice == "window":
-        keys["sink_sliding_window"] = draw(st.integers(1, q_len + 2))
+        keys["sink_sliding_window"] = draw(ints(1, q_len + 2))
     elif choice == "malformed":
         keys["sink_sliding_window"] = -1  # malformed: refused when the settings are read
     return keys
 
 
-def with_hooks(keys: dict, mask: tuple, score: Optional[str]) -> dict:
-    name, kwargs = mask
-    if name is not None:
-        keys["turbo_flex_attention_mask_mod"] = name
-        if kwargs is not None:
-            keys["turbo_flex_attention_mask_mod_kwargs"] = kwargs
-    if score is not None:
-        keys["turbo_flex_attention_score_mod"] = f"{USER}:{score}"
+def with_hooks(keys: dict, mask: tuple, score: tuple) -> dict:
+    for kind, (name, kwargs) in (("mask", mask), ("score", score)):
+        if name is not None:
+            keys[f"turbo_flex_attention_{kind}_mod"] = name
+            if kwargs is not None:
+                keys[f"turbo_flex_attention_{kind}_mod_kwargs"] = kwargs
     return keys
 
 
-@st.composite
 def config_window(draw) -> Optional[tuple[int, int]]:
     if not draw(one_in(6)):
         return None
     return (draw(BOUND), draw(BOUND))
 
 
-@st.composite
 def model_facts(draw, *, megatron: bool, q_len: int) -> dict:
-    hq, hkv = draw(heads(allow_bad=not megatron))
-    d = draw(st.sampled_from((2, 4, 8, 16, 4, 8, 6, 12)))
-    dv = d if megatron or not draw(one_in(6)) else draw(st.sampled_from((2, 4, 6, 8)))
+    hq, hkv = heads(draw, allow_bad=not megatron)
+    d = draw(pick(*(2, 4, 8, 16, 4, 8, 6, 12)))
+    dv = d if megatron or not draw(one_in(6)) else draw(pick(*(2, 4, 6, 8)))
     cp = 2 if draw(one_in(25)) else 1
     layer = {
         "num_heads": hq,
         "num_kv_heads": hkv,
         "head_dim": d,
         "head_dim_v": dv,
-        "layer_number": draw(st.integers(1, 4)),
-        "attn_mask_type": draw(st.sampled_from(MASK_TYPES[:3])) if not draw(one_in(40)) else "padding",
-        "window_size": draw(config_window()),
-        "window_attn_skip_freq": draw(st.sampled_from((None, None, 2, 3))),
+        "layer_number": draw(ints(1, 4)),
+        "attn_mask_type": draw(pick(*MASK_TYPES[:3])) if not draw(one_in(40)) else "padding",
+        "window_size": config_window(draw),
+        "window_attn_skip_freq": draw(pick(*(None, None, 2, 3))),
         "softmax_type": draw(weighted(("vanilla", 10), ("learnable", 1), ("off-by-one", 1))),
         "context_parallel_size": cp,
-        "cp_comm_type": draw(st.sampled_from((None, "a2a", "p2p", "all_gather"))) if cp > 1 else None,
+        "cp_comm_type": draw(pick(*(None, "a2a", "p2p", "all_gather"))) if cp > 1 else None,
         "attention_dropout": draw(weighted((0.0, 8), (0.1, 1))),
         "position_embedding_type": draw(weighted(("learned_absolute", 16), ("rope", 3), ("alibi", 1))),
-        "softmax_scale": draw(st.sampled_from((None, None, None, 0.5, 0.125))),
+        "softmax_scale": draw(pick(*(None, None, None, 0.5, 0.125))),
     }
     if not megatron:
         if draw(one_in(50)):
-            layer["attention_dropout"] = draw(st.sampled_from((1.0, -0.25)))
-        # The probe grid of mask hooks: the training length, unknown, or another length.
-        layer["seq_length"] = draw(st.sampled_from((q_len, q_len, None, draw(st.integers(1, 40)))))
+            layer["attention_dropout"] = draw(pick(*(1.0, -0.25)))
+        # The training length, unknown, or another length (hook proofs assume none).
+        layer["seq_length"] = draw(pick(*(q_len, q_len, None, draw(ints(1, 40)))))
     return layer
 
 
-@st.composite
 def fewer_conflicts(draw, keys: dict, layer: dict) -> None:
     """Most of the time, drop one side of the window conflicts (B10, B11) so more cases run."""
     if keys.get("turbo_flex_attention_mask_mod") and keys["use_turbo_flex_attention"] and not draw(one_in(5)):
@@ -247,26 +366,26 @@ def fewer_conflicts(draw, keys: dict, layer: dict) -> None:
 @st.composite
 def adapter_cases(draw) -> Case:
     thd = draw(one_in(4))
-    dtype = draw(st.sampled_from(("float32", "float32", "float64", "bfloat16")))
+    dtype = draw(pick(*("float32", "float32", "float64", "bfloat16")))
     if thd:
-        docs_q = draw(document_lengths())
+        docs_q = document_lengths(draw)
         docs_kv = docs_q if not draw(one_in(5)) else draw(
-            st.lists(st.integers(0, 9), min_size=len(docs_q), max_size=len(docs_q)).filter(lambda x: sum(x) > 0))
+            st.lists(ints(0, 9), min_size=len(docs_q), max_size=len(docs_q)).filter(lambda x: sum(x) > 0))
         batch, q_len, kv_len = 1, sum(docs_q), sum(docs_kv)
     else:
         docs_q = docs_kv = None
-        batch = draw(st.integers(1, 3))
-        q_len = draw(st.integers(1, 24))
-        kv_len = q_len if not draw(one_in(4)) else draw(st.integers(1, 24))
-    fake = draw(turbo_build())
-    backend = draw(st.sampled_from(("reference", "reference", "turbo", "turbo", "auto")))
-    keys = draw(common_settings(True, backend, q_len))
-    mask = draw(mask_hook(q_len, kv_len))
-    score = draw(SCORE_HOOKS)
+        batch = draw(ints(1, 4))
+        q_len = draw(ints(1, 24))
+        kv_len = q_len if not draw(one_in(4)) else draw(ints(1, 24))
+    fake = turbo_build(draw)
+    backend = draw(pick(*("reference", "reference", "turbo", "turbo", "auto")))
+    keys = common_settings(draw, True, backend, q_len)
+    mask = mask_hook(draw, q_len, kv_len)
+    score = score_hook(draw)
     keys = with_hooks(keys, mask, score)
-    layer = draw(model_facts(megatron=False, q_len=q_len))
-    draw(fewer_conflicts(keys, layer))
-    layer["packed"] = draw(st.sampled_from((None, None, thd)))
+    layer = model_facts(draw, megatron=False, q_len=q_len)
+    fewer_conflicts(draw, keys, layer)
+    layer["packed"] = draw(pick(*(None, None, thd)))
     hooked = mask[0] is not None
     # Per-call causal / window: the layer's own (what Megatron passes), or anything.
     if draw(st.booleans()):
@@ -287,16 +406,21 @@ def adapter_cases(draw) -> Case:
         "causal": call_causal,
         "window": call_window,
         "sink": draw(weighted(("planned", 8), ("none", 2), ("unplanned", 1))),
-        "sink_dtype": draw(st.sampled_from(("float32", "bfloat16", "same"))),
+        "sink_dtype": draw(pick(*("float32", "bfloat16", "same"))),
         "alibi": draw(one_in(10)),
         "bias": draw(one_in(12)),
-        "scale": draw(st.sampled_from((None, None, None, 0.3))),
+        "scale": draw(pick(*(None, None, None, 0.3))),
+        "gain": None,
+        "mutate": mutation(draw, mask, score),
         "return_lse": draw(one_in(5)),
         "return_attn_probs": draw(one_in(30)),
-        "max_seqlen": draw(st.sampled_from(("exact", "none"))),
+        "max_seqlen": draw(pick(*("exact", "none"))),
     }
+    gain, scale = magnitude(draw)
+    if gain is not None:
+        call["gain"], call["scale"] = gain, scale
     return Case("adapter", True, backend, fake, keys, layer, call, draw(one_in(4)),
-                draw(st.integers(0, 2 ** 16)))
+                draw(ints(0, 2 ** 16)))
 
 
 # ----------------------------------------------------------------------------- megatron level
@@ -304,20 +428,22 @@ def adapter_cases(draw) -> Case:
 def megatron_cases(draw) -> Case:
     flex = not draw(one_in(3))
     thd = draw(one_in(3))
-    dtype = draw(st.sampled_from(("float32", "float32", "float64", "bfloat16")))
+    dtype = draw(pick(*("float32", "float32", "float64", "bfloat16")))
     if thd:
-        docs = draw(document_lengths())
+        docs = document_lengths(draw)
         batch, q_len = 1, sum(docs)
     else:
         docs = None
-        batch, q_len = draw(st.integers(1, 3)), draw(st.integers(1, 20))
-    fake = draw(turbo_build(need=not flex and not draw(one_in(15))))
-    backend = draw(st.sampled_from(("reference", "turbo", "turbo", "auto")))
-    keys = draw(common_settings(flex, backend, q_len))
+        batch, q_len = draw(ints(1, 4)), draw(ints(1, 20))
+    fake = turbo_build(draw, need=not flex and not draw(one_in(15)))
+    backend = draw(pick(*("reference", "turbo", "turbo", "auto")))
+    keys = common_settings(draw, flex, backend, q_len)
+    mask = score = (None, None)
     if flex:
-        keys = with_hooks(keys, draw(mask_hook(q_len, q_len)), draw(SCORE_HOOKS))
-    layer = draw(model_facts(megatron=True, q_len=q_len))
-    draw(fewer_conflicts(keys, layer))
+        mask, score = mask_hook(draw, q_len, q_len), score_hook(draw)
+        keys = with_hooks(keys, mask, score)
+    layer = model_facts(draw, megatron=True, q_len=q_len)
+    fewer_conflicts(draw, keys, layer)
     layer["params_bf16"] = draw(one_in(6))
     padded = draw(weighted(("none", 6), ("same", 1), ("different", 1), ("kv_clone", 1)))
     call = {
@@ -332,9 +458,14 @@ def megatron_cases(draw) -> Case:
         "packed_params": "thd" if thd else draw(weighted(("none", 16), ("empty", 1), ("sbhd_bounds", 1))),
         "attention_bias": draw(one_in(25)),
         "four_dim_thd": thd and draw(st.booleans()),
+        "gain": None,
+        "mutate": mutation(draw, mask, score),
     }
+    gain, scale = magnitude(draw)
+    if gain is not None:
+        call["gain"], layer["softmax_scale"] = gain, scale
     return Case("megatron", flex, backend, fake, keys, layer, call, draw(one_in(3)),
-                draw(st.integers(0, 2 ** 16)))
+                draw(ints(0, 2 ** 16)))
 
 
 __all__ = ["Case", "DTYPES", "LIB", "USER", "adapter_cases", "bounds_of", "megatron_cases"]

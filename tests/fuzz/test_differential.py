@@ -13,6 +13,13 @@ whether it is certain to run.  Then it runs the case:
 * runs -> a predicted refusal is a failure, and the output (and, for a subset, the
   gradients of q, k, v and the sink) must match `tests.fuzz.oracle`.
 
+Hooks: what each generated hook provably is comes from `hook_specs`, worked out from
+its definition.  A hook equal to a fixed-kernel mask (or to the identity / ALiBi with
+float32 slopes) for every batch index, head and position must run on turbo and match;
+any other must be refused there with B31 / B31-score; every hook matches on reference.
+A module global a proof read may be changed between build and call: turbo must then
+refuse the call, the reference evaluates the hook as it now reads.
+
 Any other exception is a failure.  Counts go to the session tally printed at the end.
 """
 
@@ -20,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,18 +39,13 @@ from primus_ext.errors import PrimusExtError, UnsupportedConfigError, Unsupporte
 from primus_ext.testing.fake_turbo import fake_primus_turbo
 
 from . import oracle, user_hooks
+from .hook_specs import MaskSpec, ScoreSpec, mask_spec, score_spec
 from .strategies import DTYPES, LIB, USER, Case, adapter_cases, bounds_of, megatron_cases
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "refusals.md"
 DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w-]+)` \|", DOCS.read_text().split("## Refused at call time")[0],
                                         flags=re.M))
-TAGGED_LIBRARY = ("full", "causal", "sliding_window", "packed_documents")  # carry their pattern: never probed
-# User hooks no fixed kernel runs, with the smallest probe grid on which that shows.
-UNRECOGNISABLE_USER = {"every_other_key": 3, "first_head_sees_all": 2, "first_batch_causal": 2,
-                       "strictly_causal": 1}
-DEFAULT_PROBE = 512  # the grid a hook is recognised on when the layer's seq_length is unknown
-OTHER_SCORES = ("alibi_third", "symmetric_distance", "doubled")
-HOOK_PROBE = 8  # hooks are probed on an 8x8 grid when settings are resolved
+HOOK_PROBE = 8  # hooks are first called on a (2, 2, 8, 8) index grid when settings are resolved
 
 
 def fuzz_settings() -> hyp_settings:
@@ -106,6 +107,21 @@ def hook_probe_fails(case: Case) -> bool:
         case.settings["turbo_flex_attention_mask_mod_kwargs"]["lengths"]) < HOOK_PROBE
 
 
+def case_mask_spec(case: Case) -> Optional[MaskSpec]:
+    """What the flex layer's mask hook is, from its definition (None: no hook, or not flex)."""
+    if not case.flex:
+        return None
+    return mask_spec(case.mask_hook, case.settings.get("turbo_flex_attention_mask_mod_kwargs"),
+                     case.layer["num_heads"])
+
+
+def case_score_spec(case: Case) -> Optional[ScoreSpec]:
+    if not case.flex:
+        return None
+    return score_spec(case.score_hook, case.settings.get("turbo_flex_attention_score_mod_kwargs"),
+                      case.layer["num_heads"])
+
+
 @dataclass
 class BuildExpectation:
     must: set = field(default_factory=set)
@@ -134,7 +150,8 @@ def expect_build(case: Case) -> BuildExpectation:
     sink, det = planned_sink(case), s["deterministic_mode"]
     window = layer_window(case)
     mask_hook, score_hook = (case.mask_hook, case.score_hook) if flex else (None, None)
-    _, score = hook_name(score_hook)
+    mspec, sspec = case_mask_spec(case), case_score_spec(case)
+    score = sspec.kind if sspec is not None else "identity"
     rules = {
         "B3": flex and not s["use_turbo_attention"],
         "backend": flex and backend == "turbo" and fake is None,
@@ -156,7 +173,7 @@ def expect_build(case: Case) -> BuildExpectation:
         "B25": turbo_path and s["reset_attention_mask"],
         "B27": turbo_path and layer["position_embedding_type"] == "alibi",
         "softcap": on_turbo and score == "softcap",
-        "score": on_turbo and score in OTHER_SCORES,
+        "B31-score": on_turbo and score == "other",
         "flex-entry": on_turbo and may_dense and not fake["flex"],
         "varlen-entry": on_turbo and packed is True and not fake["flex"],
         "B13": on_turbo and sink and may_dense and not fake["flex"],
@@ -168,15 +185,12 @@ def expect_build(case: Case) -> BuildExpectation:
     }
     exp.must = {code for code, fails in rules.items() if fails}
     exp.hook_refused = flex and hook_probe_fails(case)
-    mod, name = hook_name(mask_hook)
-    probe = (layer.get("seq_length") if case.level == "adapter" else None) or DEFAULT_PROBE
-    if on_turbo and not exp.hook_refused and mod == USER and probe >= UNRECOGNISABLE_USER.get(name, math.inf):
-        exp.must.add("mask")
-    if on_turbo and not exp.hook_refused and mod == USER and name == "documents" and \
-            probe > sum(s["turbo_flex_attention_mask_mod_kwargs"]["lengths"]):
-        exp.must.add("mask")  # the hook's id tensor is shorter than the recognition grid
-    probed = mask_hook is not None and not (mod == LIB and name in TAGGED_LIBRARY)
-    exp.certain = not exp.must and not exp.hook_refused and not (on_turbo and probed)
+    # B31: on turbo a mask hook runs only when proven equal to a kernel mask for every
+    # batch index, head of the layer and position; otherwise it is refused at build time.
+    if on_turbo and not exp.hook_refused and mspec is not None and mspec.provable is False:
+        exp.must.add("B31")
+    undecided = on_turbo and mspec is not None and mspec.provable is None
+    exp.certain = not exp.must and not exp.hook_refused and not undecided
     return exp
 
 
@@ -195,7 +209,7 @@ class CallExpectation:
     must: list = field(default_factory=list)
     """Why this call must be refused (empty: it must run, unless ``may`` is set)."""
     may: bool = False
-    """A refusal is also acceptable (a probed hook meeting a new shape, say)."""
+    """A refusal is also acceptable (a hook whose provability the test does not claim)."""
     late_sink: bool = False
 
 
@@ -205,8 +219,17 @@ def expect_call(case: Case) -> CallExpectation:
     hooked = case.flex and case.mask_hook is not None
     scored = case.flex and case.score_hook is not None
     mod, name = hook_name(case.mask_hook)
-    probed = hooked and not (mod == LIB and name in TAGGED_LIBRARY)
+    mspec, sspec = case_mask_spec(case), case_score_spec(case)
     turbo = case.flex and case.resolved_backend == "turbo"
+    # A proven hook runs as its kernel mask on turbo; one whose proof read a module global
+    # is refused there once that global changed (the reference evaluates it as it is now).
+    proven = turbo and mspec is not None and mspec.provable is True
+    mutated = (c.get("mutate") or {}).get("target")
+    if mutated and turbo and ((proven and mspec.reads == mutated) or (
+            sspec is not None and sspec.reads == mutated and sspec.kind in ("identity", "alibi"))):
+        exp.must.append(f"{mutated}, read by a proof, changed after the build")
+    if turbo and mspec is not None and mspec.provable is None:
+        exp.may = True  # not claimed either way: refused at build, or runs as proven
     if not c["thd"] and hooked and mod == LIB and name == "packed_documents" and c["q_len"] == c["kv_len"] \
             and case.settings["turbo_flex_attention_mask_mod_kwargs"]["cu_seqlens"][-1] != c["q_len"]:
         exp.must.append("document mask of another length")
@@ -222,25 +245,20 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("packed q and kv documents of different lengths on turbo")
         if not c["thd"] and hooked and (causal or window != (-1, -1)):
             exp.must.append("hook plus call causal/window")
-        if c["alibi"] and hook_name(case.score_hook)[1] == "alibi":
+        if c["alibi"] and sspec is not None and sspec.kind == "alibi":
             exp.must.append("explicit alibi plus ALiBi hook")
         full = not causal and window == (-1, -1)
         if not c["thd"] and turbo and not hooked and c["q_len"] != c["kv_len"] and not full:
             exp.must.append("q_len != kv_len on turbo")
-        if not c["thd"] and turbo and c["bias"] and mod == LIB and name == "packed_documents":
+        if not c["thd"] and proven and c["q_len"] != c["kv_len"] and mspec.kind != "full":
+            exp.must.append("a proven non-full hook with q_len != kv_len on turbo")
+        if not c["thd"] and proven and c["bias"] and mspec.kind == "documents":
             exp.must.append("bias with a document mask on turbo (varlen kernel)")
-        if probed and turbo and (case.layer["seq_length"] is None or
-                                 (c["q_len"], c["kv_len"]) != (case.layer["seq_length"],) * 2):
-            exp.may = True  # verified once per new shape; the reference runs the hook itself
-        if not c["thd"] and turbo and hooked and (c["q_len"] != c["kv_len"] or c["bias"]):
-            exp.may = True  # a hook recognised as documents meets the same two limits
         return exp
     # Megatron's core attention
     fake = case.fake
     fp8, cp = case.settings["enable_turbo_attention_float8"], case.layer["context_parallel_size"]
     has_packed_entry = (not (fp8 or cp > 1)) if not case.flex else True
-    if probed and turbo:
-        exp.may = True  # Megatron gives no seq_length: the hook was recognised on the 512 grid
     if c["attention_bias"]:
         exp.must.append("attention_bias")
     if c["packed_params"] == "sbhd_bounds":
@@ -271,7 +289,14 @@ def make_qkv(case: Case, gen: torch.Generator):
     else:
         shapes = [(c["batch"], c["q_len"], hq, d), (c["batch"], c["kv_len"], hkv, d),
                   (c["batch"], c["kv_len"], hkv, dv)]
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    if c.get("gain") is None:
+        return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    # Large scores: q and k exact multiples of 1/4 and a power-of-two gain, so every score
+    # (with the power-of-two scale the case sets) is exact in float32 and in bfloat16 inputs.
+    q = exact_values(gen, shapes[0], 0.25, 8) * c["gain"]
+    k = exact_values(gen, shapes[1], 0.25, 8)
+    v = torch.randn(shapes[2], generator=gen, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v)]
 
 
 def hook_callable(spec: str, kwargs: Optional[dict]):
@@ -304,7 +329,42 @@ def expected_mask(case: Case) -> torch.Tensor:
 def score_fn(case: Case):
     if not case.flex or case.score_hook is None:
         return None
-    return hook_callable(case.score_hook, None)
+    return hook_callable(case.score_hook, case.settings.get("turbo_flex_attention_score_mod_kwargs"))
+
+
+@contextlib.contextmanager
+def mutated_globals(case: Case):
+    """Yields a function that applies the case's mutation of a `user_hooks` global (after the
+    build); whatever happens, the global is given back its original object and values."""
+    m = case.call.get("mutate")
+    if not m:
+        yield lambda: None
+        return
+    target = m["target"]
+    original = getattr(user_hooks, target)
+    saved = original.clone() if isinstance(original, torch.Tensor) else list(original) \
+        if isinstance(original, list) else None
+
+    def apply() -> None:
+        if target == "WINDOW":
+            setattr(user_hooks, target, m["value"] if m["value"] != original else original + 1)
+        elif target == "BAND":
+            setattr(user_hooks, target, tuple(m["value"]))  # a new object, whatever its value
+        elif target == "ALIBI_LIST":
+            original[m["index"]] = m["value"] if m["value"] != original[m["index"]] else m["value"] + 1.0
+        else:  # tensors, changed in place (to another value: a write of the same value changes nothing)
+            original[m["index"]] = m["value"] if m["value"] != float(original[m["index"]]) else m["value"] + 1
+
+    try:
+        yield apply
+    finally:
+        if target in ("WINDOW", "BAND"):
+            setattr(user_hooks, target, original)
+        elif isinstance(original, list):
+            original[:] = saved
+        else:
+            with torch.no_grad():
+                original.copy_(saved)
 
 
 # ============================================================================ outcomes
@@ -374,6 +434,10 @@ def check_ran(case: Case, ran: Ran, build: BuildExpectation, call: CallExpectati
         if name == "sink" and dtype == torch.float64:
             dtype = torch.float32  # the kernels take the sink as float32 (B12): its gradient is float32 too
         tol = oracle.GRAD_TOL[dtype]
+        if case.call.get("gain") is not None:
+            # Large scores: a gradient sums terms as large as the scaled q, so its rounding
+            # error is relative to the tensor's largest entry, not to each (cancelled) entry.
+            tol = oracle.Tolerance(tol.atol * max(1.0, float(want.detach().abs().max())), tol.rtol)
         why = oracle.mismatch(got, want, tol) if got is not None else "no gradient"
         if why:
             problems.append(f"grad {name}: {why}")
@@ -407,22 +471,23 @@ def run_case(case: Case, tally) -> None:
     call = expect_call(case)
     runner = run_adapter if case.level == "adapter" else run_megatron
     stage = ["build"]
-    try:
-        with turbo_installed(case), own_shared_cache(case):
-            ran = runner(case, stage)
-    except PrimusExtError as err:
-        check_refusal(case, err, stage[0], build, call, tally)
-        return
-    except Mismatch:
-        raise
-    except Exception as exc:
-        tally.record(case, "foreign", f"{type(exc).__name__} at {stage[0]}")
-        raise
-    check_ran(case, ran, build, call, tally)
+    with mutated_globals(case) as mutate:
+        try:
+            with turbo_installed(case), own_shared_cache(case):
+                ran = runner(case, stage, mutate)
+        except PrimusExtError as err:
+            check_refusal(case, err, stage[0], build, call, tally)
+            return
+        except Mismatch:
+            raise
+        except Exception as exc:
+            tally.record(case, "foreign", f"{type(exc).__name__} at {stage[0]}")
+            raise
+        check_ran(case, ran, build, call, tally)
 
 
 # ============================================================================ the adapter
-def run_adapter(case: Case, stage: list) -> Ran:
+def run_adapter(case: Case, stage: list, mutate) -> Ran:
     from primus_ext.backends.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
     from primus_ext.settings import TurboAttentionSettings
@@ -440,6 +505,7 @@ def run_adapter(case: Case, stage: list) -> Ran:
     )
     adapter = TurboFlexAttention(build_plan(settings, facts))
     stage[0] = "call"
+    mutate()
 
     gen = torch.Generator().manual_seed(case.seed)
     q, k, v = make_qkv(case, gen)
@@ -495,7 +561,7 @@ def backward_both(case: Case, out, want, leaves: dict, refs: dict, gen: torch.Ge
 
 
 # ============================================================================ Megatron
-def run_megatron(case: Case, stage: list) -> Ran:
+def run_megatron(case: Case, stage: list, mutate) -> Ran:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -516,6 +582,7 @@ def run_megatron(case: Case, stage: list) -> Ran:
     module = PrimusTurboLocalAttention(config=cfg, layer_number=layer["layer_number"], attn_mask_type=mask_type,
                                        attention_type="self", cp_comm_type=layer["cp_comm_type"], settings=settings)
     stage[0] = "call"
+    mutate()
 
     gen = torch.Generator().manual_seed(case.seed)
     q, k, v = make_qkv(case, gen)  # bshd / thd

@@ -6,6 +6,8 @@ bug stays fixed even if the fuzzer's strategies change.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -69,7 +71,8 @@ def test_regression_reference_refused_a_probed_hook_at_a_new_length():
     pattern) was recognised on the 512 grid as documents(256), then every call of another
     length was refused "not the documents(256) it was recognised as", with the alternative
     "set turbo_flex_attention_backend: reference" -- already set.  Megatron gives no
-    seq_length, so such a layer could not run at all.  The reference now runs the hook itself."""
+    seq_length, so such a layer could not run at all.  Hooks are now proven for every length
+    (here: chunks of 2), so no length is special on either backend."""
     keys = dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:chunked",
                 turbo_flex_attention_mask_mod_kwargs={"chunk_size": 2, "causal": False})
     run = adapter(settings(**keys), facts(seq_length=None))
@@ -78,7 +81,8 @@ def test_regression_reference_refused_a_probed_hook_at_a_new_length():
         turbo = adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts(seq_length=None))
         for s in (1, 5, 6):
             q, k, v = qkv(s=s)
-            want, _ = oracle.attention(q, k, v, oracle.library_mask("chunked", {"chunk_size": 2, "causal": False}, s, s))
+            want, _ = oracle.attention(q, k, v, oracle.library_mask("chunked", {"chunk_size": 2, "causal": False},
+                                                                    s, s))
             torch.testing.assert_close(run(q, k, v), want, **TOL)
             torch.testing.assert_close(turbo(q, k, v), want, **TOL)
 
@@ -97,11 +101,12 @@ def test_regression_fp8_refused_the_unbounded_window():
 def test_regression_hook_that_raises_on_the_recognition_grid():
     """An attention-gym style document hook (`doc[q_idx] == doc[kv_idx]` over a 10-token id
     tensor) raised IndexError out of `build_plan`, because it was recognised on the 512 grid
-    (no seq_length).  Now the hook is reported as not recognisable: turbo refuses it by rule
-    `mask` naming the error; the reference builds and runs it at its own length."""
+    (no seq_length).  Now nothing is evaluated on a grid: the proof sees a fixed-length tensor
+    indexed by position, so turbo refuses it by rule B31 naming the out-of-range index; the
+    reference builds and runs it at its own length."""
     with fake_primus_turbo():
         err = refused(dict(turbo_flex_attention_backend="turbo", **DOCS_HOOK), facts(seq_length=None))
-    assert "B31" in err.codes and "out of range" in str(err)  # proven impossible, not probed
+    assert "B31" in err.codes and "out of range" in str(err) and "length 10" in str(err)
     run = adapter(settings(**DOCS_HOOK), facts(seq_length=None))
     q, k, v = qkv(s=10)
     want, _ = oracle.attention(q, k, v, oracle.packed_mask([0, 4, 10], [0, 4, 10], causal=True, window=(-1, -1)))
@@ -133,3 +138,59 @@ def test_regression_turbo_packed_window_with_unequal_q_kv_documents():
         same = run(q, k, v, causal=True, cu_seqlens_q=cu_kv, cu_seqlens_kv=cu_kv.clone())
     want, _ = oracle.packed_attention(q, k, v, oracle.packed_mask([0, 2, 5], [0, 2, 5], causal=True, window=(-1, -1)))
     torch.testing.assert_close(same, want, **TOL)
+
+
+def test_regression_reference_cut_a_proven_chunk_mask_at_q_len():
+    """On the reference backend a hook proven to be chunks (the library `chunked`, not causal)
+    ran as its pattern, and `Pattern.at_length(q_len)` cut the chunks at the query length: on
+    a dense call with kv_len > q_len every key past q_len landed in the last chunk (here keys
+    8 and 9 joined chunk [4, 8) for query 4), a silently different answer.  The reference now
+    evaluates every user hook itself; turbo refuses q_len != kv_len for such a mask."""
+    keys = dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:chunked",
+                turbo_flex_attention_mask_mod_kwargs={"chunk_size": 4, "causal": False})
+    q, k, v = qkv(b=1, s=5, skv=10)
+    want, _ = oracle.attention(q, k, v, oracle.library_mask("chunked", {"chunk_size": 4, "causal": False}, 5, 10))
+    torch.testing.assert_close(adapter(settings(**keys), facts())(q, k, v), want, **TOL)
+    with fake_primus_turbo():
+        with pytest.raises(UnsupportedInputError):
+            adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts())(q, k, v)
+
+
+GC_SEEN = 0
+
+
+def _count_collections(phase, info):
+    """A gc callback in non-standard-library code, like the one hypothesis installs to time
+    collections (``junkdrawer._gc_cumulative_time``)."""
+    global GC_SEEN
+    GC_SEEN += 1
+
+
+def causal_collecting(b, h, q_idx, kv_idx):
+    gc.collect()  # a collection, and so its callbacks, while the hook is being traced
+    return kv_idx <= q_idx
+
+
+def test_regression_gc_callback_became_a_proof_assumption():
+    """While a hook was traced for its proof, every non-stdlib Python frame that ran was
+    taken as the hook's own code (a `sys.setprofile` watcher), including a gc callback that
+    fired then.  Under hypothesis a proven causal + ALiBi layer was built, then its first
+    call was refused: "proven ... while the module global _gc_cumulative_time is still 3.74;
+    that no longer holds".  The code a hook can run is now found from the hook itself."""
+    gc.callbacks.append(_count_collections)
+    try:
+        with fake_primus_turbo() as fake:
+            run = adapter(settings(turbo_flex_attention_backend="turbo",
+                                   turbo_flex_attention_mask_mod="tests.fuzz.test_regressions:causal_collecting"),
+                          facts())
+            assert run.plan.pattern_text == "causal"
+            assert not [a.what for a in run.plan.hook_assumptions if "GC_SEEN" in a.what]
+            gc.collect()  # GC_SEEN changes; what the hook itself reads does not
+            assert all(a.holds() for a in run.plan.hook_assumptions)
+            q, k, v = qkv()
+            out = run(q, k, v)
+            assert len(fake.calls) == 1  # ran on the fake Turbo kernel
+    finally:
+        gc.callbacks.remove(_count_collections)
+    want, _ = oracle.attention(q, k, v, oracle.flash_mask(16, 16, causal=True, window=(-1, -1)))
+    torch.testing.assert_close(out, want, **TOL)

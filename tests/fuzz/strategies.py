@@ -216,8 +216,13 @@ def new_mask_hook(draw, q_len: int, kv_len: int) -> tuple[str, Optional[dict]]:
     return f"{USER}:{name}", None
 
 
-def score_hook(draw) -> tuple[Optional[str], Optional[dict]]:
-    """A score hook and its kwargs: fixed hooks, ALiBi from tables, thresholds and clamps."""
+def score_hook(draw, exact_scores: bool = False) -> tuple[Optional[str], Optional[dict]]:
+    """A score hook and its kwargs: fixed hooks, ALiBi from tables, thresholds and clamps.
+
+    ``exact_scores``: q and k are exact (`magnitude`), so every score is a float32 integer
+    and a large penalty is subtracted exactly; from a random score, float32 would round
+    ``score - 1000`` by ~3e-5, a rounding of the hook itself, not a difference to find.
+    """
     name = draw(weighted((None, 24), ("identity", 2), ("alibi", 5), ("alibi_third", 2), ("symmetric_distance", 2),
                          ("softcap", 2), ("doubled", 2), ("alibi_list", 3), ("alibi_tensor", 3),
                          ("alibi_table", 3), ("distance_threshold", 3), ("clipped_alibi", 2), ("hard_clamp", 2)))
@@ -234,7 +239,8 @@ def score_hook(draw) -> tuple[Optional[str], Optional[dict]]:
         kwargs = {"slopes": slopes, "dtype": draw(pick("float32", "float64"))}
     elif name == "distance_threshold":
         kwargs = {"threshold": draw(THRESHOLD),
-                  "penalty": draw(pick(*(0.0, 0.5, 3.0, 1000.0, -2.0)))}
+                  "penalty": draw(pick(*((0.0, 0.5, 3.0, 1000.0, -2.0) if exact_scores else
+                                          (0.0, 0.5, 3.0, 16.0, -2.0))))}
     elif name == "clipped_alibi":
         kwargs = {"slope": draw(pick(*(0.0, 0.25, 0.5, 2.0))),
                   "floor": draw(pick(*(0.0, 1.0, 4.0, 100.0)))}
@@ -381,7 +387,8 @@ def adapter_cases(draw) -> Case:
     backend = draw(pick(*("reference", "reference", "turbo", "turbo", "auto")))
     keys = common_settings(draw, True, backend, q_len)
     mask = mask_hook(draw, q_len, kv_len)
-    score = score_hook(draw)
+    gain, scale = magnitude(draw)
+    score = score_hook(draw, exact_scores=gain is not None)
     keys = with_hooks(keys, mask, score)
     layer = model_facts(draw, megatron=False, q_len=q_len)
     fewer_conflicts(draw, keys, layer)
@@ -416,7 +423,6 @@ def adapter_cases(draw) -> Case:
         "return_attn_probs": draw(one_in(30)),
         "max_seqlen": draw(pick(*("exact", "none"))),
     }
-    gain, scale = magnitude(draw)
     if gain is not None:
         call["gain"], call["scale"] = gain, scale
     return Case("adapter", True, backend, fake, keys, layer, call, draw(one_in(4)),
@@ -438,9 +444,10 @@ def megatron_cases(draw) -> Case:
     fake = turbo_build(draw, need=not flex and not draw(one_in(15)))
     backend = draw(pick(*("reference", "turbo", "turbo", "auto")))
     keys = common_settings(draw, flex, backend, q_len)
+    gain, scale = magnitude(draw)
     mask = score = (None, None)
     if flex:
-        mask, score = mask_hook(draw, q_len, q_len), score_hook(draw)
+        mask, score = mask_hook(draw, q_len, q_len), score_hook(draw, exact_scores=gain is not None)
         keys = with_hooks(keys, mask, score)
     layer = model_facts(draw, megatron=True, q_len=q_len)
     fewer_conflicts(draw, keys, layer)
@@ -461,7 +468,6 @@ def megatron_cases(draw) -> Case:
         "gain": None,
         "mutate": mutation(draw, mask, score),
     }
-    gain, scale = magnitude(draw)
     if gain is not None:
         call["gain"], layer["softmax_scale"] = gain, scale
     return Case("megatron", flex, backend, fake, keys, layer, call, draw(one_in(3)),

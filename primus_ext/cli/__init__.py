@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="Megatron-style YAML with model-shape and Turbo keys")
     check.add_argument("--seq-len", type=int, default=None, help="override seq_length")
     check.add_argument("--picture", default=None, help="write the attention pattern of each layer kind to this PNG")
+    check.add_argument("--arch", choices=("gfx942", "gfx950"), default=None,
+                       help="check Primus-Turbo's kernel dispatch for this GPU (MI300 = gfx942, MI355 = gfx950)")
     demo = sub.add_parser("demo", help="train a tiny Megatron GPT on CPU through the flex path")
     demo.add_argument("config", nargs="?", default=None, help="YAML (default: the embedded example)")
     demo.add_argument("--steps", type=int, default=None, help="training steps")
@@ -43,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "check":
             from .check import run_check
 
-            return run_check(args.config, args.seq_len, args.picture)
+            return run_check(args.config, args.seq_len, args.picture, arch=args.arch)
         if args.command == "bench":
             from .bench import run_bench
 

@@ -16,18 +16,21 @@ Exit status: 0 when every layer can run, 2 on any refusal or unusable settings.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import yaml
 
+from ..backends import turbo_import_problem
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError
 from ..megatron.facts import layer_facts
 from ..plan import build_plan
 from ..plan.build import layer_window
 from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
+from ..testing import fake_primus_turbo
 from .render import ascii_grid, layer_kinds, layer_list, write_png
 
 PICTURE_LEN = 512
@@ -188,12 +191,40 @@ def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: b
     return f"{path}: {count}, {seq}, {heads} query heads / {groups} key-value groups"
 
 
+@contextlib.contextmanager
+def _turbo_for(arch: Optional[str]) -> Iterator[str]:
+    """With ``--arch`` and no Primus-Turbo here, plan against the CPU fake's entries."""
+    if arch is None or not turbo_import_problem():
+        yield ""
+        return
+    with fake_primus_turbo():
+        yield (f"--arch {arch}: Primus-Turbo is not installed here; planned against the entry "
+               "signatures of its newest build (the CPU fake), with that arch's kernel dispatch")
+
+
+def _kernel_notes(plans: Sequence[AttentionPlan]) -> list[str]:
+    """``kernels on gfx942: layers 1-4: dense AITER ...``, layers with equal routes together."""
+    groups: dict[tuple, list[int]] = {}
+    for plan in plans:
+        if plan.kernels:
+            groups.setdefault((plan.arch, plan.kernels), []).append(plan.layer_number)
+    return [f"kernels on {arch}: {layer_list(layers)}: {'; '.join(kernels)}"
+            for (arch, kernels), layers in groups.items()]
+
+
 def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None,
-              out=None, err=None) -> int:
-    """Print the plan table and pattern pictures of ``path``; 0 when all layers run, else 2."""
+              out=None, err=None, arch: Optional[str] = None) -> int:
+    """Print the plan table and pattern pictures of ``path``; 0 when all layers run, else 2.
+
+    ``arch`` (``--arch gfx942|gfx950``) answers for a Turbo machine from any machine: the
+    kernel dispatch of that arch is checked, with the CPU fake standing in for a
+    Primus-Turbo that is not installed here.
+    """
     out = out or sys.stdout
     err = err or sys.stderr
     config = _load(path)
+    if arch is not None:
+        config["turbo_arch"] = arch
     try:
         settings = TurboAttentionSettings.from_dict(config)
     except UnsupportedConfigError as exc:
@@ -210,7 +241,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
             print(f"  - {text}", file=err)
         return REFUSED
     try:
-        outcomes = _plans(settings, config)
+        with _turbo_for(arch) as note:
+            outcomes = _plans(settings, config)
     except (TypeError, ValueError, ImportError) as exc:
         raise PrimusExtError(f"cannot read the model keys of {path}: {exc}") from exc
     plans = [o for _, o in outcomes if isinstance(o, AttentionPlan)]
@@ -218,12 +250,14 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     seq_length = int(config.get("seq_length") or PICTURE_LEN)
 
     print(_header(path, config, seq_length, seq_len is not None), file=out)
+    if note:
+        print(note, file=out)
     print(file=out)
     print(format_table([_row(layer, o) for layer, o in outcomes]), file=out)
     if plans:
         print(file=out)
-        for note in _backend_notes(plans):
-            print(note, file=out)
+        for line in _backend_notes(plans) + _kernel_notes(plans):
+            print(line, file=out)
         if any(cell in ("-", "none") for _, o in outcomes if isinstance(o, AttentionPlan)
                for cell in _row(0, o)[3:5]):
             print(LEGEND, file=out)

@@ -31,6 +31,23 @@ def config_window(source: Any, layer_number: int) -> Optional[tuple[int, int]]:
     return (int(window[0]), int(window[1]))
 
 
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "bfloat16": "bf16", "bf16": "bf16", "torch.float16": "fp16",
+                "float16": "fp16", "fp16": "fp16", "half": "fp16", "torch.float32": "fp32", "float32": "fp32",
+                "fp32": "fp32", "float": "fp32"}
+
+
+def input_dtype(source: Any) -> Optional[str]:
+    """What attention computes in: Megatron's ``bf16`` / ``fp16`` switches, else ``params_dtype``.
+
+    A YAML that sets none of them trains in Megatron's default, fp32.
+    """
+    if _get(source, "bf16"):
+        return "bf16"
+    if _get(source, "fp16"):
+        return "fp16"
+    return _DTYPE_NAMES.get(str(_get(source, "params_dtype", "fp32")))
+
+
 def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
     """`LayerFacts` of one layer from a ``TransformerConfig`` or a YAML mapping.
 
@@ -57,9 +74,10 @@ def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
         position_embedding_type=str(_get(source, "position_embedding_type", "learned_absolute")),
         softmax_type=str(_get(source, "softmax_type", "vanilla")),
         packed=_get(source, "packed_sequences"),
+        dtype=input_dtype(source),
     )
     facts.update(overrides)
     return LayerFacts(**facts)
 
 
-__all__ = ["config_window", "layer_facts"]
+__all__ = ["config_window", "input_dtype", "layer_facts"]

@@ -6,9 +6,10 @@ import logging
 from typing import Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
-from ..attention.hook_proof import MaskProof, prove_mask, prove_score
+from ..attention.hook_proof import MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
+from ..backends.dispatch import ARCHES
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError
@@ -16,6 +17,7 @@ from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
 from .facts import LayerFacts
 from .plan import AttentionPlan
+from .routes import describe_routes, layer_routes, resolve_arch, route_reasons
 from .rules import RuleInput, failing_reasons
 
 log = logging.getLogger("primus_ext")
@@ -91,6 +93,13 @@ def build_plan(
         window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct,
     )
     reasons.extend(failing_reasons(ctx))
+    arch, _ = resolve_arch(settings.turbo_arch)
+    routes = _kernel_routes(ctx, arch, mask_proof, score_proof)
+    reasons.extend(route_reasons(routes))
+    if routes == () and arch is not None and arch not in ARCHES and (ctx.on_turbo or ctx.on_direct):
+        reasons.append(Reason(("turbo_arch",), f"the device is {arch}; Primus-Turbo's kernel dispatch is "
+                              f"modelled for {' and '.join(ARCHES)} only, so no route can be checked.",
+                              "run on gfx942 (MI300) or gfx950 (MI355).", "B33"))
     if reasons:
         raise UnsupportedConfigError(reasons, context=f"layer {facts.layer_number}")
 
@@ -126,10 +135,26 @@ def build_plan(
         score_mod=score_mod,
         hook_assumptions=(mask_proof.assumptions if mask_proof else ()) + (
             score_proof.assumptions if score_proof else ()),
+        arch=arch,
+        kernels=describe_routes(routes),
     )
     if flex:
         log.info("primus_ext %s", plan.describe())
     return plan
+
+
+def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[MaskProof],
+                   score_proof: Optional[ScoreProof]) -> tuple:
+    """The kernel backends this layer's Turbo calls reach on ``arch`` (B33); () off Turbo."""
+    direct = ctx.direct
+    plain_direct = ctx.on_direct and direct is not None and not direct.context_parallel and (
+        not ctx.settings.enable_turbo_attention_float8)
+    if not (ctx.on_turbo or plain_direct):
+        return ()
+    return layer_routes(
+        ctx.facts, arch, dense_pattern=mask_proof.pattern if (ctx.flex and mask_proof) else None,
+        window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
+        alibi=bool(score_proof and score_proof.kind == "alibi"))
 
 
 def _proven_text(proof: Optional[MaskProof]) -> Optional[str]:

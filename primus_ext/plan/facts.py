@@ -35,6 +35,9 @@ class LayerFacts:
     cp_comm_type: Optional[str] = None
     packed: Optional[bool] = None
     """``True``: only thd calls; ``False``: only dense calls; ``None``: either may come."""
+    dtype: Optional[str] = None
+    """Attention input dtype: ``bf16``, ``fp16``, ``fp32`` (Megatron's bf16 / fp16 / params_dtype);
+    None when not known (then the kernel dispatch model assumes bf16)."""
     turbo_module: bool = False
     """Built by a Primus-Turbo attention module, so some Turbo path runs whatever the switches say."""
 

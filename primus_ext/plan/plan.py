@@ -45,6 +45,10 @@ class AttentionPlan:
     """From `LayerFacts.packed`: only thd batches (True), only dense (False), either (None)."""
     mask_mod: Optional[MaskMod] = field(default=None, compare=False, repr=False)
     score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
+    arch: Optional[str] = None
+    """The GPU arch the kernel routes were checked for (None: unknown here, not checked)."""
+    kernels: Tuple[str, ...] = ()
+    """Which Primus-Turbo kernel backend each kind of call reaches on ``arch`` (B33)."""
     hook_assumptions: Tuple[Assumption, ...] = field(default=(), compare=False, repr=False)
     """Values a hook proof relied on (a module global, a captured tensor): re-checked before
     each call that runs the proven pattern instead of the hook."""
@@ -80,6 +84,8 @@ class AttentionPlan:
             heads += f"/{self.num_kv_heads} (GQA)"
         parts.append(heads)
         parts.append(f"dropout={self.dropout:g}")
+        if self.kernels:
+            parts.append(f"kernels on {self.arch}: " + ", ".join(self.kernels))
         if self.deterministic:
             parts.append("deterministic")
         return " | ".join(parts)

@@ -98,6 +98,10 @@ class TurboAttentionSettings:
     turbo_flex_attention_backend: str = field(default="auto", metadata=_meta(
         "Flex backend: turbo (Primus-Turbo), reference (exact torch math), auto (turbo if it imports).",
         "auto | turbo | reference", "B7, B8"))
+    turbo_arch: str = field(default="auto", metadata=_meta(
+        "GPU arch the plan checks Primus-Turbo's kernel dispatch for: gfx942 (MI300), gfx950 (MI355), "
+        "or auto (the device's gcnArchName on ROCm; no arch check elsewhere).",
+        "auto | gfx942 | gfx950", "B33"))
     use_sink_attention: bool = field(default=False, metadata=_meta(
         "GPT-OSS style learned sinks: one fp32 logit per query head joins the softmax.",
         "bool", "B12, B13, B15"))
@@ -250,6 +254,17 @@ def _check_backend(key: str, value: Any) -> Optional[Reason]:
                   alternative=f"write '{key}: auto' unless you need a specific backend.")
 
 
+ARCH_CHOICES = ("auto", "gfx942", "gfx950")
+
+
+def _check_arch(key: str, value: Any) -> Optional[Reason]:
+    if isinstance(value, str) and value in ARCH_CHOICES:
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be one of {', '.join(ARCH_CHOICES)}; "
+                                          f"got {_type_name(value)}.",
+                  alternative=f"write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto.")
+
+
 def _check_hook(key: str, value: Any) -> Optional[Reason]:
     if value is None or (isinstance(value, str) and HOOK_PATTERN.match(value)):
         return None
@@ -279,6 +294,7 @@ _CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
     "turbo_flex_attention_score_mod": _check_hook,
     "turbo_flex_attention_score_mod_kwargs": _check_kwargs,
     "turbo_flex_attention_backend": _check_backend,
+    "turbo_arch": _check_arch,
     "sink_sliding_window": _check_window,
 }
 

@@ -1,0 +1,223 @@
+"""Which Primus-Turbo kernel backend takes a call, per arch: one model, as data (B33).
+
+``flash_attn_func`` and ``flash_attn_varlen_func`` pick a kernel backend per call:
+FlyDSL first, then the fallbacks in order (dense: AITER, then HipKittens; varlen:
+AITER), or ``ValueError("No compatible backend found ...")``.  A backend that takes
+a call can still assert on it, or compute it wrongly.  A signature says none of this,
+so the rows below model it, each citing the reference facts (``primus_turbo_dispatch.md``
+§1, Primus-Turbo main 2026-08-21).  `route` answers for one call's features: which
+backend runs, why the others do not, what the chosen one refuses, and which known
+defect applies.  The plan refuses at build time whatever would fail or be wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+ARCHES = ("gfx942", "gfx950")
+ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI355"}
+DENSE, VARLEN = "dense", "varlen"
+_DTYPE = ("bf16", "fp16", "params_dtype")
+
+
+@dataclass(frozen=True)
+class CallFeatures:
+    """What decides the kernel backend of one ``flash_attn_*`` call."""
+
+    arch: str
+    entry: str  # DENSE (flash_attn_func) or VARLEN (flash_attn_varlen_func)
+    dtype: str  # "bf16", "fp16", "fp32", "fp64"
+    head_dim: int
+    head_dim_v: int
+    heads: int
+    kv_heads: int
+    causal: bool = True
+    window: Tuple[int, int] = (-1, -1)
+    sink: bool = False
+    dropout: float = 0.0
+    bias: bool = False
+    alibi: bool = False
+    deterministic: bool = False
+    default_scale: bool = True
+    equal_documents: Optional[bool] = None
+    """Varlen: every document has the same length (None: not known, so not assumed)."""
+    sbhd_storage: bool = True
+    """Dense: q/k/v are sbhd in memory (Megatron's layout), or bshd with batch 1."""
+
+    @property
+    def group(self) -> int:
+        return self.heads // max(self.kv_heads, 1)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One condition of a row: ``ok(features)``, the words when it does not hold, the user
+    settings that decide it and what to do instead."""
+
+    ok: Callable[[CallFeatures], bool]
+    text: str
+    settings: Tuple[str, ...] = ()
+    alternative: str = ""
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """A kernel backend: when it takes a call, what it then refuses, what it gets wrong."""
+
+    name: str
+    entries: Tuple[str, ...]
+    takes: Tuple[Check, ...]
+    refuses: Tuple[Check, ...] = ()
+    defects: Tuple[Check, ...] = ()
+    fact: str = ""
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _flydsl_window(f: CallFeatures) -> bool:
+    left, right = f.window
+    return right in (0, -1) and (left == -1 or left >= 64)
+
+
+FLYDSL = KernelBackend(
+    "FlyDSL", (DENSE, VARLEN),
+    takes=(
+        Check(lambda f: f.arch == "gfx950", "FlyDSL runs only on gfx950"),
+        Check(lambda f: f.dtype == "bf16", "FlyDSL takes bf16 only", _DTYPE, "train in bf16"),
+        Check(lambda f: f.causal, "FlyDSL takes causal attention only"),
+        Check(lambda f: f.head_dim in (64, 128) and f.head_dim_v == f.head_dim, "FlyDSL takes head dim 64 or 128"),
+        Check(_flydsl_window, "FlyDSL takes a window only with right bound 0 and left bound >= 64"),
+        Check(lambda f: f.default_scale, "FlyDSL takes only the default softmax scale 1/sqrt(D)"),
+        Check(lambda f: f.dropout == 0, "FlyDSL takes no dropout"),
+        Check(lambda f: not f.bias and not f.alibi, "FlyDSL takes no bias or ALiBi"),
+        Check(lambda f: _pow2(f.group) and 8 <= f.group <= 256,
+              "FlyDSL needs a GQA group (query heads per key/value head) that is a power of two in 8..256",
+              ("num_attention_heads", "num_query_groups"), "use 8 to 256 query heads per key/value group"),
+        Check(lambda f: f.entry != DENSE or f.sbhd_storage, "FlyDSL dense needs sbhd storage (or batch 1)"),
+        Check(lambda f: f.entry != VARLEN or f.equal_documents is True,
+              "FlyDSL varlen needs every document of the same length", ("packed_sequences",),
+              "pack documents of equal length"),
+    ),
+    fact="primus_turbo_dispatch.md §1, FlyDSL row",
+)
+AITER_DENSE = KernelBackend(
+    "AITER", (DENSE,),
+    takes=(Check(lambda f: f.dtype in ("bf16", "fp16"), "AITER takes fp16 or bf16 only", _DTYPE,
+                 "train in bf16 (bf16: true) or fp16, or set use_turbo_flex_attention: true with "
+                 "turbo_flex_attention_backend: reference"),),
+    refuses=(
+        Check(lambda f: not f.sink or (f.head_dim == f.head_dim_v and _pow2(f.head_dim)),
+              "AITER's sink kernel needs equal q/k and v head dims and a power-of-two head dim",
+              ("use_sink_attention", "kv_channels"), "choose kv_channels as a power of two"),
+        Check(lambda f: not (f.sink and f.deterministic),
+              "AITER asserts that deterministic and sink are not enabled together",
+              ("deterministic_mode", "use_sink_attention"),
+              "set deterministic_mode: false or use_sink_attention: false (on gfx950, FlyDSL takes both "
+              "when its other conditions hold)"),
+    ),
+    defects=(
+        Check(lambda f: not (f.sink and f.window[1] > 0),
+              "AITER's sink backward ignores a window's right bound: the gradients would be silently wrong",
+              ("use_sink_attention", "window_size", "turbo_flex_attention_mask_mod"),
+              "use a window with right bound 0, or use_sink_attention: false"),
+    ),
+    fact="primus_turbo_dispatch.md §1, AITER dense row and consequences",
+)
+AITER_VARLEN = KernelBackend(
+    "AITER", (VARLEN,),
+    takes=(
+        Check(lambda f: f.dtype in ("bf16", "fp16"), "AITER takes fp16 or bf16 only", _DTYPE,
+              "train in bf16 (bf16: true) or fp16"),
+        Check(lambda f: not f.sink, "AITER varlen takes no sink", ("use_sink_attention", "packed_sequences"),
+              "drop the sink for packed batches, or on gfx950 pack documents of equal length with 8 to "
+              "256 query heads per key/value group in bf16 (FlyDSL)"),
+    ),
+    fact="primus_turbo_dispatch.md §1, AITER varlen row",
+)
+HIPKITTENS = KernelBackend(
+    "HipKittens", (DENSE,),
+    takes=(
+        Check(lambda f: f.arch == "gfx950", "HipKittens runs only on gfx950"),
+        Check(lambda f: f.dtype == "bf16", "HipKittens takes bf16 only"),
+        Check(lambda f: f.causal and not f.sink, "HipKittens takes causal attention without a sink only"),
+        Check(lambda f: f.dropout == 0 and not f.bias and not f.alibi, "HipKittens takes no dropout, bias or ALiBi"),
+        Check(lambda f: f.window[1] in (0, -1) and f.head_dim in (64, 128), "HipKittens: right bound 0, D 64/128"),
+    ),
+    fact="primus_turbo_dispatch.md §1, HipKittens row",
+)
+ORDER = {DENSE: (FLYDSL, AITER_DENSE, HIPKITTENS), VARLEN: (FLYDSL, AITER_VARLEN)}
+"""The dispatcher's order: FlyDSL (the default), then the fallbacks (§1, step 3)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """The outcome of `route`: the backend that runs, or why none can, and what goes wrong."""
+
+    features: CallFeatures
+    backend: Optional[str]
+    passed_over: Tuple[Tuple[str, str], ...] = ()
+    """(backend, first reason it did not take the call), in dispatch order."""
+    blocking: Tuple[Check, ...] = ()
+    """The checks that make the call fail or compute wrongly (their settings and alternatives)."""
+    failure: str = ""
+    """Set when no backend takes the call, or the one that does refuses it."""
+    defects: Tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return self.backend is not None and not self.failure and not self.defects
+
+    @property
+    def fallback_note(self) -> str:
+        """Why the fast FlyDSL path was passed over, for a backend that still runs it."""
+        if self.backend is None or self.backend == FLYDSL.name:
+            return ""
+        why = dict(self.passed_over).get(FLYDSL.name, "").split("; ")[0]
+        return f"{self.backend}: {why}" if why else self.backend
+
+    def problem(self) -> str:
+        """One sentence for a refusal ("" when the call runs and computes exactly)."""
+        entry = "flash_attn_func" if self.features.entry == DENSE else "flash_attn_varlen_func"
+        arch = f"{self.features.arch} ({ARCH_NAMES.get(self.features.arch, '?')})"
+        if self.backend is None:
+            reasons = "; ".join(why for _, why in self.passed_over)
+            return f"on {arch} no Primus-Turbo kernel backend takes this {entry} call ({reasons})"
+        if self.failure:
+            return f"on {arch} {entry} runs on {self.backend}, which refuses it: {self.failure}"
+        if self.defects:
+            return f"on {arch} {entry} runs on {self.backend}: {'; '.join(self.defects)}"
+        return ""
+
+
+def route(features: CallFeatures) -> Route:
+    """Which backend takes this call on its arch, following the dispatch order (§1)."""
+    if features.arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {features.arch!r}")
+    passed: list[tuple[str, str]] = []
+    closest: list[Check] = []  # the failing checks of the backend that came closest to taking it
+    for backend in ORDER[features.entry]:
+        failed = [c for c in backend.takes if not c.ok(features)]
+        if failed:
+            passed.append((backend.name, "; ".join(c.text for c in failed)))
+            if not closest or len(failed) < len(closest):
+                closest = failed
+            continue
+        refused = [c for c in backend.refuses if not c.ok(features)]
+        defects = [c for c in backend.defects if not c.ok(features)]
+        return Route(features, backend.name, passed_over=tuple(passed),
+                     failure=refused[0].text if refused else "", defects=tuple(c.text for c in defects),
+                     blocking=tuple(refused + defects))
+    return Route(features, None, passed_over=tuple(passed), failure="no compatible backend",
+                 blocking=tuple(closest))
+
+
+def default_scale(scale: Optional[float], head_dim: int) -> bool:
+    return scale is None or math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6)
+
+
+__all__ = ["ARCHES", "ARCH_NAMES", "CallFeatures", "Check", "DENSE", "KernelBackend", "ORDER", "Route",
+           "VARLEN", "default_scale", "route"]

@@ -1,0 +1,94 @@
+"""The kernel backends a layer's Turbo calls reach on the target arch, and B33's refusals.
+
+A layer makes dense calls, packed calls, or both (`LayerFacts.packed`).  Each becomes
+`CallFeatures` for Primus-Turbo's dispatcher model (`primus_ext.backends.dispatch`),
+which says which kernel backend runs it on gfx942 / gfx950, or why none does, and
+which known defect applies.  The arch is the ``turbo_arch`` setting, or on ROCm the
+device's ``gcnArchName``; elsewhere it is unknown and nothing is checked here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..attention.pattern import Pattern, pattern_from_flash_args
+from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
+from ..errors import Reason
+from .facts import LayerFacts
+
+
+def resolve_arch(setting: str) -> Tuple[Optional[str], str]:
+    """``(arch, where it came from)``; the arch is None when it cannot be known here."""
+    if setting != "auto":
+        return setting, f"turbo_arch: {setting}"
+    if getattr(torch.version, "hip", None) and torch.cuda.is_available():
+        name = str(torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName).split(":")[0]
+        return name, f"device gcnArchName {name}"
+    return None, "no ROCm device and turbo_arch: auto"
+
+
+def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sink: bool,
+              deterministic: bool, alibi: bool) -> CallFeatures:
+    return CallFeatures(
+        arch=arch, entry=entry, dtype=facts.dtype or "bf16", head_dim=facts.head_dim,
+        head_dim_v=facts.v_dim, heads=facts.num_heads, kv_heads=facts.kv_heads,
+        causal=pattern.right == 0, window=pattern.window, sink=sink,
+        dropout=facts.attention_dropout, alibi=alibi, deterministic=deterministic,
+        default_scale=default_scale(facts.softmax_scale, facts.head_dim),
+        equal_documents=None, sbhd_storage=True,
+    )
+
+
+def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optional[Pattern],
+                 window: Optional[Tuple[int, int]], sink: bool, deterministic: bool,
+                 alibi: bool) -> Tuple[Tuple[str, Route], ...]:
+    """``(("dense" | "packed", route), ...)`` for the calls this layer can make on ``arch``.
+
+    ``dense_pattern``: the dense calls' mask (None: the caller's causal / window).
+    Packed calls use the configured window inside each document.
+    """
+    if arch is None or arch not in ARCHES:
+        return ()
+    flash = pattern_from_flash_args(facts.causal, window or (-1, -1))
+    out: list[Tuple[str, Route]] = []
+    if facts.packed is not False:
+        out.append(("packed", route(_features(facts, arch, VARLEN, flash, sink=sink,
+                                              deterministic=deterministic, alibi=alibi))))
+    if facts.packed is not True:
+        pattern = dense_pattern or flash
+        entry = VARLEN if pattern.documents else DENSE
+        out.append(("dense", route(_features(facts, arch, entry, Pattern(pattern.left, pattern.right), sink=sink,
+                                             deterministic=deterministic, alibi=alibi))))
+    return tuple(out)
+
+
+def route_reasons(routes: Sequence[Tuple[str, Route]]) -> list[Reason]:
+    """One B33 reason per call kind that would fail or compute wrongly on the arch."""
+    reasons = []
+    for kind, found in routes:
+        problem = found.problem()
+        if not problem:
+            continue
+        settings = tuple(dict.fromkeys(("turbo_arch",) + tuple(s for c in found.blocking for s in c.settings)))
+        alternatives = [c.alternative for c in found.blocking if c.alternative]
+        reasons.append(Reason(settings, f"{kind} calls: {problem}.",
+                              "; or ".join(dict.fromkeys(alternatives)) or "change the configuration", "B33"))
+    return reasons
+
+
+def describe_routes(routes: Sequence[Tuple[str, Route]]) -> Tuple[str, ...]:
+    """``("dense: FlyDSL", "packed: AITER (slower: FlyDSL takes bf16 only)")``."""
+    out = []
+    for kind, found in routes:
+        if found.backend is None:
+            out.append(f"{kind}: none")
+            continue
+        note = found.fallback_note
+        slow = f" (slower fallback: {note.split(': ', 1)[1]})" if ": " in note else ""
+        out.append(f"{kind}: {found.backend}{slow}")
+    return tuple(out)
+
+
+__all__ = ["describe_routes", "layer_routes", "resolve_arch", "route_reasons"]

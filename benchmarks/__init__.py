@@ -12,6 +12,8 @@ checkout this package lives in).  Results go to ``benchmarks/results/<name>.json
 * ``reference_vs_sdpa``: the reference backend against ``scaled_dot_product_attention``,
   forward + backward on CPU.
 * ``gpt_step``: a tiny megatron-core GPT training step, flex path against direct path.
+* ``hook_proofs``: what proving user mask / score hooks (B31) costs a 96-layer model
+  build, at 4k and 128k tokens.
 """
 
-NAMES = ("adapter_overhead", "first_call_setup", "copies_and_syncs", "reference_vs_sdpa", "gpt_step")
+NAMES = ("adapter_overhead", "first_call_setup", "copies_and_syncs", "reference_vs_sdpa", "gpt_step", "hook_proofs")

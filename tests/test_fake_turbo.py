@@ -126,10 +126,13 @@ def test_dense_causal_output_and_grad_equal_exact() -> None:
         flex = fake.module.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           block_mask=bm, enable_gqa=True)
         assert fake.calls_to("flash_attn_usp_func")[0].args["ring_group"] == "r"
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
-    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
-    torch.testing.assert_close(usp, want, rtol=0, atol=0)
-    torch.testing.assert_close(flex.transpose(1, 2), want, rtol=0, atol=0)
+    # The fake's math (blockwise online softmax) shares no code with exact's (one softmax
+    # per row), so float32 rounding differs: torch's float32 tolerances, not bit equality.
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    # Entries of the fake share its math: those stay bit-equal.
+    torch.testing.assert_close(usp, out, rtol=0, atol=0)
+    torch.testing.assert_close(flex.transpose(1, 2), out, rtol=0, atol=0)
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
@@ -210,7 +213,8 @@ def test_flex_classifies_and_matches_exact(mask_mod, pattern: Pattern) -> None:
         bm = fake.module.create_block_mask(mask_mod, None, None, 16, 16)
         out = fake.module.flex_attention_bshd(q, k, v, block_mask=bm, enable_gqa=True)
     allowed = pattern.allows(torch.arange(16).view(-1, 1), torch.arange(16).view(1, -1))
-    torch.testing.assert_close(out, exact.attention(q, k, v, allowed=allowed), rtol=0, atol=0)
+    # Independent float32 implementations: torch's float32 tolerances (see above).
+    torch.testing.assert_close(out, exact.attention(q, k, v, allowed=allowed))
 
 
 @pytest.mark.parametrize("mask_mod, length, why", [

@@ -36,7 +36,7 @@ from .pattern import FULL, MaskMod, Pattern, ScoreMod
 
 TIMEOUT_MS = 2000  # per solver query; a query that times out proves nothing
 MAX_CUTS = 64  # constant document boundaries looked for before giving up
-GUESS_GRID = 64  # side of the grid a candidate window is read from (then proven, never trusted)
+GUESS_ROW = 1 << 12  # query row a candidate window is read from (then proven, never trusted)
 PROOFS: Counter = Counter()
 """How many proofs were run (``mask_mod`` / ``score_mod``): cache hits do not count."""
 
@@ -219,29 +219,29 @@ class _MaskProver:
         return self.result(None, why + docs)
 
     def guess(self) -> Optional[Pattern]:
-        """A window read off the hook evaluated on a small grid: only a candidate to prove.
+        """A window read off one row of the hook, evaluated: only a candidate to prove.
 
         Most hooks are a window, and one equality proof is far cheaper than deriving the
-        candidate with the solver; a wrong guess just falls back to the derivation.
+        candidate with the solver.  The row sits far from both ends, so windows up to
+        `GUESS_ROW` keys wide show their bounds; a wrong guess just falls back to the
+        derivation.
         """
-        n = GUESS_GRID
-        idx = torch.arange(n)
+        q, kv = GUESS_ROW, torch.arange(2 * GUESS_ROW + 1)
+        zero = torch.zeros((), dtype=torch.long)
         try:
             with torch.no_grad():
-                allowed = self.trace.graph(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long),
-                                           idx.view(-1, 1), idx.view(1, -1))
-            allowed = torch.broadcast_to(torch.as_tensor(allowed, dtype=torch.bool), (n, n))
+                row = self.trace.graph(zero, zero, torch.tensor(q), kv)
+            allowed = torch.broadcast_to(torch.as_tensor(row, dtype=torch.bool), kv.shape)
         except Exception:  # noqa: BLE001 - the hook as traced cannot run concretely: no guess
             return None
-        if not bool(allowed.any()):
+        keys = kv[allowed]
+        if keys.numel() == 0 or keys.numel() != int(keys[-1] - keys[0]) + 1:
+            return None  # not one run of keys: not a window
+        first, last = int(keys[0]), int(keys[-1])
+        if first > q or last < q:
             return None
-        offset = idx.view(-1, 1) - idx.view(1, -1)  # q - kv
-        left = int(offset[allowed].max())
-        right = int((-offset)[allowed].max())
-        left = -1 if left >= n - 1 else left
-        right = -1 if right >= n - 1 else right
-        if left < -1 or right < -1 or (left < 0 and left != -1) or (right < 0 and right != -1):
-            return None
+        left = -1 if first == 0 else q - first
+        right = -1 if last == 2 * GUESS_ROW else last - q
         return Pattern(left, right)
 
     def differs(self, mask: z3.BoolRef, pattern: Pattern) -> Optional[str]:
@@ -304,8 +304,8 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
     per_head = "the head index" in trace.reads and bool(num_heads)
     heads: list[Optional[int]] = list(range(int(num_heads))) if per_head else [None]  # type: ignore[arg-type]
     slopes: list[Fraction] = []
-    identity = True
-    for head in heads:
+    cases: list[tuple[Optional[int], z3.ArithRef, z3.ArithRef, Encoder]] = []
+    for head in heads:  # encode every head first: then one solver query covers them all
         encoder = Encoder(trace.graph, trace.tensor_names)
         h_value = h if head is None else z3.IntVal(head)
         try:
@@ -313,30 +313,35 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
         except Unsupported as exc:
             return result("other", str(exc))
         out = z3.ToReal(out) if z3.is_int(out) else out
-        local = domain + ([] if head is None else [h == head])
-        why = _broken_obligation(encoder, local, names)
-        if why:
-            return result("other", why)
         at = z3.simplify(z3.substitute(out - score, (score, z3.RealVal(0)), (b, z3.IntVal(0)),
                                        (h, z3.IntVal(head or 0)), (q, z3.IntVal(0)), (kv, z3.IntVal(1))))
         if not (z3.is_rational_value(at) or z3.is_int_value(at)):
             return result("other", "its offset from the score is not a constant times (kv_idx - q_idx)")
         slope = Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
-        expected = score + z3.RealVal(slope) * z3.ToReal(kv - q)
-        status, model = _solve(*local, out != expected)
-        if status != "unsat":
-            if model is None:
-                return result("other", "could not be decided by the solver within its time limit")
-            got = model.eval(out, model_completion=True).as_decimal(6)
-            form = "the score unchanged" if slope == 0 else f"score + {float(slope):g} * (kv - q)"
-            return result("other", f"at {_where(model, names)} it gives {got}, not {form}: it is neither the "
-                                   "identity nor ALiBi for every position and score")
         if not _float32(slope):
             return result("other", f"its ALiBi slope {float(slope)!r}"
                                    f"{'' if head is None else f' of head {head}'} is not a float32 value "
                                    "(Primus-Turbo's alibi_slopes are float32)")
-        identity = identity and slope == 0
         slopes.append(slope)
+        cases.append((head, out, score + z3.RealVal(slope) * z3.ToReal(kv - q), encoder))
+    merged = Encoder(trace.graph, trace.tensor_names)
+    merged.obligations = [o for *_, enc in cases for o in enc.obligations]
+    why = _broken_obligation(merged, domain, names)
+    if why:
+        return result("other", why)
+    status, model = _solve(*domain, z3.Or([out != expected for _, out, expected, _ in cases]))
+    if status != "unsat":
+        if model is None:
+            return result("other", "could not be decided by the solver within its time limit")
+        for (head, out, expected, _), slope in zip(cases, slopes):
+            if z3.is_true(model.eval(out != expected, model_completion=True)):
+                got = model.eval(out, model_completion=True).as_decimal(6)
+                form = "the score unchanged" if slope == 0 else f"score + {float(slope):g} * (kv - q)"
+                where = _where(model, names) if head is None else _where(model, names).replace(
+                    f"h={model.eval(h, model_completion=True)}", f"h={head}")
+                return result("other", f"at {where} it gives {got}, not {form}: it is neither the "
+                                       "identity nor ALiBi for every position and score")
+    identity = all(slope == 0 for slope in slopes)
     if identity:
         return result("identity", "proven to return the score unchanged")
     values = tuple(float(s) for s in slopes) * (int(num_heads or 1) if len(slopes) == 1 else 1)

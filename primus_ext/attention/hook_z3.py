@@ -59,10 +59,19 @@ def _const(x: Any) -> z3.ExprRef:
     raise Unsupported(f"uses a constant of type {type(x).__name__}")
 
 
+def _element(x: Any) -> z3.ExprRef:
+    """A value stored in a captured tensor: exact as stored (no Python-scalar rounding)."""
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            raise Unsupported(f"reads the non-finite value {x} from a captured tensor")
+        return z3.RealVal(Fraction(x))
+    return _const(x)
+
+
 def _scalar(c: Captured) -> z3.ExprRef:
     if c.tensor.numel() != 1:
         raise Unsupported(f"uses {c.name} with {c.tensor.numel()} elements as a scalar")
-    return _const(c.tensor.reshape(()).item())
+    return _element(c.tensor.reshape(()).item())
 
 
 def expr(v: Any) -> z3.ExprRef:
@@ -456,8 +465,14 @@ class Encoder:
         if not z3.is_int(i):
             raise Unsupported(f"indexes {base.name} with a floating value")
         n = table.numel()
+        fixed = z3.simplify(i)
+        if z3.is_int_value(fixed):  # e.g. the head index, fixed while proving head by head
+            k = fixed.as_long()
+            if not 0 <= k < n:
+                raise Unsupported(f"indexes {base.name} (length {n}) at {k}, out of range")
+            return _element(table[k].item())
         self.obligations.append((z3.And(i >= 0, i < n), f"indexes {base.name} (length {n}) out of range"))
-        values = [expr(x) for x in table.tolist()]
+        values = [_element(x) for x in table.tolist()]
         result = values[-1]
         for k in range(n - 2, -1, -1):
             result = z3.If(i == k, values[k], result)

@@ -1,21 +1,23 @@
-"""Bodies of the fake Primus-Turbo entries: the real kernels' checks, then exact math.
+"""Bodies of the fake Primus-Turbo entries: the real kernels' checks, then the fake's math.
 
 Each body takes the call's bound arguments (defaults applied) and the fake's
 `MaskClassifier`.  The checks are the ones the ROCm kernels and the flex layer
 perform, so a project bug that would crash or silently differ on an MI300 shows
-up on CPU; the numbers always come from `primus_ext.backends.exact` so the fake
-and the reference backend can never disagree about the softmax itself.
+up on CPU.  The numbers come from `._fake_math` (blockwise online softmax with a
+hand-written backward), which shares no code with `primus_ext.backends.exact`, the
+reference backend's math: a parity test between the two compares two independent
+implementations, and both are held to the float64 oracles of the test suite.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..attention.pattern import FULL, Pattern, pattern_from_flash_args
-from ..backends import exact
+from ..attention.pattern import FULL, pattern_from_flash_args
+from . import _fake_math
 from ._fake_masks import MaskClassifier, score_mod_is_identity
 
 Args = dict[str, Any]
@@ -105,38 +107,10 @@ def _check_cu_seqlens(name: str, which: str, cu: Any, max_seqlen: Any, total: in
     return bounds
 
 
-# ----------------------------------------------------------------------------- masks
-def _dense_allowed(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> Optional[Tensor]:
-    """Flash-attn alignment: query i sits at key i + (Skv - Sq) (bottom-right)."""
-    if pattern == FULL:
-        return None
-    offset = kv_len - q_len
-    q_idx = torch.arange(q_len, device=device).view(-1, 1) + offset
-    kv_idx = torch.arange(kv_len, device=device).view(1, -1)
-    return pattern.allows(q_idx, kv_idx)
-
-
-def _varlen_allowed(pattern: Pattern, cu_q: Tensor, cu_k: Tensor, bq: list[int],
-                    bk: list[int]) -> Tensor:
-    """Document mask with the window aligned bottom-right inside each segment pair."""
-    total_q, total_k = bq[-1], bk[-1]
-    if bq == bk or pattern == FULL:
-        return exact.document_mask(pattern, cu_q, cu_k, total_q, total_k)
-    same_doc = exact.document_mask(FULL, cu_q, cu_k, total_q, total_k)
-    dev = cu_q.device
-    local_q = torch.empty(total_q, dtype=torch.int64, device=dev)
-    local_k = torch.empty(total_k, dtype=torch.int64, device=dev)
-    for i in range(len(bq) - 1):
-        shift = (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i])
-        local_q[bq[i]:bq[i + 1]] = torch.arange(bq[i + 1] - bq[i], device=dev) + shift
-    for i in range(len(bk) - 1):
-        local_k[bk[i]:bk[i + 1]] = torch.arange(bk[i + 1] - bk[i], device=dev)
-    return same_doc & pattern.allows(local_q[:, None], local_k[None, :])
-
-
 # ----------------------------------------------------------------------------- bodies
-def dense_flash(name: str, *, fp8: bool = False) -> Body:
+def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = ()) -> Body:
     """Body of flash_attn_func and its fp8 / usp twins (bshd)."""
+    faults = _fake_math.check_faults(faults)
 
     def body(a: Args, _classify: MaskClassifier) -> Any:
         q, k, v = a["q"], a["k"], a["v"]
@@ -155,17 +129,17 @@ def dense_flash(name: str, *, fp8: bool = False) -> Body:
         _check_alibi(name, a["alibi_slopes"], hq)
         _check_sink(name, a.get("sink"), hq, d_qk, d_v)
         pattern = pattern_from_flash_args(bool(a["causal"]), window)  # type: ignore[arg-type]
-        return exact.attention(
-            q, k, v, scale=a["softmax_scale"], allowed=_dense_allowed(pattern, q_len, kv_len, q.device),
-            alibi_slopes=a["alibi_slopes"], bias=a["bias"], sink=a.get("sink"),
-            dropout_p=float(a["dropout_p"]), return_lse=bool(a["return_lse"]),
+        return _fake_math.attention(
+            q, k, v, window=pattern, scale=a["softmax_scale"], alibi_slopes=a["alibi_slopes"],
+            bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
+            return_lse=bool(a["return_lse"]), faults=faults,
         )
 
     return body
 
 
 def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[int, int],
-                 scale: Optional[float], require_same_bounds: bool) -> Any:
+                 scale: Optional[float], require_same_bounds: bool, faults: Iterable[str]) -> Any:
     q, k, v = a[q_key], a["k" if q_key == "q" else "key"], a["v" if q_key == "q" else "value"]
     _check_dims(name, (q, k, v), 3, "thd [T, H, D]")
     hq, d_qk, hkv, d_v = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
@@ -179,47 +153,46 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
         raise ValueError(f"{name}: causal=True needs identical q and kv boundaries, got {bq} vs {bk}")
     _check_alibi(name, a["alibi_slopes"], hq)
     _check_sink(name, a.get("sink"), hq, d_qk, d_v)
-    pattern = pattern_from_flash_args(causal, window)
-    allowed = _varlen_allowed(pattern, a["cu_seqlens_q"], a["cu_seqlens_k"], bq, bk)
-    result = exact.attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale, allowed=allowed,
+    # Each segment pair is one problem, its window aligned bottom-right inside the pair;
+    # lse comes back as [Hq, T], the flash-attn varlen layout.
+    return _fake_math.varlen_attention(
+        q, k, v, bq, bk, window=pattern_from_flash_args(causal, window), scale=scale,
         alibi_slopes=a["alibi_slopes"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
-        return_lse=bool(a["return_lse"]),
+        return_lse=bool(a["return_lse"]), faults=faults,
     )
-    if a["return_lse"]:
-        out, lse = result
-        return out.squeeze(0), lse.squeeze(0)  # lse [Hq, T], the flash-attn varlen layout
-    return result.squeeze(0)
 
 
-def varlen_flash(name: str) -> Body:
+def varlen_flash(name: str, *, faults: Iterable[str] = ()) -> Body:
     """Body of flash_attn_varlen_func and flash_attn_varlen_usp_func (thd)."""
+    faults = _fake_math.check_faults(faults)
 
     def body(a: Args, _classify: MaskClassifier) -> Any:
         _check_no_probs(name, a)
         if a["bias"] is not None:
             raise NotImplementedError(f"{name}: the fake does not model a varlen bias")
         return _varlen_core(name, a, "q", causal=bool(a["causal"]), window=tuple(a["window_size"]),
-                            scale=a["softmax_scale"], require_same_bounds=False)
+                            scale=a["softmax_scale"], require_same_bounds=False, faults=faults)
 
     return body
 
 
-def flex_varlen(name: str) -> Body:
+def flex_varlen(name: str, *, faults: Iterable[str] = ()) -> Body:
     """Body of flex_attention_varlen (thd): the flex layer's stricter varlen checks."""
+    faults = _fake_math.check_faults(faults)
 
     def body(a: Args, _classify: MaskClassifier) -> Any:
         _check_softcap(name, a["softcap"])
         causal = bool(a["causal"])
         return _varlen_core(name, a, "query", causal=causal, window=tuple(a["window_size"]),
-                            scale=a["scale"], require_same_bounds=causal)
+                            scale=a["scale"], require_same_bounds=causal, faults=faults)
 
     return body
 
 
-def flex_dense(name: str, layout: str) -> Body:
+def flex_dense(name: str, layout: str, *, faults: Iterable[str] = ()) -> Body:
     """Body of flex_attention (``bhsd``) and flex_attention_bshd (``bshd``)."""
     seq_dim = 2 if layout == "bhsd" else 1
+    faults = _fake_math.check_faults(faults)
 
     def body(a: Args, classify: MaskClassifier) -> Any:
         q, k, v = a["query"], a["key"], a["value"]
@@ -251,10 +224,10 @@ def flex_dense(name: str, layout: str) -> Body:
                     f"inputs have ({q_len}, {kv_len}); is the layout (transpose) right?"
                 )
             pattern = classify(block_mask, batch, hq, q_len, kv_len)
-        result = exact.attention(
-            q, k, v, scale=a["scale"], allowed=_dense_allowed(pattern, q_len, kv_len, q.device),
-            alibi_slopes=a["alibi_slopes"], bias=a["bias"], sink=a["sink"],
-            dropout_p=float(a["dropout_p"]), return_lse=bool(a["return_lse"]),
+        result = _fake_math.attention(  # flash alignment (bottom-right), as for the flash entries
+            q, k, v, window=pattern, scale=a["scale"], alibi_slopes=a["alibi_slopes"], bias=a["bias"],
+            sink=a["sink"], dropout_p=float(a["dropout_p"]), return_lse=bool(a["return_lse"]),
+            faults=faults,
         )
         out = result[0] if a["return_lse"] else result
         if layout == "bhsd":

@@ -11,7 +11,8 @@ entries that:
   backend that passes a keyword some build lacks gets the same ``TypeError``;
 * apply the real kernels' and flex layer's checks, so wrong layouts, dtypes and
   boundaries fail on CPU the way they would fail on the GPU;
-* compute with `primus_ext.backends.exact`, so outputs and gradients are exact;
+* compute with their own blockwise math (`._fake_math`), independent of the reference
+  backend's, so outputs and gradients are exact up to rounding;
 * record every call, so tests can assert *which* kernel got *which* arguments.
 
 The keyword knobs pick which build is imitated, because the project must adapt to
@@ -20,6 +21,9 @@ each by inspecting signatures rather than version strings::
     with fake_primus_turbo(flex_deterministic=False) as fake:
         out = backend(q, k, v)
         assert fake.calls_to("flex_attention_bshd")
+
+``faults`` opts into known silent defects of real builds (see `FAULTS`), so a test can
+show that the project would notice one.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
+from ._fake_math import FAULTS, SINK_BACKWARD_IGNORES_RIGHT_WINDOW, check_faults
 from ._fake_masks import MaskClassifier
 
 _ROOT = "primus_turbo"
@@ -80,6 +85,8 @@ class BuildOptions:
     flex_deterministic: bool = True
     varlen_sink: bool = True
     flex: bool = True
+    faults: tuple[str, ...] = ()
+    """Known silent defects the fake reproduces; each one of `FAULTS`."""
 
 
 def entry_signatures(options: BuildOptions) -> dict[str, inspect.Signature]:
@@ -115,7 +122,7 @@ def _create_block_mask(a: dict[str, Any], _classify: MaskClassifier) -> Any:
                              device=a["device"], BLOCK_SIZE=a["BLOCK_SIZE"], _compile=False)
 
 
-_BODIES: dict[str, Callable[[str], Body]] = {
+_BODIES: dict[str, Callable[..., Body]] = {
     "flash_attn_func": dense_flash,
     "flash_attn_varlen_func": varlen_flash,
     "flash_attn_fp8_func": functools.partial(dense_flash, fp8=True),
@@ -125,7 +132,7 @@ _BODIES: dict[str, Callable[[str], Body]] = {
     "flex_attention": functools.partial(flex_dense, layout="bhsd"),
     "flex_attention_bshd": functools.partial(flex_dense, layout="bshd"),
     "flex_attention_varlen": flex_varlen,
-    "create_block_mask": lambda _name: _create_block_mask,
+    "create_block_mask": lambda _name, **_: _create_block_mask,
 }
 
 
@@ -171,7 +178,7 @@ class FakeTurbo:
         return [c for c in self.calls if c.entry == entry]
 
     def _entry(self, name: str, signature: inspect.Signature) -> Callable[..., Any]:
-        body = _BODIES[name](name)
+        body = _BODIES[name](name, faults=self.options.faults)
         record = self.calls
         classifier = self._classifier
 
@@ -225,7 +232,8 @@ def _owned(key: str) -> bool:
 
 @contextlib.contextmanager
 def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True,
-                      varlen_sink: bool = True, flex: bool = True) -> Iterator[FakeTurbo]:
+                      varlen_sink: bool = True, flex: bool = True,
+                      faults: Iterable[str] = ()) -> Iterator[FakeTurbo]:
     """Install the fake Primus-Turbo modules for the ``with`` block; yield the `FakeTurbo`.
 
     Knobs select the build imitated: ``flex=False`` is an old build without any flex
@@ -233,11 +241,18 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     ``flex_deterministic=False`` lacks ``deterministic`` on the flex entries;
     ``varlen_sink=False`` lacks ``sink`` on ``flash_attn_varlen_func``.
 
+    ``faults`` (default none) switches on known silent defects; the one modelled is
+    ``"sink_backward_ignores_right_window"``: AITER's sink path runs Triton kernels whose
+    backward takes only the left window edge, so with a sink and a right window bound
+    > 0 the forward is right and the gradients are computed as if the right bound were
+    -1.  Unknown names are a ``ValueError``.
+
     Every ``primus_turbo*`` entry of ``sys.modules`` present before is put back on
     exit, also when the block raises, and any added inside the block is dropped.
     """
     fake = FakeTurbo(BuildOptions(flex_bshd=flex_bshd, flex_deterministic=flex_deterministic,
-                                  varlen_sink=varlen_sink, flex=flex))
+                                  varlen_sink=varlen_sink, flex=flex,
+                                  faults=tuple(sorted(check_faults(faults)))))
     saved = {k: v for k, v in sys.modules.items() if _owned(k)}
     for key in saved:
         del sys.modules[key]
@@ -250,4 +265,5 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
         sys.modules.update(saved)
 
 
-__all__ = ["BuildOptions", "Call", "FakeTurbo", "entry_signatures", "fake_primus_turbo"]
+__all__ = ["BuildOptions", "Call", "FAULTS", "FakeTurbo", "SINK_BACKWARD_IGNORES_RIGHT_WINDOW",
+           "entry_signatures", "fake_primus_turbo"]

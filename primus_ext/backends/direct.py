@@ -5,6 +5,31 @@ parallel: ``flash_attn_fp8_usp_func``); context parallel -> ``flash_attn_usp_fun
 otherwise ``flash_attn_func``.  Packed (thd) batches go to ``flash_attn_varlen_func``
 and only at context-parallel size 1 (B18).  Which entries take ``sink`` is read
 from their signatures (B13).
+
+Context parallelism: every usp entry takes two process groups and needs both.
+``ulysses_group`` is required (Primus-Turbo calls ``ulysses_group.size()``, so None
+crashes), and ``ring_group=None`` does not mean "no ring": it means the WORLD group,
+so the ranks of every other parallel dimension would be treated as further sequence
+chunks and exchanged in a ring, which is wrong (and, where the ring overlaps the
+Ulysses group, exchanges key/value heads of other ranks as if they were tokens).
+So, whatever ``cp_comm_type`` says (``a2a`` or ``p2p``), the direct path passes
+`context_parallel_groups`: ``ulysses_group`` = the context-parallel group and
+``ring_group`` = a size-1 group holding only this rank, exactly as upstream Primus
+does.  Attention is then Ulysses over the CP group (an all-to-all from sequence
+shards to head shards and back), with a ring of one, which is also the only ring
+size the fp8 usp entry and ``flash_attn_varlen_usp_func`` accept.  Consequences,
+refused at build time: the CP size must divide both head counts of this rank
+(``cp-heads``), and attention dropout must be 0 (``B30-cp``: every usp entry
+asserts ``dropout_p == 0``).
+
+The size-1 ring group is created once per process (per initialised default group)
+by `singleton_ring_group`.  ``torch.distributed.new_group`` is collective over the
+default group (every rank must call it, in the same order, for every group), so it
+creates the singleton group of *every* rank, in rank order, on every rank, and keeps
+this rank's.  That happens when the first context-parallel direct layer is built,
+which every rank does at the same point of model construction; a program whose ranks
+do not all build such a layer calls `singleton_ring_group()` on every rank right
+after initialising the parallel state.
 """
 
 from __future__ import annotations
@@ -18,6 +43,44 @@ from .base import fp32_sink
 from .capabilities import entry_accepts, sink_kwargs_for
 
 CP_GROUP_KWARGS = ("ulysses_group", "ring_group")
+
+# (default group the cache belongs to, this rank's size-1 group).  Holding the default
+# group keeps it alive, so an identity check is enough to notice a re-initialised world.
+_SINGLETON_RING: Optional[Tuple[Any, Any]] = None
+
+
+def singleton_ring_group() -> Any:
+    """This rank's size-1 process group, the ``ring_group`` of every usp call.
+
+    Collective on first use in a world (see the module docstring): every rank creates
+    the singleton group of every rank in rank order and keeps its own; later calls
+    return the cached group.
+    """
+    global _SINGLETON_RING
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "context parallelism on the direct Turbo path needs torch.distributed to be "
+            "initialised before the attention layers are built (the usp entries take process groups)"
+        )
+    world = dist.group.WORLD
+    if _SINGLETON_RING is not None and _SINGLETON_RING[0] is world:
+        return _SINGLETON_RING[1]
+    rank, mine = dist.get_rank(), None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group(ranks=[r])
+        if r == rank:
+            mine = group
+    _SINGLETON_RING = (world, mine)
+    return mine
+
+
+def context_parallel_groups(cp_group: Any) -> dict:
+    """The usp entries' process-group kwargs: Ulysses over ``cp_group``, a ring of one."""
+    if cp_group is None:
+        raise ValueError("context parallelism needs the context-parallel process group; got None")
+    return {"ulysses_group": cp_group, "ring_group": singleton_ring_group()}
 
 
 @dataclass(frozen=True)
@@ -67,6 +130,14 @@ class DirectRunner:
                 "primus_ext invariant broken: context-parallel process groups "
                 f"{sorted(self.cp_groups)} coexist with the varlen binding {entries.packed}"
             )
+        # The usp entries need both groups (None is a crash or a ring over WORLD); no other
+        # entry takes them.
+        wanted = set(CP_GROUP_KWARGS) if entries.context_parallel else set()
+        if set(self.cp_groups) != wanted or any(group is None for group in self.cp_groups.values()):
+            raise AssertionError(
+                f"primus_ext invariant broken: {entries.dense} needs the process groups {sorted(wanted)}, "
+                f"got {self.cp_groups}"
+            )
 
     def dense_call(self, q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, scale: Optional[float],
                    causal: bool, window: Tuple[int, int], sink: Optional[Tensor], deterministic: bool) -> Tensor:
@@ -75,6 +146,9 @@ class DirectRunner:
         )
         if self.entries.takes_window:
             kwargs["window_size"] = window
+        if self.cp_groups and dropout_p != 0.0:
+            raise AssertionError(f"primus_ext invariant broken: dropout_p={dropout_p} reached {self.entries.dense}, "
+                                 "which asserts dropout_p == 0 (refused at build time as B30-cp)")
         kwargs.update(self.cp_groups)
         kwargs.update(sink_kwargs_for(self.dense, fp32_sink(sink), where="dense"))
         return self.dense(q, k, v, **kwargs)
@@ -111,4 +185,5 @@ class DirectTarget:
                                        causal=causal, window=window, sink=sink, deterministic=deterministic)
 
 
-__all__ = ["CP_GROUP_KWARGS", "DirectEntries", "DirectRunner", "DirectTarget", "choose_direct"]
+__all__ = ["CP_GROUP_KWARGS", "DirectEntries", "DirectRunner", "DirectTarget", "choose_direct",
+           "context_parallel_groups", "singleton_ring_group"]

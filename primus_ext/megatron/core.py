@@ -17,7 +17,7 @@ from torch import Tensor
 from ..attention.block_mask_cache import shared_block_mask_cache
 from ..backends.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
-from ..backends.direct import DirectRunner, DirectTarget, choose_direct
+from ..backends.direct import DirectRunner, DirectTarget, choose_direct, context_parallel_groups
 from ..backends.ops import register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedInputError
@@ -43,7 +43,13 @@ def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> Un
 
 
 def cp_group_kwargs(cp_comm_type: Optional[str], pg_collection: Any, cp_size: int) -> dict:
-    """Process groups for the context-parallel (usp) entries; empty at CP size 1."""
+    """Process groups for the context-parallel (usp) entries; empty at CP size 1.
+
+    Always ``ulysses_group`` = the CP group and ``ring_group`` = this rank's size-1
+    group, for ``cp_comm_type`` a2a and p2p alike (as upstream Primus does; why in
+    `primus_ext.backends.direct`).  Other comm types are refused before this runs.
+    """
+    del cp_comm_type  # both supported types map to Ulysses over the CP group with a ring of one
     if cp_size <= 1:
         return {}
     group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
@@ -51,7 +57,7 @@ def cp_group_kwargs(cp_comm_type: Optional[str], pg_collection: Any, cp_size: in
         from megatron.core import parallel_state
 
         group = parallel_state.get_context_parallel_group()
-    return {"ring_group": group} if cp_comm_type == "p2p" else {"ulysses_group": group}
+    return context_parallel_groups(group)
 
 
 class TurboAttentionCore:

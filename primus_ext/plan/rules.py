@@ -150,6 +150,23 @@ RULES: Tuple[Rule, ...] = (
          "set cp_comm_type to a2a or p2p.",
          lambda c: c.on_direct and c.facts.context_parallel_size > 1
          and c.facts.cp_comm_type not in SUPPORTED_CP_COMM),
+    # The usp entries (the direct path at CP > 1) assert dropout_p == 0 and run Ulysses over
+    # the CP group, whose all-to-all splits both head counts across the group.
+    Rule("B30-cp", ("attention_dropout", "context_parallel_size"),
+         "attention_dropout={dropout} with context_parallel_size={cp}: the context-parallel entries "
+         "assert dropout_p == 0; the dropout would fail the first training step (and passing 0 instead "
+         "would silently train without the dropout asked for).",
+         "set attention_dropout: 0.0, or context_parallel_size: 1.",
+         lambda c: c.on_direct and c.facts.context_parallel_size > 1 and c.facts.attention_dropout > 0.0),
+    Rule("cp-heads", ("num_attention_heads", "num_query_groups", "context_parallel_size"),
+         "context parallelism splits attention heads across the context-parallel group (Ulysses "
+         "all-to-all), but the query heads ({heads}) and key/value heads ({kv_heads}) of this rank "
+         "are not both multiples of context_parallel_size={cp}.",
+         "choose num_attention_heads and num_query_groups divisible by tensor_model_parallel_size * "
+         "context_parallel_size, or set context_parallel_size: 1.",
+         lambda c: c.on_direct and c.facts.context_parallel_size > 1
+         and (c.facts.num_heads % c.facts.context_parallel_size != 0
+              or c.facts.kv_heads % c.facts.context_parallel_size != 0)),
     Rule("B9", ("enable_turbo_attention_float8", "window_size", "sink_sliding_window"),
          "the fp8 attention kernel only takes window_size=(-1, -1); the window {window} of layer "
          "{layer} would be dropped.",

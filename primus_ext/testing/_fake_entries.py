@@ -109,7 +109,9 @@ def _check_cu_seqlens(name: str, which: str, cu: Any, max_seqlen: Any, total: in
 
 # ----------------------------------------------------------------------------- bodies
 def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = ()) -> Body:
-    """Body of flash_attn_func and its fp8 / usp twins (bshd)."""
+    """Body of flash_attn_func and its fp8 twin (bshd); the usp twins are `usp_flash`."""
+    if name.endswith("_usp_func"):
+        return usp_flash(name, fp8=fp8, faults=faults)
     faults = _fake_math.check_faults(faults)
 
     def body(a: Args, _classify: MaskClassifier) -> Any:
@@ -163,7 +165,9 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
 
 
 def varlen_flash(name: str, *, faults: Iterable[str] = ()) -> Body:
-    """Body of flash_attn_varlen_func and flash_attn_varlen_usp_func (thd)."""
+    """Body of flash_attn_varlen_func (thd); flash_attn_varlen_usp_func is `varlen_usp_flash`."""
+    if name.endswith("_usp_func"):
+        return varlen_usp_flash(name, faults=faults)
     faults = _fake_math.check_faults(faults)
 
     def body(a: Args, _classify: MaskClassifier) -> Any:
@@ -237,4 +241,130 @@ def flex_dense(name: str, layout: str, *, faults: Iterable[str] = ()) -> Body:
     return body
 
 
-__all__ = ["Args", "Body", "dense_flash", "flex_dense", "flex_varlen", "varlen_flash"]
+# ----------------------------------------------------------------------------- context parallel (usp)
+# The usp entries: an all-to-all over ``ulysses_group`` turns this rank's sequence shard
+# (all heads) into the whole sequence for 1/n of the heads, then a ring over ``ring_group``
+# (None = the WORLD group), then the all-to-all back.  The fake models Ulysses with a ring of
+# one: it gathers the sequence over the Ulysses group in group-rank order (rank r holds the
+# r-th contiguous shard, as the real all-to-all assumes), runs the plain entry's body on the
+# whole sequence and keeps this rank's rows.  Backward sums the whole-sequence gradients of
+# every rank and keeps this rank's shard, which is what the all-to-all backward computes.
+class _GatherShards(torch.autograd.Function):
+    """All-gather of contiguous shards along ``dim`` over ``group`` (rank order), with autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: Any) -> Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.dim, ctx.group, ctx.n, ctx.rank = dim, group, int(group.size()), int(group.rank())
+        x = x.contiguous()
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(ctx.n)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's loss reaches every shard
+        width = grad.shape[ctx.dim] // ctx.n
+        return grad.narrow(ctx.dim, ctx.rank * width, width), None, None
+
+
+def _usp_groups(name: str, a: Args, *, fp8: bool, varlen: bool) -> tuple[Any, int, int]:
+    """``(ulysses_group, its size, this rank in it)``, after the real entries' group checks."""
+    ulysses, ring = a["ulysses_group"], a["ring_group"]
+    if ulysses is None:
+        raise AttributeError(
+            f"{name}: ulysses_group is None ('NoneType' object has no attribute 'size'); the entry "
+            "all-to-alls over it, so it is required: pass the context-parallel group"
+        )
+    if ring is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{name}: ring_group=None means the WORLD group, but torch.distributed "
+                               "has no default process group")
+        ring_size = dist.get_world_size()
+        if ring_size > 1:
+            raise RuntimeError(
+                f"{name}: ring_group=None means the WORLD group: after the all-to-all over ulysses_group "
+                f"the entry would run a ring over all {ring_size} ranks, mixing other ranks' tokens (and "
+                "the other Ulysses ranks' heads) into this rank's attention; pass a size-1 ring group"
+            )
+    else:
+        ring_size = int(ring.size())
+    if ring_size != 1:
+        why = f"{name}: ring_group has {ring_size} ranks"
+        if fp8:
+            raise AssertionError(f"{why}; the fp8 usp entry asserts a ring group of size 1")
+        if varlen:
+            raise ValueError(f"{why}; the varlen usp entry is Ulysses only (a ring of size 1)")
+        raise NotImplementedError(f"{why}; the fake models Ulysses with a ring of one only")
+    return ulysses, int(ulysses.size()), int(ulysses.rank())
+
+
+def _usp_asserts(name: str, a: Args, hq: int, hkv: int, n: int) -> None:
+    """What every usp entry asserts (raised explicitly, so ``python -O`` keeps them)."""
+    if float(a["dropout_p"]) != 0.0:
+        raise AssertionError(f"{name}: dropout_p must be 0 on the context-parallel entries, got {a['dropout_p']}")
+    if a["bias"] is not None:
+        raise AssertionError(f"{name}: bias must be None on the context-parallel entries")
+    if a.get("return_attn_probs"):
+        raise AssertionError(f"{name}: return_attn_probs is not supported on the context-parallel entries")
+    if hq % n or hkv % n:
+        raise AssertionError(
+            f"{name}: query heads ({hq}) and key/value heads ({hkv}) must both divide by the "
+            f"ulysses_group size ({n})"
+        )
+
+
+def usp_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = ()) -> Body:
+    """Body of flash_attn_usp_func and flash_attn_fp8_usp_func (bshd, local sequence shard)."""
+    local = dense_flash(name.replace("_usp", ""), fp8=fp8, faults=faults)
+
+    def body(a: Args, classify: MaskClassifier) -> Any:
+        q, k, v = a["q"], a["k"], a["v"]
+        _check_dims(name, (q, k, v), 4, "bshd [B, S, H, D]")
+        group, n, rank = _usp_groups(name, a, fp8=fp8, varlen=False)
+        _usp_asserts(name, a, q.shape[2], k.shape[2], n)
+        if n == 1:
+            return local(a, classify)
+        whole = dict(a, **{key: _GatherShards.apply(t, 1, group) for key, t in (("q", q), ("k", k), ("v", v))})
+        result = local(whole, classify)
+        s, heads = q.shape[1], q.shape[2] // n
+        if a["return_lse"]:  # lse of this rank's heads over the whole sequence, as after the all-to-all
+            out, lse = result
+            return out[:, rank * s:(rank + 1) * s], lse[:, rank * heads:(rank + 1) * heads]
+        return result[:, rank * s:(rank + 1) * s]
+
+    return body
+
+
+def varlen_usp_flash(name: str, *, faults: Iterable[str] = ()) -> Body:
+    """Body of flash_attn_varlen_usp_func (thd): bf16, Ulysses only, global cu_seqlens/max_seqlen."""
+    local = varlen_flash(name.replace("_usp", ""), faults=faults)
+
+    def body(a: Args, classify: MaskClassifier) -> Any:
+        q, k, v = a["q"], a["k"], a["v"]
+        _check_dims(name, (q, k, v), 3, "thd [T, H, D] (this rank's token shard)")
+        group, n, rank = _usp_groups(name, a, fp8=False, varlen=True)
+        _usp_asserts(name, a, q.shape[1], k.shape[1], n)
+        if any(t.dtype != torch.bfloat16 for t in (q, k, v)):
+            raise ValueError(f"{name}: bf16 only, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if n == 1:
+            return local(a, classify)
+        whole = dict(a, **{key: _GatherShards.apply(t, 0, group) for key, t in (("q", q), ("k", k), ("v", v))})
+        result = local(whole, classify)  # cu_seqlens and max_seqlen describe the whole sequence
+        t, heads = q.shape[0], q.shape[1] // n
+        if a["return_lse"]:  # varlen lse is [Hq, T]
+            out, lse = result
+            return out[rank * t:(rank + 1) * t], lse[rank * heads:(rank + 1) * heads]
+        return result[rank * t:(rank + 1) * t]
+
+    return body
+
+
+__all__ = ["Args", "Body", "dense_flash", "flex_dense", "flex_varlen", "usp_flash", "varlen_flash",
+           "varlen_usp_flash"]

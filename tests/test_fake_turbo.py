@@ -7,6 +7,8 @@ import sys
 import types
 
 import pytest
+from types import SimpleNamespace
+
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
@@ -121,11 +123,12 @@ def test_dense_causal_output_and_grad_equal_exact() -> None:
     want, want_lse = exact.attention(q, k, v, allowed=allowed, return_lse=True)
     with fake_primus_turbo() as fake:
         out, lse = fake.module.flash_attn_func(q, k, v, causal=True, return_lse=True)
-        usp = fake.module.flash_attn_usp_func(q, k, v, causal=True, ulysses_group="u", ring_group="r")
+        alone = SimpleNamespace(size=lambda: 1, rank=lambda: 0)  # a one-rank group, as the entry reads it
+        usp = fake.module.flash_attn_usp_func(q, k, v, causal=True, ulysses_group=alone, ring_group=alone)
         bm = fake.module.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 8, 8)
         flex = fake.module.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           block_mask=bm, enable_gqa=True)
-        assert fake.calls_to("flash_attn_usp_func")[0].args["ring_group"] == "r"
+        assert fake.calls_to("flash_attn_usp_func")[0].args["ring_group"] is alone
     # The fake's math (blockwise online softmax) shares no code with exact's (one softmax
     # per row), so float32 rounding differs: torch's float32 tolerances, not bit equality.
     torch.testing.assert_close(out, want)

@@ -207,7 +207,9 @@ def score_spec(spec: Optional[str], kwargs: Optional[dict], heads: int) -> Optio
         import tests.fuzz.user_hooks as hooks
         return ScoreSpec(_alibi_kind([float(x) for x in hooks.ALIBI_TENSOR[:heads].tolist()]), reads="ALIBI_TENSOR")
     if name == "alibi_table":
-        return ScoreSpec(_alibi_kind([float(s) for s in kw["slopes"][:heads]]))
+        # the table holds the slopes in its dtype: a float32 table rounds them when made
+        table = torch.tensor([float(s) for s in kw["slopes"]], dtype=getattr(torch, kw.get("dtype", "float32")))
+        return ScoreSpec(_alibi_kind([float(x) for x in table[:heads].tolist()]))
     if name == "distance_threshold":
         return ScoreSpec("identity" if float(kw["penalty"]) == 0 else "other")  # q - kv > T holds for some q
     if name == "clipped_alibi":

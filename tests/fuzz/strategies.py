@@ -233,10 +233,13 @@ def score_hook(draw, exact_scores: bool = False) -> tuple[Optional[str], Optiona
         exact = pick(*(0.0, 0.5, 0.25, 0.125, 1.0, 2.0, 0.0625, 0.75))
         slopes = [draw(exact)] * HEAD_TABLE if draw(one_in(4)) else draw(
             _lists(exact, HEAD_TABLE, HEAD_TABLE))
-        # Only float32-exact slopes, whose products with a distance are exact too: a slope
-        # that is no float32 value is generated as `alibi_third` (a Python constant).  In a
-        # float64 table it is proven with its float32 rounding (reported; docs/reliability.md).
-        kwargs = {"slopes": slopes, "dtype": draw(pick("float32", "float64"))}
+        dtype = draw(pick("float32", "float64"))
+        if dtype == "float64" and draw(one_in(3)):
+            # A slope that is no float32 value, at a head inside or past the layer's heads:
+            # refused by B31-score only if some head reads it.  (In a float32 table it would
+            # be rounded when the table is made, so only the float64 table carries it.)
+            slopes[draw(ints(0, HEAD_TABLE - 1))] = draw(pick(1 / 3, 0.1, 0.3))
+        kwargs = {"slopes": slopes, "dtype": dtype}
     elif name == "distance_threshold":
         kwargs = {"threshold": draw(THRESHOLD),
                   "penalty": draw(pick(*((0.0, 0.5, 3.0, 1000.0, -2.0) if exact_scores else

@@ -156,6 +156,28 @@ def test_regression_reference_cut_a_proven_chunk_mask_at_q_len():
             adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts())(q, k, v)
 
 
+SLOPES_F64 = torch.tensor([1 / 3, 0.5, 0.25, 0.125], dtype=torch.float64)
+
+
+def alibi_float64_table(score, b, h, q_idx, kv_idx):
+    return score + (SLOPES_F64[h] * (kv_idx - q_idx)).to(score.dtype)
+
+
+def test_regression_float64_slope_table_proven_with_float32_slopes():
+    """A captured float64 tensor was encoded with its values rounded to float32, so ALiBi
+    from `torch.tensor([1/3, ...], dtype=float64)[h]` was proven with slope 0.33333334 and
+    ran on turbo (1.5e-7 off the hook with float64 inputs), while the same slope written
+    as `(kv_idx - q_idx) / 3.0` was refused.  Stored tensor values are now taken exactly:
+    B31-score refuses it on turbo, naming the head; the reference runs it as written."""
+    keys = dict(turbo_flex_attention_score_mod="tests.fuzz.test_regressions:alibi_float64_table")
+    with fake_primus_turbo():
+        err = refused(dict(turbo_flex_attention_backend="turbo", **keys))
+    assert "B31-score" in err.codes and "not a float32 value" in str(err)
+    q, k, v = qkv()
+    want, _ = oracle.attention(q, k, v, score_fn=alibi_float64_table)
+    torch.testing.assert_close(adapter(settings(**keys), facts())(q, k, v), want, **TOL)
+
+
 GC_SEEN = 0
 
 

@@ -145,8 +145,8 @@ RULES: Tuple[Rule, ...] = (
          "use a causal or no_mask layer, with THD packing for variable-length documents.",
          lambda c: c.turbo_path and c.facts.attn_mask_type not in SUPPORTED_MASK_TYPES),
     Rule("cp-comm", ("cp_comm_type", "context_parallel_size"),
-         "cp_comm_type={cp_comm} has no Primus-Turbo context-parallel entry (a2a -> Ulysses, "
-         "p2p -> ring).",
+         "cp_comm_type={cp_comm} has no Primus-Turbo context-parallel entry (a2a and p2p both run "
+         "Ulysses over the context-parallel group with a size-1 ring).",
          "set cp_comm_type to a2a or p2p.",
          lambda c: c.on_direct and c.facts.context_parallel_size > 1
          and c.facts.cp_comm_type not in SUPPORTED_CP_COMM),

@@ -108,7 +108,6 @@ def _scores(qg: Tensor, kb: Tensor, j0: int, spec: _Spec, window: Pattern,
     return s
 
 
-
 def _extras(sink: Optional[Tensor], slopes: Optional[Tensor], bias: Optional[Tensor], hkv: int,
             work: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Sink and slopes as ``[Hkv, G, 1, 1]``, bias as ``[Sq, Skv]``, all in ``work``."""
@@ -124,7 +123,7 @@ def _forward(qg: Tensor, kh: Tensor, vh: Tensor, spec: _Spec, sink: Optional[Ten
     stats = (batch, hkv, groups, sq, 1)
     if sink is None:
         m, l = qg.new_full(stats, _NEG_INF), qg.new_zeros(stats)
-    else:  # the sink is one more logit of value zero: start the row with it
+    else:  # the sink is one more logit, carrying no value: start each row with it
         m, l = sink.expand(stats), qg.new_ones(stats)
     acc = qg.new_zeros(batch, hkv, groups, sq, vh.shape[-1])
     for j0 in range(0, kh.shape[-2], spec.block):

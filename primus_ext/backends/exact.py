@@ -42,10 +42,11 @@ def document_mask(pattern: Pattern, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,
 
 
 def alibi_bias(slopes: Tensor, q_len: int, kv_len: int) -> Tensor:
-    """``[1, H, Sq, Skv]`` ALiBi bias ``slope[h] * (kv - q)`` (Primus-Turbo's sign convention)."""
+    """``[1, H, Sq, Skv]`` float64 ALiBi bias ``slope[h] * (kv - q)`` (Primus-Turbo's sign convention)."""
     dev = slopes.device
     rel = torch.arange(kv_len, device=dev)[None, :] - torch.arange(q_len, device=dev)[:, None]
-    return slopes.float().view(1, -1, 1, 1) * rel.to(torch.float32)
+    # float64, rounded once by the caller to its working dtype: no float32 step in between
+    return slopes.double().view(1, -1, 1, 1) * rel.to(torch.float64)
 
 
 def attention(

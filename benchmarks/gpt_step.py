@@ -9,9 +9,9 @@ from the same seed and stepped on the same batches (forward, backward, Adam step
 * ``flex, turbo``: the flex path on the turbo backend, i.e. the same fake entries as
   ``direct``, so the two differ only by primus_ext's own layer.
 
-All three compute attention with the same exact math (`primus_ext.backends.exact`;
-the configs use learned sinks, so the reference backend does not take its SDPA
-shortcut).  Two configs: the demo's (THD-packed documents, sinks, a sliding window on
+``flex, reference`` computes attention with `primus_ext.backends.exact` (the configs
+use learned sinks, so the reference backend does not take its SDPA shortcut); the fake
+entries behind the other two compute with their own blockwise online softmax.  Two configs: the demo's (THD-packed documents, sinks, a sliding window on
 odd layers) and the same model on dense causal rows.
 
 Goal: flex step time <= 1.05x the direct one.

@@ -22,7 +22,7 @@ proven would be refused (and reported as such here).
 Goal: proving these hooks costs <= 50 ms in total for a 96-layer model, whatever the
 sequence length (judged on the sum of ``96 layers - again`` at each length).
 
-    python -m benchmarks.hook_proofs [--sizes 4096 131072] [--layers 96] [--repeats 5]
+    python -m benchmarks.hook_proofs [--sizes 4096 131072] [--layers 96] [--repeats 9]
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="LayerFacts.seq_length values")
     parser.add_argument("--layers", type=int, default=LAYERS, help="layers built per hook")
-    parser.add_argument("--repeats", type=int, default=5, help="cold runs per hook and length (median)")
+    parser.add_argument("--repeats", type=int, default=9, help="cold runs per hook and length (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
     started = time.perf_counter()

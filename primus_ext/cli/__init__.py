@@ -31,6 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny Megatron GPT on CPU through the flex path")
     demo.add_argument("config", nargs="?", default=None, help="YAML (default: the embedded example)")
     demo.add_argument("--steps", type=int, default=None, help="training steps")
+    selftest = sub.add_parser("selftest", help="run each distinct Turbo route of a config once against the reference")
+    selftest.add_argument("config", nargs="?", default=None, help="YAML (default: a small config of common kinds)")
+    selftest.add_argument("--arch", choices=("gfx942", "gfx950"), default=None, help="plan for this GPU")
+    selftest.add_argument("--fault", action="append", default=[], metavar="NAME",
+                          help="switch on a known silent defect of the CPU fake (sink_backward_ignores_right_window)")
     bench = sub.add_parser("bench", help="run the benchmarks of a source checkout (all, or the NAMEs given)")
     bench.add_argument("names", nargs="*", metavar="NAME", help="benchmark names (default: all)")
     bench.add_argument("--list", action="store_true", help="list the benchmark names and exit")
@@ -46,6 +51,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .check import run_check
 
             return run_check(args.config, args.seq_len, args.picture, arch=args.arch)
+        if args.command == "selftest":
+            from .selftest import run_selftest
+
+            return run_selftest(args.config, args.arch, args.fault)
         if args.command == "bench":
             from .bench import run_bench
 

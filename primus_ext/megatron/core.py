@@ -22,6 +22,7 @@ from ..backends.ops import register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
+from ..plan.selftest import refuse_failures, self_test, selftest_enabled
 from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
 from .facts import layer_facts
@@ -93,6 +94,8 @@ class TurboAttentionCore:
             turbo_module=True,
         )
         self.plan: AttentionPlan = build_plan(self.settings, self.facts)
+        if selftest_enabled(self.settings.turbo_selftest):
+            refuse_failures(self_test([self.plan]), self.facts.layer_number)
         self.contiguous = needs_contiguous_bshd()
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None

@@ -102,6 +102,10 @@ class TurboAttentionSettings:
         "GPU arch the plan checks Primus-Turbo's kernel dispatch for: gfx942 (MI300), gfx950 (MI355), "
         "or auto (the device's gcnArchName on ROCm; no arch check elsewhere).",
         "auto | gfx942 | gfx950", "B33"))
+    turbo_selftest: str = field(default="auto", metadata=_meta(
+        "At model build, run each distinct Turbo route once against the reference backend on the "
+        "device and refuse the build on disagreement: true, false, or auto (on when a GPU is present).",
+        "auto | true | false", "B33"))
     use_sink_attention: bool = field(default=False, metadata=_meta(
         "GPT-OSS style learned sinks: one fp32 logit per query head joins the softmax.",
         "bool", "B12, B13, B15"))
@@ -265,6 +269,13 @@ def _check_arch(key: str, value: Any) -> Optional[Reason]:
                   alternative=f"write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto.")
 
 
+def _check_selftest(key: str, value: Any) -> Optional[Reason]:
+    if value in ("auto", "true", "false", True, False):
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be auto, true or false; got {_type_name(value)}.",
+                  alternative=f"write '{key}: auto' (on when a GPU is present).")
+
+
 def _check_hook(key: str, value: Any) -> Optional[Reason]:
     if value is None or (isinstance(value, str) and HOOK_PATTERN.match(value)):
         return None
@@ -295,6 +306,7 @@ _CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
     "turbo_flex_attention_score_mod_kwargs": _check_kwargs,
     "turbo_flex_attention_backend": _check_backend,
     "turbo_arch": _check_arch,
+    "turbo_selftest": _check_selftest,
     "sink_sliding_window": _check_window,
 }
 

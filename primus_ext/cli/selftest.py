@@ -1,0 +1,78 @@
+"""``primus-ext selftest [CONFIG]``: run each distinct route of a config once against the reference.
+
+On a machine with Primus-Turbo and a GPU this is the model-build self-test, on demand.
+Without Primus-Turbo it runs against the CPU fake, so a config and the harness itself
+can be tried anywhere; ``--fault`` switches on one of the fake's known silent defects,
+which the self-test must catch (exit 2, naming the route).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator, Optional, Sequence
+
+from ..backends import turbo_import_problem
+from ..errors import UnsupportedConfigError
+from ..plan.plan import AttentionPlan
+from ..plan.selftest import clear, refuse_failures, self_test
+from ..settings import TurboAttentionSettings
+from ..testing import fake_primus_turbo
+from .check import REFUSED, _load, _plans, format_table
+
+DEFAULT_CONFIG = {  # a small layer with a sink and a two-sided window (the route AITER gets wrong)
+    "use_turbo_attention": True, "use_turbo_flex_attention": True, "turbo_flex_attention_backend": "turbo",
+    "num_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+    "use_sink_attention": True, "packed_sequences": False,
+    "turbo_flex_attention_mask_mod": "primus_ext.attention.masks:sliding_window",
+    "turbo_flex_attention_mask_mod_kwargs": {"left": 8, "right": 4},
+}
+
+
+@contextlib.contextmanager
+def _turbo(faults: Sequence[str]) -> Iterator[str]:
+    if not turbo_import_problem() and not faults:
+        yield "installed Primus-Turbo"
+        return
+    with fake_primus_turbo(faults=tuple(faults)):
+        yield "the CPU fake of Primus-Turbo" + (f" with faults {', '.join(faults)}" if faults else "")
+
+
+def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequence[str] = (),
+                 out=None, err=None) -> int:
+    """Print one row per route; 0 when every route agrees with the reference, else 2."""
+    out, err = out or sys.stdout, err or sys.stderr
+    config = _load(path) if path else dict(DEFAULT_CONFIG)
+    if arch is not None:
+        config["turbo_arch"] = arch
+    try:
+        settings = TurboAttentionSettings.from_dict(config)
+    except UnsupportedConfigError as exc:
+        print(exc, file=err)
+        return REFUSED
+    clear()
+    with _turbo(faults) as what:
+        outcomes = _plans(settings, config)
+        refused = [o for _, o in outcomes if isinstance(o, UnsupportedConfigError)]
+        if refused:
+            print(f"the plan refuses {path or 'the default config'}; nothing to self-test:", file=err)
+            for exc in refused[:1]:
+                print(exc, file=err)
+            return REFUSED
+        results = self_test([o for _, o in outcomes if isinstance(o, AttentionPlan)])
+    print(f"primus-ext selftest: {path or 'default config'} against {what}", file=out)
+    columns = ("route", "kernels", "fwd error", "bwd error", "ms", "verdict")
+    rows = [(r.route, r.kernels, f"{r.forward_error:.2e}", f"{r.backward_error:.2e}", f"{r.ms:.0f}",
+              "ok" if r.ok else "FAILED") for r in results]
+    print(format_table(rows, columns), file=out)
+    if not results:
+        print("no Turbo route to test (reference backend, or context-parallel / fp8 entries)", file=out)
+    try:
+        refuse_failures(results, 0)
+    except UnsupportedConfigError as exc:
+        print(exc, file=err)
+        return REFUSED
+    return 0
+
+
+__all__ = ["run_selftest"]

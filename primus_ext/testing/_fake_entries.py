@@ -11,7 +11,7 @@ implementations, and both are held to the float64 oracles of the test suite.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -19,6 +19,9 @@ from torch import Tensor
 from ..attention.pattern import FULL, pattern_from_flash_args
 from . import _fake_math
 from ._fake_masks import MaskClassifier, score_mod_is_identity
+
+if TYPE_CHECKING:
+    from ._fake_dispatch import Dispatcher
 
 Args = dict[str, Any]
 Body = Callable[[Args, MaskClassifier], Any]
@@ -108,8 +111,12 @@ def _check_cu_seqlens(name: str, which: str, cu: Any, max_seqlen: Any, total: in
 
 
 # ----------------------------------------------------------------------------- bodies
-def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = ()) -> Body:
-    """Body of flash_attn_func and its fp8 twin (bshd); the usp twins are `usp_flash`."""
+def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
+                dispatch: Optional["Dispatcher"] = None) -> Body:
+    """Body of flash_attn_func and its fp8 twin (bshd); the usp twins are `usp_flash`.
+
+    ``dispatch`` (an arch is set, `._fake_dispatch`): route the call to a kernel backend first;
+    it raises what that backend raises and adds the faults of its silent defects."""
     if name.endswith("_usp_func"):
         return usp_flash(name, fp8=fp8, faults=faults)
     faults = _fake_math.check_faults(faults)
@@ -129,19 +136,21 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = ()) -> 
             raise ValueError(f"{name}: the fp8 kernel only takes window_size=(-1, -1), got {window}")
         _check_bias(name, a["bias"], q, q_len, kv_len)
         _check_alibi(name, a["alibi_slopes"], hq)
-        _check_sink(name, a.get("sink"), hq, d_qk, d_v)
         pattern = pattern_from_flash_args(bool(a["causal"]), window)  # type: ignore[arg-type]
+        extra = dispatch.dense(a, q, k, v, pattern, a["softmax_scale"]) if dispatch else frozenset()
+        _check_sink(name, a.get("sink"), hq, d_qk, d_v)
         return _fake_math.attention(
             q, k, v, window=pattern, scale=a["softmax_scale"], alibi_slopes=a["alibi_slopes"],
             bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
-            return_lse=bool(a["return_lse"]), faults=faults,
+            return_lse=bool(a["return_lse"]), faults=faults | extra,
         )
 
     return body
 
 
 def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[int, int],
-                 scale: Optional[float], require_same_bounds: bool, faults: Iterable[str]) -> Any:
+                 scale: Optional[float], require_same_bounds: bool, faults: Iterable[str],
+                 dispatch: Optional["Dispatcher"] = None) -> Any:
     q, k, v = a[q_key], a["k" if q_key == "q" else "key"], a["v" if q_key == "q" else "value"]
     _check_dims(name, (q, k, v), 3, "thd [T, H, D]")
     hq, d_qk, hkv, d_v = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
@@ -154,17 +163,19 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
     if require_same_bounds and bq != bk:
         raise ValueError(f"{name}: causal=True needs identical q and kv boundaries, got {bq} vs {bk}")
     _check_alibi(name, a["alibi_slopes"], hq)
+    pattern = pattern_from_flash_args(causal, window)
+    extra = dispatch.varlen(a, q, k, v, pattern, scale, bq, bk) if dispatch else frozenset()
     _check_sink(name, a.get("sink"), hq, d_qk, d_v)
     # Each segment pair is one problem, its window aligned bottom-right inside the pair;
     # lse comes back as [Hq, T], the flash-attn varlen layout.
     return _fake_math.varlen_attention(
-        q, k, v, bq, bk, window=pattern_from_flash_args(causal, window), scale=scale,
+        q, k, v, bq, bk, window=pattern, scale=scale,
         alibi_slopes=a["alibi_slopes"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
-        return_lse=bool(a["return_lse"]), faults=faults,
+        return_lse=bool(a["return_lse"]), faults=frozenset(faults) | extra,
     )
 
 
-def varlen_flash(name: str, *, faults: Iterable[str] = ()) -> Body:
+def varlen_flash(name: str, *, faults: Iterable[str] = (), dispatch: Optional["Dispatcher"] = None) -> Body:
     """Body of flash_attn_varlen_func (thd); flash_attn_varlen_usp_func is `varlen_usp_flash`."""
     if name.endswith("_usp_func"):
         return varlen_usp_flash(name, faults=faults)
@@ -175,12 +186,13 @@ def varlen_flash(name: str, *, faults: Iterable[str] = ()) -> Body:
         if a["bias"] is not None:
             raise NotImplementedError(f"{name}: the fake does not model a varlen bias")
         return _varlen_core(name, a, "q", causal=bool(a["causal"]), window=tuple(a["window_size"]),
-                            scale=a["softmax_scale"], require_same_bounds=False, faults=faults)
+                            scale=a["softmax_scale"], require_same_bounds=False, faults=faults,
+                            dispatch=dispatch)
 
     return body
 
 
-def flex_varlen(name: str, *, faults: Iterable[str] = ()) -> Body:
+def flex_varlen(name: str, *, faults: Iterable[str] = (), dispatch: Optional["Dispatcher"] = None) -> Body:
     """Body of flex_attention_varlen (thd): the flex layer's stricter varlen checks."""
     faults = _fake_math.check_faults(faults)
 
@@ -188,12 +200,13 @@ def flex_varlen(name: str, *, faults: Iterable[str] = ()) -> Body:
         _check_softcap(name, a["softcap"])
         causal = bool(a["causal"])
         return _varlen_core(name, a, "query", causal=causal, window=tuple(a["window_size"]),
-                            scale=a["scale"], require_same_bounds=causal, faults=faults)
+                            scale=a["scale"], require_same_bounds=causal, faults=faults, dispatch=dispatch)
 
     return body
 
 
-def flex_dense(name: str, layout: str, *, faults: Iterable[str] = ()) -> Body:
+def flex_dense(name: str, layout: str, *, faults: Iterable[str] = (),
+               dispatch: Optional["Dispatcher"] = None) -> Body:
     """Body of flex_attention (``bhsd``) and flex_attention_bshd (``bshd``)."""
     seq_dim = 2 if layout == "bhsd" else 1
     faults = _fake_math.check_faults(faults)
@@ -228,10 +241,11 @@ def flex_dense(name: str, layout: str, *, faults: Iterable[str] = ()) -> Body:
                     f"inputs have ({q_len}, {kv_len}); is the layout (transpose) right?"
                 )
             pattern = classify(block_mask, batch, hq, q_len, kv_len)
+        extra = dispatch.dense(a, q, k, v, pattern, a["scale"]) if dispatch else frozenset()
         result = _fake_math.attention(  # flash alignment (bottom-right), as for the flash entries
             q, k, v, window=pattern, scale=a["scale"], alibi_slopes=a["alibi_slopes"], bias=a["bias"],
             sink=a["sink"], dropout_p=float(a["dropout_p"]), return_lse=bool(a["return_lse"]),
-            faults=faults,
+            faults=faults | extra,
         )
         out = result[0] if a["return_lse"] else result
         if layout == "bhsd":

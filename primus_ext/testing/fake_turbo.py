@@ -24,11 +24,17 @@ each by inspecting signatures rather than version strings::
 
 ``faults`` opts into known silent defects of real builds (see `FAULTS`), so a test can
 show that the project would notice one.
+
+``arch`` ("gfx942" | "gfx950") models Primus-Turbo's per-arch kernel dispatch
+(`._fake_dispatch`): calls no backend takes raise as on the GPU, and a backend's known
+silent defect is reproduced whether or not ``faults`` asks for it.  Left None, nothing
+about kernel backends is modelled (so float64 inputs keep working).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.machinery
 import inspect
@@ -37,6 +43,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
 from ._fake_math import FAULTS, SINK_BACKWARD_IGNORES_RIGHT_WINDOW, check_faults
 from ._fake_masks import MaskClassifier
@@ -87,6 +94,8 @@ class BuildOptions:
     flex: bool = True
     faults: tuple[str, ...] = ()
     """Known silent defects the fake reproduces; each one of `FAULTS`."""
+    arch: Optional[str] = None
+    """The GPU arch whose kernel dispatch is modelled ("gfx942" | "gfx950"); None: none is."""
 
 
 def entry_signatures(options: BuildOptions) -> dict[str, inspect.Signature]:
@@ -146,6 +155,9 @@ class Call:
 
     entry: str
     args: dict[str, Any]
+    backend: Optional[str] = None
+    """The kernel backend that ran the call (FlyDSL, AITER, HipKittens); None when no arch is
+    set, for entries that are not dispatched (fp8, usp), and for calls that raised first."""
 
 
 class FakeTurbo:
@@ -178,8 +190,16 @@ class FakeTurbo:
         return [c for c in self.calls if c.entry == entry]
 
     def _entry(self, name: str, signature: inspect.Signature) -> Callable[..., Any]:
-        body = _BODIES[name](name, faults=self.options.faults)
         record = self.calls
+        current = [0]  # index in `record` of the call running now
+
+        def ran_on(backend: str) -> None:
+            record[current[0]] = dataclasses.replace(record[current[0]], backend=backend)
+
+        routed = {}
+        if self.options.arch is not None and name in DISPATCHED:
+            routed["dispatch"] = Dispatcher(self.options.arch, ran_on)
+        body = _BODIES[name](name, faults=self.options.faults, **routed)
         classifier = self._classifier
 
         def entry(*args: Any, **kwargs: Any) -> Any:
@@ -190,6 +210,7 @@ class FakeTurbo:
             bound.apply_defaults()
             arguments = dict(bound.arguments)
             record.append(Call(name, arguments))
+            current[0] = len(record) - 1
             return body(arguments, classifier)
 
         entry.__name__ = entry.__qualname__ = name
@@ -233,7 +254,7 @@ def _owned(key: str) -> bool:
 @contextlib.contextmanager
 def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True,
                       varlen_sink: bool = True, flex: bool = True,
-                      faults: Iterable[str] = ()) -> Iterator[FakeTurbo]:
+                      faults: Iterable[str] = (), arch: Optional[str] = None) -> Iterator[FakeTurbo]:
     """Install the fake Primus-Turbo modules for the ``with`` block; yield the `FakeTurbo`.
 
     Knobs select the build imitated: ``flex=False`` is an old build without any flex
@@ -247,12 +268,25 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     > 0 the forward is right and the gradients are computed as if the right bound were
     -1.  Unknown names are a ``ValueError``.
 
+    ``arch`` ("gfx942" | "gfx950"; default None, no dispatch modelled) makes
+    ``flash_attn_func``, ``flash_attn_varlen_func`` and the flex entries pick a kernel
+    backend per call from the call's actual dtype, shapes, window, sink, dropout, bias,
+    ALiBi, ``deterministic``, document lengths and strides, with the project's dispatch
+    model (`primus_ext.backends.dispatch.route`).  A call no backend takes raises
+    ``ValueError("No compatible backend found for FlashAttn{Dense,Varlen}Dispatcher with
+    inputs: ...")``; one the chosen backend refuses raises what it raises
+    (``AssertionError`` for AITER's deterministic + sink, ``ValueError`` for its sink
+    head-dim check).  A call hitting a known silent defect of its backend (AITER's sink
+    backward ignoring the window's right bound) gets the defect applied automatically, as
+    if its fault were listed in ``faults``: the real library is silently wrong there, and
+    the fake must never be kinder than it.  `Call.backend` records which backend ran.
+
     Every ``primus_turbo*`` entry of ``sys.modules`` present before is put back on
     exit, also when the block raises, and any added inside the block is dropped.
     """
     fake = FakeTurbo(BuildOptions(flex_bshd=flex_bshd, flex_deterministic=flex_deterministic,
                                   varlen_sink=varlen_sink, flex=flex,
-                                  faults=tuple(sorted(check_faults(faults)))))
+                                  faults=tuple(sorted(check_faults(faults))), arch=check_arch(arch)))
     saved = {k: v for k, v in sys.modules.items() if _owned(k)}
     for key in saved:
         del sys.modules[key]

@@ -1,0 +1,133 @@
+"""The fake's kernel dispatch: which Primus-Turbo backend would run a call on one arch.
+
+With ``fake_primus_turbo(arch="gfx942" | "gfx950")`` the entries ``flash_attn_func``,
+``flash_attn_varlen_func``, ``flex_attention``, ``flex_attention_bshd`` and
+``flex_attention_varlen`` describe each call as `CallFeatures`, read from the *actual*
+call (q's dtype, the shapes, the normalised window, the sink, dropout, bias, ALiBi,
+``deterministic``, the host boundaries, q's strides) and ask the project's model of the
+dispatcher (`primus_ext.backends.dispatch.route`, primus_turbo_dispatch.md §1) which
+backend takes it.  Then the fake behaves like real Primus-Turbo:
+
+* no backend takes it: ``ValueError("No compatible backend found for
+  FlashAttnDenseDispatcher | FlashAttnVarlenDispatcher with inputs: ...")``;
+* the chosen backend refuses it: what that backend raises (AITER asserts that
+  deterministic and sink are not enabled together; its sink head-dim check is a
+  ``ValueError``);
+* the chosen backend has a known silent defect for it (AITER's sink backward ignores the
+  window's right bound): the matching fault of `._fake_math` is switched on for that call,
+  whatever ``faults`` says, because the real library is silently wrong there and the fake
+  must never be kinder than the real library.  A defect the fake cannot reproduce is a
+  ``NotImplementedError`` rather than a correct answer.
+
+The flex entries reach the same kernels: flex dense is a dense call, except that a
+documents mask (classified from the BlockMask) goes to the varlen kernel, as the plan
+assumes; flex varlen is a varlen call.  The fp8 and context-parallel (usp) entries are
+not dispatched (their recorded ``backend`` stays None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..attention.pattern import Pattern
+from ..backends.dispatch import AITER_DENSE, ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
+from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+_DISPATCHER = {DENSE: "FlashAttnDenseDispatcher", VARLEN: "FlashAttnVarlenDispatcher"}
+_ASSERTS = tuple(c for c in AITER_DENSE.refuses if "deterministic" in c.text)
+"""Refusals real AITER makes with an ``assert`` (the others are ``ValueError``)."""
+_FAULT_OF_DEFECT = {c.text: SINK_BACKWARD_IGNORES_RIGHT_WINDOW for c in AITER_DENSE.defects}
+"""Each known silent defect of the dispatch model -> the `._fake_math` fault reproducing it."""
+
+DISPATCHED = ("flash_attn_func", "flash_attn_varlen_func", "flex_attention", "flex_attention_bshd",
+              "flex_attention_varlen")
+"""The entries whose calls go through `Dispatcher` when an arch is set."""
+
+
+def dtype_name(t: Tensor) -> str:
+    return _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", ""))
+
+
+def equal_lengths(bounds: Sequence[int]) -> bool:
+    return len({y - x for x, y in zip(bounds, bounds[1:])}) <= 1
+
+
+def check_arch(arch: Optional[str]) -> Optional[str]:
+    if arch is not None and arch not in ARCHES:
+        raise ValueError(f"fake Primus-Turbo: arch must be None or one of {ARCHES}, got {arch!r}")
+    return arch
+
+
+class Dispatcher:
+    """Routes the calls of one fake entry on ``arch``; ``on_backend(name)`` records the winner."""
+
+    def __init__(self, arch: str, on_backend: Callable[[str], None]) -> None:
+        self.arch = check_arch(arch)
+        self.on_backend = on_backend
+
+    def dense(self, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
+              scale: Optional[float]) -> frozenset[str]:
+        """A dense call with bshd views q, k, v; returns the faults its backend brings."""
+        if pattern.documents:  # a flex documents mask: the flex layer hands it to the varlen kernel
+            bounds = pattern.at_length(q.shape[1]).boundaries or (0, q.shape[1])
+            return self._run(self._features(VARLEN, a, q, k, v, pattern, scale, equal_documents=equal_lengths(bounds)))
+        sbhd = q.shape[0] == 1 or q.transpose(0, 1).is_contiguous()
+        return self._run(self._features(DENSE, a, q, k, v, pattern, scale, sbhd_storage=sbhd))
+
+    def varlen(self, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
+               scale: Optional[float], bounds_q: Sequence[int], bounds_k: Sequence[int]) -> frozenset[str]:
+        """A packed call with thd q, k, v and host boundaries (FlyDSL reads them on the host too)."""
+        equal = equal_lengths(bounds_q) and equal_lengths(bounds_k)
+        return self._run(self._features(VARLEN, a, q[None], k[None], v[None], pattern, scale,
+                                        equal_documents=equal))
+
+    def _features(self, entry: str, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
+                  scale: Optional[float], **layout: Any) -> CallFeatures:
+        return CallFeatures(
+            arch=self.arch, entry=entry, dtype=dtype_name(q), head_dim=int(q.shape[-1]),
+            head_dim_v=int(v.shape[-1]), heads=int(q.shape[2]), kv_heads=int(k.shape[2]),
+            causal=pattern.right == 0, window=pattern.window, sink=a.get("sink") is not None,
+            dropout=float(a.get("dropout_p") or 0.0), bias=a.get("bias") is not None,
+            alibi=a.get("alibi_slopes") is not None, deterministic=bool(a.get("deterministic", False)),
+            default_scale=default_scale(scale, int(q.shape[-1])), **layout,
+        )
+
+    def _run(self, features: CallFeatures) -> frozenset[str]:
+        found = route(features)
+        raise_refusal(found)
+        faults = set()
+        for defect in found.defects:
+            if defect not in _FAULT_OF_DEFECT:
+                raise NotImplementedError(f"fake Primus-Turbo cannot reproduce the known defect of "
+                                          f"{found.backend}: {defect}")
+            faults.add(_FAULT_OF_DEFECT[defect])
+        assert found.backend is not None
+        self.on_backend(found.backend)
+        return frozenset(faults)
+
+
+def describe(features: CallFeatures) -> str:
+    return ", ".join(f"{f.name}={getattr(features, f.name)!r}" for f in fields(features) if f.name != "entry")
+
+
+def raise_refusal(found: Route) -> None:
+    """Raise what real Primus-Turbo raises for a call no backend runs, or its backend refuses."""
+    if found.backend is None:
+        reasons = "; ".join(f"{name}: {why}" for name, why in found.passed_over)
+        raise ValueError(f"No compatible backend found for {_DISPATCHER[found.features.entry]} with inputs: "
+                         f"{describe(found.features)} (fake Primus-Turbo, {reasons})")
+    if not found.failure:
+        return
+    refused = found.blocking[0] if found.blocking else None
+    if refused in _ASSERTS:
+        raise AssertionError(f"deterministic and sink cannot be enabled together ({found.backend}, "
+                             f"fake Primus-Turbo on {found.features.arch})")
+    raise ValueError(f"{found.backend}: {found.failure} (fake Primus-Turbo on {found.features.arch})")
+
+
+__all__ = ["DISPATCHED", "Dispatcher", "check_arch", "describe", "dtype_name", "equal_lengths", "raise_refusal"]

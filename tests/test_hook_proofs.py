@@ -386,3 +386,15 @@ def test_each_documented_library_hook_gets_one_verdict_at_any_length(factory):
                 return str(exc)
 
     assert verdict(None) == verdict(512) == verdict(65536)
+
+
+def test_a_score_hook_widening_the_dtype_runs_on_reference_in_the_input_dtype(tmp_path, monkeypatch):
+    (tmp_path / "wide_score.py").write_text(
+        "import torch\nSLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)\n"
+        "def alibi_f64(score, b, h, q_idx, kv_idx):\n    return score + SLOPES[h] * (kv_idx - q_idx)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    q, k, v = qkv(dtype=torch.float32)
+    out = run(settings(turbo_flex_attention_score_mod="wide_score:alibi_f64"), q, k, v, causal=True)
+    assert out.dtype == torch.float32
+    expected = oracle.attention(q, k, v, oracle.causal(), alibi=[0.5, 0.25, 0.125, 0.0625])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -319,7 +319,7 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
             return result("other", "its offset from the score is not a constant times (kv_idx - q_idx)")
         slope = Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
         if not _float32(slope):
-            return result("other", f"its ALiBi slope {float(slope)!r}"
+            return result("other", f"has the ALiBi slope {float(slope)!r}"
                                    f"{'' if head is None else f' of head {head}'} is not a float32 value "
                                    "(Primus-Turbo's alibi_slopes are float32)")
         slopes.append(slope)

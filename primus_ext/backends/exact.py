@@ -84,7 +84,8 @@ def attention(
     scale = head_dim ** -0.5 if scale is None else scale
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     if score_mod is not None:
-        scores = score_mod(scores, *index_grid(batch, hq, q_len, kv_len, q.device))
+        # A hook may widen the dtype (float64 slopes on float32 scores); kernels keep theirs.
+        scores = score_mod(scores, *index_grid(batch, hq, q_len, kv_len, q.device)).to(work)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, q_len, kv_len).to(work)
     if bias is not None:

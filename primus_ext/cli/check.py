@@ -191,6 +191,17 @@ def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: b
     return f"{path}: {count}, {seq}, {heads} query heads / {groups} key-value groups"
 
 
+def settings_for(config: dict, arch: Optional[str], err: Any) -> Optional[TurboAttentionSettings]:
+    """The config's settings (``--arch`` applied), or None after printing why they are refused."""
+    if arch is not None:
+        config["turbo_arch"] = arch
+    try:
+        return TurboAttentionSettings.from_dict(config)
+    except UnsupportedConfigError as exc:
+        print(exc, file=err)
+        return None
+
+
 @contextlib.contextmanager
 def _turbo_for(arch: Optional[str]) -> Iterator[str]:
     """With ``--arch`` and no Primus-Turbo here, plan against the CPU fake's entries."""
@@ -223,12 +234,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     out = out or sys.stdout
     err = err or sys.stderr
     config = _load(path)
-    if arch is not None:
-        config["turbo_arch"] = arch
-    try:
-        settings = TurboAttentionSettings.from_dict(config)
-    except UnsupportedConfigError as exc:
-        print(exc, file=err)
+    settings = settings_for(config, arch, err)
+    if settings is None:
         return REFUSED
     if seq_len is not None:
         if seq_len < 1:

@@ -16,9 +16,8 @@ from ..backends import turbo_import_problem
 from ..errors import UnsupportedConfigError
 from ..plan.plan import AttentionPlan
 from ..plan.selftest import clear, refuse_failures, self_test
-from ..settings import TurboAttentionSettings
 from ..testing import fake_primus_turbo
-from .check import REFUSED, _load, _plans, format_table
+from .check import REFUSED, _load, _plans, format_table, settings_for
 
 DEFAULT_CONFIG = {  # a small layer with a sink and a two-sided window (the route AITER gets wrong)
     "use_turbo_attention": True, "use_turbo_flex_attention": True, "turbo_flex_attention_backend": "turbo",
@@ -43,12 +42,8 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
     """Print one row per route; 0 when every route agrees with the reference, else 2."""
     out, err = out or sys.stdout, err or sys.stderr
     config = _load(path) if path else dict(DEFAULT_CONFIG)
-    if arch is not None:
-        config["turbo_arch"] = arch
-    try:
-        settings = TurboAttentionSettings.from_dict(config)
-    except UnsupportedConfigError as exc:
-        print(exc, file=err)
+    settings = settings_for(config, arch, err)
+    if settings is None:
         return REFUSED
     clear()
     with _turbo(faults) as what:

@@ -250,23 +250,20 @@ def _check_window(key: str, value: Any) -> Optional[Reason]:
     return None
 
 
-def _check_backend(key: str, value: Any) -> Optional[Reason]:
-    if isinstance(value, str) and value in BACKEND_CHOICES:
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be one of {', '.join(BACKEND_CHOICES)}; "
-                                          f"got {_type_name(value)}.",
-                  alternative=f"write '{key}: auto' unless you need a specific backend.")
+def _choice(choices: tuple[str, ...], advice: str) -> Callable[[str, Any], Optional[Reason]]:
+    """A check that the value is one of ``choices`` (strings), with ``advice`` as the alternative."""
+    def check(key: str, value: Any) -> Optional[Reason]:
+        if isinstance(value, str) and value in choices:
+            return None
+        return Reason(settings=(key,), reason=f"{key} must be one of {', '.join(choices)}; "
+                                              f"got {_type_name(value)}.",
+                      alternative=advice.format(key=key))
+    return check
 
 
 ARCH_CHOICES = ("auto", "gfx942", "gfx950")
-
-
-def _check_arch(key: str, value: Any) -> Optional[Reason]:
-    if isinstance(value, str) and value in ARCH_CHOICES:
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be one of {', '.join(ARCH_CHOICES)}; "
-                                          f"got {_type_name(value)}.",
-                  alternative=f"write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto.")
+_check_backend = _choice(BACKEND_CHOICES, "write '{key}: auto' unless you need a specific backend.")
+_check_arch = _choice(ARCH_CHOICES, "write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto.")
 
 
 def _check_selftest(key: str, value: Any) -> Optional[Reason]:

@@ -342,3 +342,24 @@ def test_sys_modules_restored_also_after_exception() -> None:
     finally:
         del sys.modules["primus_turbo"]
         sys.modules.update(before)
+
+
+@pytest.mark.parametrize("build, entries", [
+    ("main", {"flash_attn_func", "flash_attn_varlen_func"}),
+    ("old", {"flash_attn_func", "flash_attn_varlen_func"}),
+    ("flex", {"flex_attention", "flex_attention_varlen", "create_block_mask"}),
+    ("newest", {"flex_attention", "flex_attention_bshd", "flex_attention_varlen", "create_block_mask"}),
+])
+def test_named_builds_have_the_entries_and_parameters_of_the_builds_users_have(build, entries):
+    with fake_primus_turbo(build=build) as fake:
+        assert entries <= set(fake.signatures)
+        varlen = fake.signatures["flash_attn_varlen_func"].parameters
+        assert ("sink" in varlen) is (build != "old")
+        flexes = {"flex_attention", "flex_attention_bshd", "flex_attention_varlen", "create_block_mask"}
+        if build in ("main", "old"):
+            assert not flexes & set(fake.signatures)
+        if build == "flex":
+            assert "deterministic" not in fake.signatures["flex_attention"].parameters
+    with pytest.raises(ValueError, match="build"):
+        with fake_primus_turbo(build="v9"):
+            pass

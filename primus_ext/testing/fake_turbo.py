@@ -251,16 +251,33 @@ def _owned(key: str) -> bool:
     return key == _ROOT or key.startswith(_ROOT + ".")
 
 
+BUILDS: dict[str, dict[str, bool]] = {
+    # Primus-Turbo main (v0.4.0-26) and the commit Primus pins: no flex entries; varlen sinks.
+    "main": dict(flex=False, flex_bshd=False, flex_deterministic=False, varlen_sink=True),
+    # Builds before varlen sinks: neither flex entries nor `sink` on flash_attn_varlen_func.
+    "old": dict(flex=False, flex_bshd=False, flex_deterministic=False, varlen_sink=False),
+    # The unmerged flex compat layer, first without `deterministic` and flex_attention_bshd.
+    "flex": dict(flex=True, flex_bshd=False, flex_deterministic=False, varlen_sink=True),
+    "flex-deterministic": dict(flex=True, flex_bshd=False, flex_deterministic=True, varlen_sink=True),
+    # The newest flex layer: deterministic and the layout-native flex_attention_bshd.
+    "newest": dict(flex=True, flex_bshd=True, flex_deterministic=True, varlen_sink=True),
+}
+"""The Primus-Turbo builds users have (primus_turbo_dispatch.md, header), as knob settings."""
+
+
 @contextlib.contextmanager
 def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True,
                       varlen_sink: bool = True, flex: bool = True,
-                      faults: Iterable[str] = (), arch: Optional[str] = None) -> Iterator[FakeTurbo]:
+                      faults: Iterable[str] = (), arch: Optional[str] = None,
+                      build: Optional[str] = None) -> Iterator[FakeTurbo]:
     """Install the fake Primus-Turbo modules for the ``with`` block; yield the `FakeTurbo`.
 
     Knobs select the build imitated: ``flex=False`` is an old build without any flex
     entry (nor ``create_block_mask``); ``flex_bshd=False`` lacks ``flex_attention_bshd``;
     ``flex_deterministic=False`` lacks ``deterministic`` on the flex entries;
-    ``varlen_sink=False`` lacks ``sink`` on ``flash_attn_varlen_func``.
+    ``varlen_sink=False`` lacks ``sink`` on ``flash_attn_varlen_func``.  ``build`` names a
+    build that exists instead (`BUILDS`: ``main``, ``old``, ``flex``, ``flex-deterministic``,
+    ``newest``) and then sets all four knobs.
 
     ``faults`` (default none) switches on known silent defects; the one modelled is
     ``"sink_backward_ignores_right_window"``: AITER's sink path runs Triton kernels whose
@@ -284,6 +301,11 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     Every ``primus_turbo*`` entry of ``sys.modules`` present before is put back on
     exit, also when the block raises, and any added inside the block is dropped.
     """
+    if build is not None:
+        if build not in BUILDS:
+            raise ValueError(f"build must be one of {sorted(BUILDS)}, got {build!r}")
+        flex, flex_bshd = BUILDS[build]["flex"], BUILDS[build]["flex_bshd"]
+        flex_deterministic, varlen_sink = BUILDS[build]["flex_deterministic"], BUILDS[build]["varlen_sink"]
     fake = FakeTurbo(BuildOptions(flex_bshd=flex_bshd, flex_deterministic=flex_deterministic,
                                   varlen_sink=varlen_sink, flex=flex,
                                   faults=tuple(sorted(check_faults(faults))), arch=check_arch(arch)))

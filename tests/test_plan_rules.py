@@ -154,10 +154,23 @@ def test_sink_needs_power_of_two_head_dim_on_turbo():
     assert "kv_channels" in err.settings
 
 
-def test_old_build_without_flex_entries_is_refused():
-    with fake_primus_turbo(flex=False):
-        err = refused(turbo(sink_sliding_window=4))
-    assert "turbo_flex_attention_backend" in err.settings
+@pytest.mark.parametrize("build", ["main", "old"])
+def test_builds_without_flex_entries_run_windows_and_documents_on_the_flash_entries(build):
+    """Primus-Turbo main has no flex layer: a window goes to flash_attn_func, packed
+    documents to flash_attn_varlen_func, with the same numbers as the oracle."""
+    q, k, v = qkv()
+    tq, tk, tv = packed_qkv(12)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with fake_primus_turbo(build=build) as fake:
+        run = adapter(turbo(sink_sliding_window=4))
+        out = run(q, k, v, causal=True, window_size=(4, 0))
+        packed = run(tq, tk, tv, causal=True, window_size=(4, 0), cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                     max_seqlen_q=7, max_seqlen_kv=7)
+        assert [c.entry for c in fake.calls] == ["flash_attn_func", "flash_attn_varlen_func"]
+        assert fake.calls[0].args["window_size"] == (4, 0) and fake.calls[0].args["causal"] is True
+    torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.window(4, 0)), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(packed, oracle.packed_attention(tq, tk, tv, [0, 5, 12], left=4, right=0),
+                               atol=1e-10, rtol=1e-10)
 
 
 # -- call-time refusals -------------------------------------------------------

@@ -147,6 +147,7 @@ def test_packed_entry_without_sink_is_probed_separately_from_dense():
                         dropout_p=dropout_p, softcap=softcap, return_lse=return_lse)
 
         ops = SimpleNamespace(flash_attn_func=fake.module.flash_attn_func,
+                              flash_attn_varlen_func=fake.module.flash_attn_varlen_func,
                               flex_attention_bshd=fake.module.flex_attention_bshd,
                               flex_attention_varlen=flex_attention_varlen)
         backend = TurboBackend(ops=ops)

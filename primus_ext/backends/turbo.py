@@ -14,6 +14,12 @@ Routing of a dense call (the plan guarantees a recognised pattern):
 
 Packed (thd) calls go to ``flex_attention_varlen`` and never touch the BlockMask
 cache (B16).
+
+A build without the flex compat layer (Primus-Turbo main, the build Primus pins) runs
+the same patterns on the entries it has: windows on ``flash_attn_func(causal,
+window_size)``, documents and packed calls on ``flash_attn_varlen_func``.  Every pattern
+the plan proves is a window inside documents, which those two take, so such a build
+refuses nothing the flex layer would run.
 """
 
 from __future__ import annotations
@@ -57,6 +63,10 @@ class TurboBackend:
         self.flex: Optional[Callable[..., Any]] = bshd or getattr(self.ops, "flex_attention", None)
         self.flex_is_bshd = bshd is not None
         self.varlen: Optional[Callable[..., Any]] = getattr(self.ops, "flex_attention_varlen", None)
+        # Builds without the flex compat layer (Primus-Turbo main, the build Primus pins) still
+        # compute every pattern the plan proves: windows on flash_attn_func, documents on
+        # flash_attn_varlen_func, each taking (causal, window_size) for the same kernels.
+        self.flash_varlen: Optional[Callable[..., Any]] = getattr(self.ops, "flash_attn_varlen_func", None)
 
     def capabilities(self) -> BackendCapabilities:
         def has(entry: Optional[Callable[..., Any]], name: str) -> bool:
@@ -66,13 +76,13 @@ class TurboBackend:
             name=self.name,
             runs_any_mask=False,
             softcap=False,
-            dense_entry=getattr(self.flex, "__name__", None),
-            packed_entry=getattr(self.varlen, "__name__", None),
+            dense_entry=getattr(self.flex or self.direct, "__name__", None),
+            packed_entry=getattr(self.varlen or self.flash_varlen, "__name__", None),
             direct_entry="flash_attn_func",
-            sink_dense=has(self.flex, "sink") and has(self.direct, "sink"),
-            sink_packed=has(self.varlen, "sink"),
-            deterministic_dense=has(self.flex, "deterministic"),
-            deterministic_packed=has(self.varlen, "deterministic"),
+            sink_dense=has(self.flex or self.direct, "sink") and has(self.direct, "sink"),
+            sink_packed=has(self.varlen or self.flash_varlen, "sink"),
+            deterministic_dense=has(self.flex or self.direct, "deterministic"),
+            deterministic_packed=has(self.varlen or self.flash_varlen, "deterministic"),
         )
 
     # -- dense ---------------------------------------------------------------
@@ -105,7 +115,9 @@ class TurboBackend:
         )
 
     def _flex_dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
-        assert self.flex is not None
+        if self.flex is None:  # no flex layer in this build: the same window on flash_attn_func
+            causal, window = turbo_window_args(call.pattern)  # type: ignore[arg-type]
+            return self._flash(q, k, v, call, causal=causal, window=window)
         block_mask = self.cache.get(call.pattern, q.shape[1], k.shape[1], q.device)
         kwargs = dict(
             block_mask=block_mask,
@@ -155,10 +167,18 @@ class TurboBackend:
     # -- packed --------------------------------------------------------------
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,
                max_seqlen_q: Any, max_seqlen_kv: Any, call: KernelCall) -> Output:
-        assert self.varlen is not None and call.pattern is not None
+        assert call.pattern is not None
         if call.pattern.window != (-1, -1):
             _check_same_boundaries(cu_seqlens_q, cu_seqlens_kv, call.pattern)
         causal, window = turbo_window_args(call.pattern)
+        if self.varlen is None:  # no flex layer in this build: the same kernels via flash_attn_varlen_func
+            assert self.flash_varlen is not None, "every Primus-Turbo build has flash_attn_varlen_func"
+            return self.flash_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                dropout_p=call.dropout_p, softmax_scale=call.scale, causal=causal, window_size=window,
+                alibi_slopes=call.alibi_slopes, deterministic=call.deterministic, return_lse=call.return_lse,
+                return_attn_probs=False, **sink_kwargs_for(self.flash_varlen, call.sink, where="packed"),
+            )
         return self.varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
             causal=causal,

@@ -255,14 +255,6 @@ RULES: Tuple[Rule, ...] = (
          "set turbo_flex_attention_backend: reference, which evaluates the hook itself at every "
          "call, or use an ALiBi score_mod (score + slope[h] * (kv_idx - q_idx)).",
          lambda c: c.on_turbo and _score_kind(c) == "other"),
-    Rule("flex-entry", ("use_turbo_flex_attention", "turbo_flex_attention_backend"),
-         "the installed Primus-Turbo has no flex_attention entry (an older build).",
-         "upgrade Primus-Turbo, or set turbo_flex_attention_backend: reference.",
-         lambda c: c.on_turbo and c.may_dense and c.caps.dense_entry is None),  # type: ignore[union-attr]
-    Rule("varlen-entry", ("use_turbo_flex_attention", "turbo_flex_attention_backend"),
-         "packed (thd) batches need flex_attention_varlen, which the installed Primus-Turbo lacks.",
-         "upgrade Primus-Turbo, or set turbo_flex_attention_backend: reference.",
-         lambda c: c.on_turbo and c.facts.packed is True and c.caps.packed_entry is None),  # type: ignore[union-attr]
     Rule("B13", ("use_sink_attention",),
          "a learned sink is configured but the installed dense entry ({dense_entry}) has no "
          "`sink` parameter; the sink would be dropped.",

@@ -179,10 +179,10 @@ def expect_build(case: Case) -> BuildExpectation:
         "B27": turbo_path and layer["position_embedding_type"] == "alibi",
         "softcap": on_turbo and score == "softcap",
         "B31-score": on_turbo and score == "other",
-        "flex-entry": on_turbo and may_dense and not fake["flex"],
-        "varlen-entry": on_turbo and packed is True and not fake["flex"],
-        "B13": on_turbo and sink and may_dense and not fake["flex"],
-        "B13-packed": on_turbo and sink and packed is True and not fake["flex"],
+        # Builds without flex entries run on flash_attn_func (which takes a sink) and
+        # flash_attn_varlen_func (which takes one only where the build has varlen sinks).
+        "B13": False,
+        "B13-packed": on_turbo and sink and packed is True and not fake["flex"] and not fake["varlen_sink"],
         "sink-shape": (on_turbo or (on_direct and fake is not None)) and sink
         and not (is_pow2(layer["head_dim"]) and layer["head_dim"] == layer["head_dim_v"]),
         "B24": on_turbo and det and may_dense and fake["flex"] and not fake["flex_deterministic"],
@@ -277,7 +277,9 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("padded boundaries differ")
         if hooked or scored:
             exp.must.append("hook on a packed call")
-        if not case.flex and fake is not None and planned_sink(case) and not fake["varlen_sink"]:
+        # the direct path, or a flex build without flex entries, packs on flash_attn_varlen_func
+        if fake is not None and planned_sink(case) and not fake["varlen_sink"] and (
+                not case.flex or (turbo and not fake["flex"])):
             exp.late_sink = True
     return exp
 

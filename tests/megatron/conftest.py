@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def spawn_ranks(run_rank: Callable[..., None], nprocs: int, out_dir: Path) -> list[Any]:
+    """Run ``run_rank(rank, port, out_dir)`` in ``nprocs`` gloo processes; each saves
+    ``rank{rank}.pt`` there, and the records come back in rank order."""
+    for attempt in range(2):  # the free port may be taken between probing and binding: retry that only
+        try:
+            mp.spawn(run_rank, args=(free_port(), str(out_dir)), nprocs=nprocs, join=True)
+            break
+        except mp.ProcessRaisedException as exc:
+            if attempt or "address already in use" not in str(exc).lower():
+                raise
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -29,10 +29,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.megatron import gpt
-from tests.megatron.conftest import free_port
+from tests.megatron.conftest import spawn_ranks
 
 CP = 2
 SEQ, BATCH, HEADS, GROUPS, DIM = 16, 2, 4, 2, 16
@@ -155,15 +154,7 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def cp2_records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp2")
-    for attempt in range(2):  # the free port may be taken between probing and binding: retry that only
-        try:
-            mp.spawn(run_rank, args=(free_port(), str(out)), nprocs=CP, join=True)
-            break
-        except mp.ProcessRaisedException as exc:
-            if attempt or "address already in use" not in str(exc).lower():
-                raise
-    records = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(CP)]
+    records = spawn_ranks(run_rank, CP, tmp_path_factory.mktemp("cp2"))
     return sorted(records, key=lambda r: r["cp_rank"])
 
 

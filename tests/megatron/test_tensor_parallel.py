@@ -22,10 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.megatron import gpt
-from tests.megatron.conftest import free_port
+from tests.megatron.conftest import spawn_ranks
 
 TP = 2
 STEPS = 5
@@ -78,15 +77,7 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def tp2_records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp2")
-    for attempt in range(2):  # the free port may be taken between probing and binding: retry that only
-        try:
-            mp.spawn(run_rank, args=(free_port(), str(out)), nprocs=TP, join=True)
-            break
-        except mp.ProcessRaisedException as exc:
-            if attempt or "address already in use" not in str(exc).lower():
-                raise
-    records = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]
+    records = spawn_ranks(run_rank, TP, tmp_path_factory.mktemp("tp2"))
     return sorted(records, key=lambda r: r["tp_rank"])
 
 

@@ -168,16 +168,16 @@ class _MaskProver:
         why = _broken_obligation(encoder, self.domain, self.names)
         if why:
             return self.result(None, why)
-        why = self.shared_across_batch_and_heads(mask)
+        first = z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(0)))
+        why = self.shared_across_batch_and_heads(mask, first)
         if why:
             return self.result(None, why)
-        return self.classify(z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(0))))
+        return self.classify(first)
 
-    def shared_across_batch_and_heads(self, mask: z3.BoolRef) -> str:
-        """Empty when the mask is the same for every batch index and head (kernels share one)."""
+    def shared_across_batch_and_heads(self, mask: z3.BoolRef, first: z3.BoolRef) -> str:
+        """Empty when ``mask`` equals ``first`` (its b = h = 0 slice) everywhere: kernels share one."""
         if not {"the batch index", "the head index"} & set(self.trace.reads):
             return ""
-        first = z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(0)))
         status, model = _solve(*self.domain, mask != first)
         if status == "unsat":
             return ""
@@ -320,7 +320,7 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
         slope = Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
         if not _float32(slope):
             return result("other", f"has the ALiBi slope {float(slope)!r}"
-                                   f"{'' if head is None else f' of head {head}'} is not a float32 value "
+                                   f"{'' if head is None else f' (head {head})'}, which is not a float32 value "
                                    "(Primus-Turbo's alibi_slopes are float32)")
         slopes.append(slope)
         cases.append((head, out, score + z3.RealVal(slope) * z3.ToReal(kv - q), encoder))

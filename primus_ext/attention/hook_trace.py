@@ -30,9 +30,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
-SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
-
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _STDLIB_DIR = os.path.dirname(os.__file__)
 _META_ATTRS = {"device", "dtype", "shape", "ndim", "is_cuda"}
@@ -386,4 +383,4 @@ def _root(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
     return score_root
 
 
-__all__ = ["Assumption", "HookTrace", "MASK_ARGS", "SCORE_ARGS", "trace_hook"]
+__all__ = ["Assumption", "HookTrace", "trace_hook"]

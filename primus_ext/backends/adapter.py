@@ -81,8 +81,8 @@ class TurboFlexAttention:
         self._assumptions = () if self.backend.name == "reference" else tuple(plan.hook_assumptions)
 
     # -- per-call checks -----------------------------------------------------
-    def _dense_pattern(self, causal: bool, window_size: Tuple[int, int], flash: Tuple[bool, Tuple[int, int]],
-                       q_len: int, kv_len: int) -> Optional[Pattern]:
+    def _dense_pattern(self, causal: bool, window_size: Tuple[int, int],
+                       flash: Tuple[bool, Tuple[int, int]]) -> Optional[Pattern]:
         """The call's pattern; ``flash`` is ``(causal, window_size)`` normalised by `_flash_args`."""
         plan = self.plan
         if plan.mask_mod is None:
@@ -188,7 +188,7 @@ class TurboFlexAttention:
                           "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
         q_len, kv_len = q.shape[1], k.shape[1]
         flag, window = _flash_args(causal, window_size)
-        pattern = self._dense_pattern(causal, window_size, (flag, window), q_len, kv_len)
+        pattern = self._dense_pattern(causal, window_size, (flag, window))
         self._check_dense_shape(pattern, q_len, kv_len)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)

@@ -398,3 +398,24 @@ def test_a_score_hook_widening_the_dtype_runs_on_reference_in_the_input_dtype(tm
     assert out.dtype == torch.float32
     expected = oracle.attention(q, k, v, oracle.causal(), alibi=[0.5, 0.25, 0.125, 0.0625])
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_proof_shared_by_fingerprint_still_checks_the_new_closures_own_cells():
+    def make(width):
+        def mask(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx <= width)
+
+        def widen(new):
+            nonlocal width
+            width = new
+
+        return mask, widen
+
+    first, _ = make(5)
+    second, widen = make(5)
+    assert prove_mask(first, num_heads=4).pattern == Pattern(5, 0)
+    proof = prove_mask(second, num_heads=4)  # found by fingerprint: equal code and closure values
+    assert proof.pattern == Pattern(5, 0)
+    widen(9)
+    assert not all(a.holds() for a in proof.assumptions)
+    assert prove_mask(second, num_heads=4).pattern == Pattern(9, 0)

@@ -19,6 +19,7 @@ model proves each hook once, whatever its layer count or sequence length.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import weakref
 from collections import Counter
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import z3
 
-from .hook_trace import Assumption, HookTrace, trace_hook
+from .hook_trace import Assumption, HookTrace, cell_assumptions, trace_hook
 from .hook_z3 import INDEX_BOUND, Encoder, Unsupported, boolean, num
 from .library import library_name, library_pattern
 from .pattern import FULL, MaskMod, Pattern, ScoreMod
@@ -398,7 +399,10 @@ def _cached(hook: Any, kind: str, num_heads: Optional[int],
         per_object = _BY_OBJECT.setdefault(hook, {})
     except TypeError:
         per_object = {}
-    found = per_object.get(key) or (_BY_FINGERPRINT.get(fingerprint) if fingerprint else None)
+    found = per_object.get(key)
+    if found is None and fingerprint is not None and fingerprint in _BY_FINGERPRINT:
+        shared = _BY_FINGERPRINT[fingerprint]  # proven for an equal closure: check this one's cells too
+        found = dataclasses.replace(shared, assumptions=shared.assumptions + cell_assumptions(hook))
     if found is not None and all(a.holds() for a in found.assumptions):
         per_object[key] = found
         return found

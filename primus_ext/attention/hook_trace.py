@@ -197,6 +197,17 @@ def _reachable(hook: Any) -> list[tuple[types.FunctionType, dict[str, tuple[Any,
     return found
 
 
+def cell_assumptions(hook: Any) -> tuple[Assumption, ...]:
+    """That no closure variable of the functions ``hook`` can run is rebound (``nonlocal``).
+
+    A proof found by fingerprint for another closure with equal values checked that
+    closure's cells; this one's are its own.
+    """
+    return tuple(Assumption(f"the captured variable {name} is the same object", _cell_check(cell, value))
+                 for _, cells in _reachable(hook) for name, (cell, value) in cells.items()
+                 if value is not _MISSING)
+
+
 def _rebinding_check(globals_: dict[str, Any], name: str, value: Any) -> Callable[[], bool]:
     return lambda: globals_.get(name, _MISSING) is value
 
@@ -383,4 +394,4 @@ def _root(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
     return score_root
 
 
-__all__ = ["Assumption", "HookTrace", "trace_hook"]
+__all__ = ["Assumption", "HookTrace", "cell_assumptions", "trace_hook"]

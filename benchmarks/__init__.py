@@ -6,8 +6,6 @@ checkout this package lives in).  Results go to ``benchmarks/results/<name>.json
 
 * ``adapter_overhead``: the flex adapter's per-call Python cost against a direct
   ``flash_attn_func``-style call of the same no-op kernel stub.
-* ``first_call_setup``: plan + BlockMask at S = 4k, 32k, 128k against torch's
-  ``create_block_mask``, time and peak memory.
 * ``copies_and_syncs``: exact counts of tensor copies and host syncs per call on each path.
 * ``reference_vs_sdpa``: the reference backend against ``scaled_dot_product_attention``,
   forward + backward on CPU.
@@ -16,4 +14,4 @@ checkout this package lives in).  Results go to ``benchmarks/results/<name>.json
   build, at 4k and 128k tokens.
 """
 
-NAMES = ("adapter_overhead", "first_call_setup", "copies_and_syncs", "reference_vs_sdpa", "gpt_step", "hook_proofs")
+NAMES = ("adapter_overhead", "copies_and_syncs", "reference_vs_sdpa", "gpt_step", "hook_proofs")

@@ -1,4 +1,4 @@
-"""Per-call Python cost of the flex adapter at a BlockMask cache hit.
+"""Per-call Python cost of the flex adapter, after its first call.
 
 Both sides call the same no-op kernel stub (real signature, returns a preallocated
 tensor; see `benchmarks._stubs`), so the difference is only the code in between:
@@ -6,7 +6,7 @@ tensor; see `benchmarks._stubs`), so the difference is only the code in between:
 * ``direct``: the stub called like Megatron's direct path calls ``flash_attn_func``
   (``flash_attn_varlen_func`` for packed rows);
 * ``flex``: `TurboFlexAttention` on the ``turbo`` backend with the same arguments, after
-  a warm-up call (plan built, BlockMask cached, hook shapes verified).
+  a warm-up call (plan built, hook shapes verified).
 
 The last row compares whole Megatron core-attention forwards (sbhd in, ``[S, B, H*D]``
 out), flex path against direct path, both on the stubs.
@@ -90,13 +90,13 @@ def cases(ops: Any, outputs: Any) -> list[tuple[str, str, Callable[[], Any], Cal
         ("causal", "flash_attn_func",
          lambda: causal(q, k, v, window_size=(-1, -1), **kw),
          lambda: flash(q, k, v, window_size=(-1, -1), **kw)),
-        (f"window {WINDOW}", "flex_attention_bshd + cached BlockMask",
+        (f"window {WINDOW}", "flash_attn_func(window_size)",
          lambda: window(q, k, v, window_size=WINDOW, **kw),
          lambda: flash(q, k, v, window_size=WINDOW, **kw)),
         ("causal + sink", "flash_attn_func",
          lambda: sinks(q, k, v, window_size=(-1, -1), sink=sink, **kw),
          lambda: flash(q, k, v, window_size=(-1, -1), sink=sink, **kw)),
-        ("packed causal (thd)", "flex_attention_varlen / flash_attn_varlen_func",
+        ("packed causal (thd)", "flash_attn_varlen_func",
          lambda: packed(tq, tk, tv, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                         max_seqlen_kv=longest, window_size=(-1, -1), **kw),
          lambda: varlen(tq, tk, tv, cu, cu, longest, longest, window_size=(-1, -1), **kw)),
@@ -133,7 +133,7 @@ def main(argv: Any = None) -> int:
     results, rows, profiles = [], [], {}
     with stubbed_turbo() as (ops, outputs):
         for label, kernel, flex, direct in cases(ops, outputs):
-            flex(), direct()  # warm-up: BlockMask built, shapes verified
+            flex(), direct()  # warm-up: shapes verified
             timing = c.interleaved({"flex": flex, "direct": direct}, repeats=args.repeats, number=args.number,
                                    scale=1e6)
             f, d = timing["flex"], timing["direct"]

@@ -35,7 +35,7 @@ class Row:
     keys: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)
     hook: bool = False
-    deterministic_entries: bool = True
+    build: str = "newest"
 
 
 ROWS = {
@@ -61,7 +61,11 @@ ROWS = {
     "document mask tensor": Row({"reset_attention_mask": True}),
     "ALiBi position embedding": Row(facts={"position_embedding_type": "alibi"}),
     "deterministic": Row({"deterministic_mode": True}),
-    "deterministic, older Turbo build": Row({"deterministic_mode": True}, deterministic_entries=False),
+    "deterministic, Primus-Turbo main": Row({"deterministic_mode": True}, build="main"),
+    "packed documents, Primus-Turbo main": Row(facts={"packed": True}, build="main"),
+    "causal sliding window, Primus-Turbo main": Row({"sink_sliding_window": 128}, build="main"),
+    "packed sinks, build without varlen `sink`": Row({"use_sink_attention": True}, facts={"packed": True},
+                                                     build="old"),
 }
 COLUMNS = ("turbo", "reference", "direct")
 
@@ -72,7 +76,7 @@ def outcome(row: Row, column: str) -> str:
     keys: dict[str, Any] = {"use_turbo_attention": True, "use_turbo_flex_attention": column != "direct",
                             "turbo_flex_attention_backend": "turbo" if column == "turbo" else "reference", **row.keys}
     facts = LayerFacts(num_heads=4, num_kv_heads=2, head_dim=16, seq_length=SEQ, **row.facts)
-    with fake_primus_turbo(flex_deterministic=row.deterministic_entries) as fake:
+    with fake_primus_turbo(build=row.build) as fake:
         try:
             plan = build_plan(TurboAttentionSettings.from_dict(keys), facts)
         except UnsupportedConfigError as err:

@@ -146,7 +146,7 @@ def test_reference_causal_sdpa_route_has_no_copies_at_all():
     assert (counts.copies, counts.syncs) == (0, 0), counts.summary()
 
 
-@pytest.mark.parametrize("window, entry", [((-1, -1), "flash_attn_func"), (WINDOW, "flex_attention_bshd")],
+@pytest.mark.parametrize("window, entry", [((-1, -1), "flash_attn_func"), (WINDOW, "flash_attn_func")],
                          ids=["causal", "window"])
 def test_turbo_dense_call_adds_no_copy_and_no_sync(fake_kernels, window, entry):
     q, k, v = qkv(dtype=torch.float32)
@@ -185,7 +185,7 @@ def test_turbo_packed_call_syncs_only_inside_turbo(fake_kernels):
     (q, k, v), bounds = packed_inputs()
     run = adapter(turbo(), facts(packed=True))
     counts = counted(lambda: run(q, k, v, causal=True, **bounds))
-    assert fake_kernels.calls[-1].entry == "flex_attention_varlen"
+    assert fake_kernels.calls[-1].entry == "flash_attn_varlen_func"
     assert (counts.copies, counts.syncs) == (0, 0), counts.summary()
     assert counts.by_op("sync", kernel=True) == {"Tensor.tolist": 2}
     del bounds["max_seqlen_q"], bounds["max_seqlen_kv"]

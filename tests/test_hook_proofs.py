@@ -114,22 +114,17 @@ def test_unprovable_score_is_evaluated_exactly_on_reference(name):
 
 
 # ----------------------------------------------------------------------------- ordinary hooks run on Turbo
-def _flex_block_mask_pattern(fake):
-    (call,) = fake.calls_to("flex_attention_bshd")
-    return library_pattern(call.args["block_mask"].mask_mod)
-
-
 ORDINARY = {
     # name: (proven pattern, entry that runs it)
-    "causal": (Pattern(-1, 0), "flex_attention_bshd"),
-    "full": (Pattern(-1, -1), "flex_attention_bshd"),
-    "gym_window": (Pattern(8, 0), "flex_attention_bshd"),
-    "titan_window": (Pattern(7, 0), "flex_attention_bshd"),
-    "global_window": (Pattern(8, 0), "flex_attention_bshd"),
-    "head_independent": (Pattern(-1, 0), "flex_attention_bshd"),
+    "causal": (Pattern(-1, 0), "flash_attn_func"),
+    "full": (Pattern(-1, -1), "flash_attn_func"),
+    "gym_window": (Pattern(8, 0), "flash_attn_func"),
+    "titan_window": (Pattern(7, 0), "flash_attn_func"),
+    "global_window": (Pattern(8, 0), "flash_attn_func"),
+    "head_independent": (Pattern(-1, 0), "flash_attn_func"),
     "band": (Pattern(3, 3), "flash_attn_func"),
-    "chunked": (Pattern(-1, 0, chunk=4), "flex_attention_varlen"),
-    "constant_documents": (Pattern(-1, 0, cuts=(6,)), "flex_attention_varlen"),
+    "chunked": (Pattern(-1, 0, chunk=4), "flash_attn_varlen_func"),
+    "constant_documents": (Pattern(-1, 0, cuts=(6,)), "flash_attn_varlen_func"),
 }
 
 
@@ -143,10 +138,10 @@ def test_ordinary_mask_is_proven_and_runs_on_its_kernel(name):
         out = TurboFlexAttention(plan)(q, k, v)
         assert [c.entry for c in fake.calls] == [entry]
         call = fake.calls[0]
-        if entry == "flex_attention_bshd":
-            assert _flex_block_mask_pattern(fake) == pattern
-        elif entry == "flash_attn_func":
-            assert call.args["window_size"] == (3, 3) and call.args["causal"] is False
+        if entry == "flash_attn_func":  # the proven window, in flash convention
+            causal, window = pattern.right == 0, pattern.window
+            assert (call.args["causal"], call.args["window_size"]) == (
+                (causal, (-1, -1)) if window in ((-1, -1), (-1, 0)) else (causal, window))
         else:
             bounds = pattern.at_length(16).boundaries
             expected_cu = list(bounds) + [16 + b for b in bounds[1:]]

@@ -1,9 +1,6 @@
-"""The turbo backend through the CPU fake of Primus-Turbo: entries, arguments, caching."""
+"""The turbo backend through the CPU fake of Primus-Turbo: entries and arguments."""
 
 from __future__ import annotations
-
-import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,21 +51,16 @@ def test_default_causal_reaches_flash_attn_func_with_direct_arguments():
     torch.testing.assert_close(out, direct)
 
 
-@pytest.mark.parametrize("bshd", [True, False])
-def test_window_uses_flex_entry_bshd_preferred_bhsd_fallback(bshd):
-    """B7: the bshd entry when present; otherwise bhsd views in and the exact inverse out."""
+@pytest.mark.parametrize("build", ["main", "old", "flex", "newest"])
+def test_window_runs_on_flash_attn_func_on_every_build(build):
+    """B7: a causal window is flash_attn_func(causal, window_size) on q itself, flex layer or not."""
     q, k, v = qkv()
-    with fake_primus_turbo(flex_bshd=bshd) as fake:
+    with fake_primus_turbo(build=build) as fake:
         run = adapter(turbo(sink_sliding_window=3))
         out = run(q, k, v, causal=True, window_size=(3, 0))
     (call,) = fake.calls
-    assert call.entry == ("flex_attention_bshd" if bshd else "flex_attention")
-    passed_q = call.args["query"]
-    if bshd:
-        assert passed_q is q
-    else:
-        assert passed_q.shape == (2, 4, 16, 8) and passed_q.data_ptr() == q.data_ptr()
-    assert call.args["block_mask"].seq_lengths == (16, 16)
+    assert call.entry == "flash_attn_func" and call.args["q"] is q
+    assert (call.args["causal"], call.args["window_size"]) == (True, (3, 0))
     torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.window(3, 0)), **TOL)
 
 
@@ -83,41 +75,16 @@ def test_non_causal_window_keeps_both_bounds_on_flash_entry():
     torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.window(4, 4)), **TOL)
 
 
-def test_block_mask_object_is_reused_so_turbo_probes_once():
-    q, k, v = qkv()
-    with fake_primus_turbo() as fake:
-        run = adapter(turbo(sink_sliding_window=3))
-        run(q, k, v, causal=True, window_size=(3, 0))
-        probes = fake.probe_count
-        run(q, k, v, causal=True, window_size=(3, 0))
-        assert fake.probe_count == probes
-        first, second = fake.calls_to("flex_attention_bshd")
-    assert first.args["block_mask"] is second.args["block_mask"]
-
-
-def test_lru_65_shapes_warn_once_and_stay_at_64():
-    with fake_primus_turbo():
-        run = adapter(turbo(sink_sliding_window=2))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for s in range(3, 3 + 65):
-                q, k, v = qkv(b=1, s=s, hq=4, hkv=2, d=4, dtype=torch.float32)
-                run(q, k, v, causal=True, window_size=(2, 0))
-    assert len(run.backend.cache) == 64
-    assert sum(issubclass(w.category, RuntimeWarning) for w in caught) == 1
-
-
-def test_packed_goes_to_varlen_and_never_touches_the_lru():
-    """B16."""
+def test_packed_goes_to_flash_attn_varlen_func():
+    """B16: the boundaries pass through untouched."""
     q, k, v = packed_qkv(11)
     cu = torch.tensor([0, 4, 11], dtype=torch.int32)
     with fake_primus_turbo() as fake:
         run = adapter(turbo(), facts(packed=True))
         out = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
     (call,) = fake.calls
-    assert call.entry == "flex_attention_varlen" and call.args["causal"] is True
+    assert call.entry == "flash_attn_varlen_func" and call.args["causal"] is True
     assert call.args["cu_seqlens_q"] is cu
-    assert len(run.backend.cache) == 0 and run.backend.cache.misses == 0
     assert out.shape == q.shape
     torch.testing.assert_close(out, oracle.packed_attention(q, k, v, [0, 4, 11]), **TOL)
 
@@ -132,32 +99,27 @@ def test_sink_keyword_omitted_where_entry_lacks_it_and_refused_when_set():
         assert sink_kwargs_for(ops.flash_attn_func, None, where="dense") == {"sink": None}
 
 
-def test_packed_entry_without_sink_is_probed_separately_from_dense():
-    """B13: a build whose packed entry lacks `sink` keeps sinks for dense-only training."""
+def test_packed_sink_takes_the_flex_varlen_entry_only_where_flash_varlen_lacks_sink():
+    """B7/B13: flex_attention_varlen runs a packed sink only when flash_attn_varlen_func cannot."""
     q, k, v = packed_qkv(6)
     cu = torch.tensor([0, 6], dtype=torch.int32)
-    with fake_primus_turbo() as fake:
-        real = fake.module.flex_attention_varlen
+    sink = torch.zeros(4)
+    for varlen_sink, entry in ((True, "flash_attn_varlen_func"), (False, "flex_attention_varlen")):
+        with fake_primus_turbo(varlen_sink=varlen_sink) as fake:
+            run = adapter(turbo(use_sink_attention=True), facts(packed=True))
+            out = run(q, k, v, causal=True, sink=sink, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                      max_seqlen_q=6, max_seqlen_kv=6)
+        assert [c.entry for c in fake.calls] == [entry]
+        torch.testing.assert_close(out, oracle.packed_attention(q, k, v, [0, 6], sink=sink), **TOL)
 
-        def flex_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, *, causal=False, window_size=(-1, -1), scale=None,
-                                  alibi_slopes=None, dropout_p=0.0, softcap=None, return_lse=False):
-            return real(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        causal=causal, window_size=window_size, scale=scale, alibi_slopes=alibi_slopes,
-                        dropout_p=dropout_p, softcap=softcap, return_lse=return_lse)
 
-        ops = SimpleNamespace(flash_attn_func=fake.module.flash_attn_func,
-                              flash_attn_varlen_func=fake.module.flash_attn_varlen_func,
-                              flex_attention_bshd=fake.module.flex_attention_bshd,
-                              flex_attention_varlen=flex_attention_varlen)
-        backend = TurboBackend(ops=ops)
-        run = TurboFlexAttention(build_plan(turbo(), facts(packed=True), backend=backend), backend)
-        # `sink=None` would be a TypeError against this signature: the call proves it was omitted.
-        run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
-        assert fake.calls[-1].entry == "flex_attention_varlen"
+def test_packed_sink_is_refused_where_no_entry_takes_it():
+    """B13: neither varlen entry takes `sink` -> packed sinks refused, dense-only sinks kept."""
+    with fake_primus_turbo(build="old") as fake:
+        assert not hasattr(fake.module, "flex_attention_varlen")
         with pytest.raises(UnsupportedConfigError, match="use_sink_attention"):
-            build_plan(turbo(use_sink_attention=True), facts(packed=True), backend=backend)
-        build_plan(turbo(use_sink_attention=True), facts(packed=False), backend=backend)
+            build_plan(turbo(use_sink_attention=True), facts(packed=True))
+        build_plan(turbo(use_sink_attention=True), facts(packed=False))
 
 
 def test_bf16_sink_reaches_kernel_as_fp32_and_gets_gradient():
@@ -172,21 +134,17 @@ def test_bf16_sink_reaches_kernel_as_fp32_and_gets_gradient():
     assert sink.grad is not None and sink.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("has_det", [True, False])
-def test_deterministic_threaded_or_refused_by_capability(has_det):
-    """B24."""
-    with fake_primus_turbo(flex_deterministic=has_det) as fake:
-        if not has_det:
-            with pytest.raises(UnsupportedConfigError, match="deterministic_mode"):
-                build_plan(turbo(deterministic_mode=True, sink_sliding_window=3), facts())
-            return
+def test_deterministic_reaches_both_direct_entries():
+    """B24: every build's flash entries take `deterministic`, so it is threaded, never refused."""
+    with fake_primus_turbo(build="old") as fake:
         run = adapter(turbo(deterministic_mode=True, sink_sliding_window=3))
         q, k, v = qkv()
         run(q, k, v, causal=True, window_size=(3, 0))
         pq, pk, pv = packed_qkv(6)
         cu = torch.tensor([0, 6], dtype=torch.int32)
         run(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
-    assert [c.args["deterministic"] for c in fake.calls] == [True, True]
+    assert [(c.entry, c.args["deterministic"]) for c in fake.calls] == [
+        ("flash_attn_func", True), ("flash_attn_varlen_func", True)]
 
 
 def test_documents_hook_runs_on_varlen_with_flattened_batch():
@@ -196,7 +154,7 @@ def test_documents_hook_runs_on_varlen_with_flattened_batch():
                             turbo_flex_attention_mask_mod_kwargs={"cu_seqlens": [0, 6, 16]}))
         out = run(q, k, v)
     (call,) = fake.calls
-    assert call.entry == "flex_attention_varlen"
+    assert call.entry == "flash_attn_varlen_func"
     assert call.args["cu_seqlens_q"].tolist() == [0, 6, 16, 22, 32]
     torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.documents([0, 6, 16])), **TOL)
 

@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
-from ..attention.block_mask_cache import BlockMaskCache
 from .base import AttentionBackend, BackendCapabilities, KernelCall
 from .capabilities import entry_accepts, sink_kwargs_for
 from .reference import ReferenceBackend
@@ -41,12 +40,12 @@ def select_backend(choice: str) -> Tuple[str, str, str]:
     return "turbo", "auto: primus_turbo imports", ""
 
 
-def make_backend(name: str, *, cache: Optional[BlockMaskCache] = None) -> AttentionBackend:
-    """A fresh backend instance (the turbo one owns its BlockMask cache)."""
+def make_backend(name: str) -> AttentionBackend:
+    """A fresh backend instance."""
     if name == "reference":
         return ReferenceBackend()
     if name == "turbo":
-        return TurboBackend(cache=cache)
+        return TurboBackend()
     raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_CHOICES}")
 
 

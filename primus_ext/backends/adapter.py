@@ -21,7 +21,6 @@ from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
 from .ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
-from ..attention.block_mask_cache import BlockMaskCache
 from ..attention.library import library_pattern
 from ..attention.pattern import Pattern, pattern_from_flash_args
 
@@ -69,10 +68,9 @@ def _flash_args(causal: Any, window_size: Any) -> Tuple[bool, Tuple[int, int]]:
 class TurboFlexAttention:
     """Runs one layer's approved plan on its backend, call by call."""
 
-    def __init__(self, plan: Any, backend: Optional[AttentionBackend] = None,
-                 *, cache: Optional[BlockMaskCache] = None) -> None:
+    def __init__(self, plan: Any, backend: Optional[AttentionBackend] = None) -> None:
         self.plan = plan
-        self.backend = backend if backend is not None else make_backend(plan.backend, cache=cache)
+        self.backend = backend if backend is not None else make_backend(plan.backend)
         self._alibi: dict[torch.device, Tensor] = {}
         self._target = PlanTarget(plan, self.backend)
         self.handle = register_target(self._target)

@@ -1,25 +1,21 @@
 """The ``turbo`` backend: Primus-Turbo's fixed kernels on ROCm.
 
-Routing of a dense call (the plan guarantees a recognised pattern):
+Every pattern the plan approves is a window inside documents, and Primus-Turbo's two
+direct entries compute all of them exactly, so those are what runs, on every build:
 
-* the caller's own ``causal``/``window_size`` giving causal or full attention ->
+* causal or full attention from the caller's own ``causal``/``window_size`` ->
   ``flash_attn_func`` with exactly the caller's arguments, i.e. the same kernel and
   arguments as the direct path (B6);
-* a window with a right bound (not causal) -> ``flash_attn_func`` with
-  ``window_size=(left, right)``, whose kernel honours both bounds (B8);
-* packed documents -> ``flex_attention_varlen`` on the flattened batch;
-* everything else (masks from hooks or a causal window) -> the flex entry with a
-  cached, analytically built BlockMask: ``flex_attention_bshd`` where the build has
-  it, else ``flex_attention`` on bhsd views (B7).
+* any other window, causal or two-sided, from the caller or a proven hook ->
+  ``flash_attn_func(causal, window_size)``, whose kernels honour both bounds (B8);
+* documents (a proven hook's chunks or cuts) -> the batch flattened to one packed
+  sequence on ``flash_attn_varlen_func``;
+* packed (thd) calls -> ``flash_attn_varlen_func`` with the window inside each document.
 
-Packed (thd) calls go to ``flex_attention_varlen`` and never touch the BlockMask
-cache (B16).
-
-A build without the flex compat layer (Primus-Turbo main, the build Primus pins) runs
-the same patterns on the entries it has: windows on ``flash_attn_func(causal,
-window_size)``, documents and packed calls on ``flash_attn_varlen_func``.  Every pattern
-the plan proves is a window inside documents, which those two take, so such a build
-refuses nothing the flex layer would run.
+The flex compat layer (``flex_attention*``, unmerged) adds no pattern these lack, only
+a mask probe and a BlockMask per shape; it is used for one thing alone: a sink on
+packed calls when the build's ``flash_attn_varlen_func`` has no ``sink`` parameter
+and its ``flex_attention_varlen`` has one (B7).
 """
 
 from __future__ import annotations
@@ -30,11 +26,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..attention.block_mask_cache import BlockMaskCache
 from ..attention.pattern import Pattern
 from ..errors import Reason, UnsupportedInputError
 from .base import BackendCapabilities, KernelCall, Output
-from .capabilities import deterministic_kwargs_for, entry_accepts, sink_kwargs_for
+from .capabilities import deterministic_kwargs_for, entry_accepts, entry_name, sink_kwargs_for
 
 
 def load_ops() -> Any:
@@ -55,51 +50,44 @@ class TurboBackend:
 
     name = "turbo"
 
-    def __init__(self, ops: Any = None, cache: Optional[BlockMaskCache] = None) -> None:
+    def __init__(self, ops: Any = None) -> None:
         self.ops = ops if ops is not None else load_ops()
-        self.cache = cache if cache is not None else BlockMaskCache()
         self.direct: Callable[..., Any] = self.ops.flash_attn_func
-        bshd = getattr(self.ops, "flex_attention_bshd", None)
-        self.flex: Optional[Callable[..., Any]] = bshd or getattr(self.ops, "flex_attention", None)
-        self.flex_is_bshd = bshd is not None
-        self.varlen: Optional[Callable[..., Any]] = getattr(self.ops, "flex_attention_varlen", None)
-        # Builds without the flex compat layer (Primus-Turbo main, the build Primus pins) still
-        # compute every pattern the plan proves: windows on flash_attn_func, documents on
-        # flash_attn_varlen_func, each taking (causal, window_size) for the same kernels.
-        self.flash_varlen: Optional[Callable[..., Any]] = getattr(self.ops, "flash_attn_varlen_func", None)
+        self.flash_varlen: Callable[..., Any] = self.ops.flash_attn_varlen_func
+        # The only call the flex layer can take that the direct entries cannot: a packed
+        # sink on a build whose flash_attn_varlen_func predates `sink`.
+        flex_varlen = getattr(self.ops, "flex_attention_varlen", None)
+        self.sink_varlen: Optional[Callable[..., Any]] = (
+            flex_varlen if flex_varlen is not None and not entry_accepts(self.flash_varlen, "sink")
+            and entry_accepts(flex_varlen, "sink") else None)
 
     def capabilities(self) -> BackendCapabilities:
-        def has(entry: Optional[Callable[..., Any]], name: str) -> bool:
-            return entry is not None and entry_accepts(entry, name)
-
+        varlen = self.flash_varlen
         return BackendCapabilities(
             name=self.name,
             runs_any_mask=False,
             softcap=False,
-            dense_entry=getattr(self.flex or self.direct, "__name__", None),
-            packed_entry=getattr(self.varlen or self.flash_varlen, "__name__", None),
+            dense_entry=entry_name(self.direct),
+            packed_entry=entry_name(varlen),
             direct_entry="flash_attn_func",
-            sink_dense=has(self.flex or self.direct, "sink") and has(self.direct, "sink"),
-            sink_packed=has(self.varlen or self.flash_varlen, "sink"),
-            deterministic_dense=has(self.flex or self.direct, "deterministic"),
-            deterministic_packed=has(self.varlen or self.flash_varlen, "deterministic"),
+            sink_dense=entry_accepts(self.direct, "sink"),
+            sink_packed=entry_accepts(varlen, "sink") or self.sink_varlen is not None,
+            deterministic_dense=entry_accepts(self.direct, "deterministic"),
+            # A packed sink may take the flex entry: then it must take `deterministic` too.
+            deterministic_packed=entry_accepts(varlen, "deterministic") and (
+                self.sink_varlen is None or entry_accepts(self.sink_varlen, "deterministic")),
         )
 
     # -- dense ---------------------------------------------------------------
     def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
         pattern = call.pattern
         assert pattern is not None, "the plan never sends a custom mask to the turbo backend"
-        if call.flash_args is not None and pattern.kind in ("causal", "full"):
-            causal, window = call.flash_args
-            return self._flash(q, k, v, call, causal=causal, window=window)
         if pattern.boundaries is not None:
             return self._documents_dense(q, k, v, call)
-        if pattern.kind == "window" and pattern.right != 0:
-            return self._flash(q, k, v, call, causal=False, window=pattern.window)
-        return self._flex_dense(q, k, v, call)
-
-    def _flash(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall, *, causal: bool,
-               window: tuple[int, int]) -> Output:
+        if call.flash_args is not None and pattern.kind in ("causal", "full"):
+            causal, window = call.flash_args
+        else:
+            causal, window = turbo_window_args(pattern)
         return self.direct(
             q, k, v,
             dropout_p=call.dropout_p,
@@ -113,31 +101,6 @@ class TurboBackend:
             return_attn_probs=False,
             **sink_kwargs_for(self.direct, call.sink, where="dense"),
         )
-
-    def _flex_dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
-        if self.flex is None:  # no flex layer in this build: the same window on flash_attn_func
-            causal, window = turbo_window_args(call.pattern)  # type: ignore[arg-type]
-            return self._flash(q, k, v, call, causal=causal, window=window)
-        block_mask = self.cache.get(call.pattern, q.shape[1], k.shape[1], q.device)
-        kwargs = dict(
-            block_mask=block_mask,
-            scale=call.scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-            return_lse=call.return_lse,
-            alibi_slopes=call.alibi_slopes,
-            dropout_p=call.dropout_p,
-            bias=call.bias,
-            **sink_kwargs_for(self.flex, call.sink, where="dense"),
-            **deterministic_kwargs_for(self.flex, call.deterministic, where="dense"),
-        )
-        if self.flex_is_bshd:
-            return self.flex(q, k, v, **kwargs)
-        # bhsd entry: transposes are views in, and the exact inverse on the way out.
-        result = self.flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
-        if call.return_lse:
-            out, lse = result
-            return out.transpose(1, 2), lse
-        return result.transpose(1, 2)
 
     def _documents_dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
         """Same documents in every sequence: flatten the batch and run the varlen kernel."""
@@ -159,7 +122,7 @@ class TurboBackend:
         flat = lambda t: t.reshape(batch * t.shape[1], *t.shape[2:])  # noqa: E731
         result = self.packed(flat(q), flat(k), flat(v), cu, cu, longest, longest, call)
         if call.return_lse:
-            out, lse = result  # varlen lse is [H, T]
+            out, lse = result  # [H, T] from `packed`
             lse = lse.reshape(lse.shape[0], batch, seq).transpose(0, 1)
             return out.reshape(batch, seq, *out.shape[1:]), lse
         return result.reshape(batch, seq, *result.shape[1:])
@@ -171,25 +134,30 @@ class TurboBackend:
         if call.pattern.window != (-1, -1):
             _check_same_boundaries(cu_seqlens_q, cu_seqlens_kv, call.pattern)
         causal, window = turbo_window_args(call.pattern)
-        if self.varlen is None:  # no flex layer in this build: the same kernels via flash_attn_varlen_func
-            assert self.flash_varlen is not None, "every Primus-Turbo build has flash_attn_varlen_func"
-            return self.flash_varlen(
+        if call.sink is not None and self.sink_varlen is not None:
+            result = self.sink_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                causal=causal, window_size=window, scale=call.scale, alibi_slopes=call.alibi_slopes,
+                dropout_p=call.dropout_p, return_lse=call.return_lse, sink=call.sink,
+                **deterministic_kwargs_for(self.sink_varlen, call.deterministic, where="packed"),
+            )
+        else:
+            result = self.flash_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                 dropout_p=call.dropout_p, softmax_scale=call.scale, causal=causal, window_size=window,
                 alibi_slopes=call.alibi_slopes, deterministic=call.deterministic, return_lse=call.return_lse,
                 return_attn_probs=False, **sink_kwargs_for(self.flash_varlen, call.sink, where="packed"),
             )
-        return self.varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-            causal=causal,
-            window_size=window,
-            scale=call.scale,
-            alibi_slopes=call.alibi_slopes,
-            dropout_p=call.dropout_p,
-            return_lse=call.return_lse,
-            **sink_kwargs_for(self.varlen, call.sink, where="packed"),
-            **deterministic_kwargs_for(self.varlen, call.deterministic, where="packed"),
-        )
+        return varlen_lse_as_heads_tokens(result) if call.return_lse else result
+
+
+def varlen_lse_as_heads_tokens(result: Any) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` with lse as ``[Hq, T]``: AITER returns that, FlyDSL ``[B, Hq, Sq]``
+    over its equal-length documents (dispatch facts §1); callers get one layout."""
+    out, lse = result
+    if lse.dim() == 3:
+        lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)
+    return out, lse
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:

@@ -14,7 +14,6 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..attention.block_mask_cache import shared_block_mask_cache
 from ..backends.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
 from ..backends.direct import DirectRunner, DirectTarget, choose_direct, context_parallel_groups
@@ -100,7 +99,7 @@ class TurboAttentionCore:
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None
         if self.plan.flex:
-            self.adapter = TurboFlexAttention(self.plan, cache=shared_block_mask_cache())
+            self.adapter = TurboFlexAttention(self.plan)
         else:
             entries = choose_direct(load_ops(), fp8=self.settings.enable_turbo_attention_float8,
                                     context_parallel=self.facts.context_parallel_size > 1)

@@ -69,6 +69,7 @@ class Dispatcher:
     def __init__(self, arch: str, on_backend: Callable[[str], None]) -> None:
         self.arch = check_arch(arch)
         self.on_backend = on_backend
+        self.last: Optional[str] = None  # the backend that took the latest call
 
     def dense(self, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
               scale: Optional[float]) -> frozenset[str]:
@@ -107,6 +108,7 @@ class Dispatcher:
                                           f"{found.backend}: {defect}")
             faults.add(_FAULT_OF_DEFECT[defect])
         assert found.backend is not None
+        self.last = found.backend
         self.on_backend(found.backend)
         return frozenset(faults)
 

@@ -167,12 +167,17 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
     extra = dispatch.varlen(a, q, k, v, pattern, scale, bq, bk) if dispatch else frozenset()
     _check_sink(name, a.get("sink"), hq, d_qk, d_v)
     # Each segment pair is one problem, its window aligned bottom-right inside the pair;
-    # lse comes back as [Hq, T], the flash-attn varlen layout.
-    return _fake_math.varlen_attention(
+    # lse comes back as [Hq, T], the flash-attn varlen layout (AITER).
+    result = _fake_math.varlen_attention(
         q, k, v, bq, bk, window=pattern, scale=scale,
         alibi_slopes=a["alibi_slopes"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
         return_lse=bool(a["return_lse"]), faults=frozenset(faults) | extra,
     )
+    if a["return_lse"] and dispatch is not None and dispatch.last == "FlyDSL":
+        # FlyDSL's varlen lse is [B, Hq, Sq] over its equal-length documents (dispatch facts §1).
+        out, lse = result
+        return out, lse.reshape(hq, len(bq) - 1, -1).transpose(0, 1)
+    return result
 
 
 def varlen_flash(name: str, *, faults: Iterable[str] = (), dispatch: Optional["Dispatcher"] = None) -> Body:

@@ -83,8 +83,8 @@ PATHS = {
 KERNELS = {
     ("flex-reference", "sbhd"): None,
     ("flex-reference", "thd"): None,
-    ("flex-turbo", "sbhd"): {"flex_attention_bshd", "flash_attn_func"},  # the window layer, the causal one
-    ("flex-turbo", "thd"): {"flex_attention_varlen"},
+    ("flex-turbo", "sbhd"): {"flash_attn_func"},  # the window layer and the causal one
+    ("flex-turbo", "thd"): {"flash_attn_varlen_func"},
     ("direct", "sbhd"): {"flash_attn_func"},
     ("direct", "thd"): {"flash_attn_varlen_func"},
 }

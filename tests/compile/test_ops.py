@@ -128,7 +128,7 @@ def assert_turbo_ran(fake, packed: bool) -> None:
     entries = {c.entry for c in fake.calls}
     assert entries, "no Primus-Turbo entry ran under the op"
     if packed:
-        assert entries == {"flex_attention_varlen"}
+        assert entries == {"flash_attn_varlen_func"}
 
 
 # -- opcheck ------------------------------------------------------------------------

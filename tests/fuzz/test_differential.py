@@ -149,7 +149,7 @@ def expect_build(case: Case) -> BuildExpectation:
     packed = packed_fact(case)
     may_dense, may_pack = packed is not True, packed is not False
     fp8, cp = s["enable_turbo_attention_float8"], layer["context_parallel_size"]
-    sink, det = planned_sink(case), s["deterministic_mode"]
+    sink = planned_sink(case)
     window = layer_window(case)
     mask_hook, score_hook = (case.mask_hook, case.score_hook) if flex else (None, None)
     mspec, sspec = case_mask_spec(case), case_score_spec(case)
@@ -185,8 +185,11 @@ def expect_build(case: Case) -> BuildExpectation:
         "B13-packed": on_turbo and sink and packed is True and not fake["flex"] and not fake["varlen_sink"],
         "sink-shape": (on_turbo or (on_direct and fake is not None)) and sink
         and not (is_pow2(layer["head_dim"]) and layer["head_dim"] == layer["head_dim_v"]),
-        "B24": on_turbo and det and may_dense and fake["flex"] and not fake["flex_deterministic"],
-        "B24-packed": on_turbo and det and may_pack and fake["flex"] and not fake["flex_deterministic"],
+        # Every build's flash entries take `deterministic`, and they run every pattern (B7); a
+        # packed sink takes flex_attention_varlen where flash_attn_varlen_func lacks `sink`.
+        "B24": False,
+        "B24-packed": on_turbo and s["deterministic_mode"] and may_pack and fake["flex"] and not fake["varlen_sink"]
+        and not fake["flex_deterministic"],
     }
     # A rule is expected once docs/refusals.md documents it (B30-cp and cp-heads arrive with
     # the context-parallel direct path; before that nothing refuses those cases at build).
@@ -464,21 +467,6 @@ def turbo_installed(case: Case):
     return fake_primus_turbo(**case.fake) if case.fake is not None else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def own_shared_cache(case: Case):
-    """The Megatron modules share one process-wide BlockMask cache; leave it as found (empty
-    entries), so thousands of shapes neither evict (and warn) nor leak into other tests."""
-    if case.level != "megatron":
-        yield
-        return
-    from primus_ext.attention.block_mask_cache import shared_block_mask_cache
-
-    try:
-        yield
-    finally:
-        shared_block_mask_cache().clear()
-
-
 def run_case(case: Case, tally) -> None:
     build = expect_build(case)
     call = expect_call(case)
@@ -486,7 +474,7 @@ def run_case(case: Case, tally) -> None:
     stage = ["build"]
     with mutated_globals(case) as mutate:
         try:
-            with turbo_installed(case), own_shared_cache(case):
+            with turbo_installed(case):
                 ran = runner(case, stage, mutate)
         except PrimusExtError as err:
             check_refusal(case, err, stage[0], build, call, tally)

@@ -59,7 +59,7 @@ def test_regression_turbo_document_mask_dropped_the_bias():
             run(q, k, v, bias=bias)
         assert "bias" in info.value.settings and fake.calls == []
         run(q, k, v)  # without a bias it runs on the varlen kernel
-        assert [c.entry for c in fake.calls] == ["flex_attention_varlen"]
+        assert [c.entry for c in fake.calls] == ["flash_attn_varlen_func"]
     out = adapter(settings(**keys), facts(seq_length=8))(q, k, v, bias=bias)
     want, _ = oracle.attention(q, k, v, oracle.packed_mask([0, 3, 8], [0, 3, 8], causal=True, window=(-1, -1)),
                                bias=bias)

@@ -172,14 +172,15 @@ def test_megatron_reset_attention_mask_is_seen_even_with_explicit_settings(monke
 
 
 def test_config_deterministic_mode_reaches_the_plan():
-    """B24: TransformerConfig.deterministic_mode counts like the Turbo key."""
+    """B24: TransformerConfig.deterministic_mode counts like the Turbo key, and reaches the kernel."""
     from primus_ext.testing import fake_primus_turbo
 
     explicit = TurboAttentionSettings.from_dict(dict(use_turbo_attention=True, use_turbo_flex_attention=True,
                                                      turbo_flex_attention_backend="turbo", sink_sliding_window=4))
-    with fake_primus_turbo(flex_deterministic=False):
-        PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=explicit)
-        with pytest.raises(UnsupportedConfigError) as info:
-            PrimusTurboLocalAttention(gpt.config(deterministic_mode=True), 1, AttnMaskType.causal, "self",
-                                      settings=explicit)
-    assert "deterministic_mode" in info.value.settings
+    with fake_primus_turbo() as fake:
+        for mode in (False, True):
+            fake.reset()
+            model = gpt.build_gpt(explicit, gpt.config(deterministic_mode=mode))
+            assert all(m.plan.deterministic is mode for m in gpt.attention_modules(model))
+            gpt.logits(model, gpt.batches(1)[0])
+            assert [c.args["deterministic"] for c in fake.calls] == [mode] * len(fake.calls) and fake.calls

@@ -133,14 +133,9 @@ def test_flex_paths_train_to_the_direct_path_losses(window, spy):
     assert spy.count("direct") == spy.count("reference") == 0
     for module in gpt.attention_modules(turbo_model):
         assert module.plan.path == "flex" and module.plan.backend == "turbo"
-    if window is None:
-        # B6: default causal runs the very kernel the direct path runs, with the same arguments.
-        assert entries(turbo_fake) == ["flash_attn_func"] * calls_per_run
-        assert [kernel_kwargs(c) for c in turbo_fake.calls] == [kernel_kwargs(c) for c in direct_fake.calls]
-    else:
-        # A causal window on the flex path is a BlockMask on the bshd flex entry.
-        assert entries(turbo_fake) == ["flex_attention_bshd"] * calls_per_run
-        assert all(c.args["block_mask"] is not None for c in turbo_fake.calls)
+    # B6/B7: causal and windows run the very kernel the direct path runs, with the same arguments.
+    assert entries(turbo_fake) == ["flash_attn_func"] * calls_per_run
+    assert [kernel_kwargs(c) for c in turbo_fake.calls] == [kernel_kwargs(c) for c in direct_fake.calls]
 
     torch.testing.assert_close(reference, direct, rtol=REL, atol=0)
     torch.testing.assert_close(turbo, direct, rtol=REL, atol=0)
@@ -172,7 +167,8 @@ def test_sinks_with_even_layers_window_match_between_flex_and_direct(spy):
     assert entries(direct_fake) == ["flash_attn_func"] * (STEPS * LAYERS)
     assert {tuple(c.args["window_size"]) for c in direct_fake.calls[0::2]} == {(WINDOW, 0)}
     assert {tuple(c.args["window_size"]) for c in direct_fake.calls[1::2]} == {(-1, -1)}
-    assert entries(turbo_fake) == ["flex_attention_bshd", "flash_attn_func"] * STEPS
+    assert entries(turbo_fake) == ["flash_attn_func"] * (STEPS * LAYERS)
+    assert {tuple(c.args["window_size"]) for c in turbo_fake.calls[0::2]} == {(WINDOW, 0)}
     assert {tuple(c.args["window_size"]) for c in turbo_fake.calls[1::2]} == {(-1, -1)}
     for call in direct_fake.calls + turbo_fake.calls:
         assert call.args["sink"] is not None and call.args["sink"].shape == (HEADS,)
@@ -280,7 +276,7 @@ def test_hook_together_with_a_window_is_refused_at_build(window_hook, cfg, keys)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("keys, window, entry", [
     (FLEX_TURBO, None, "flash_attn_func"),
-    (FLEX_TURBO, (WINDOW, 0), "flex_attention_bshd"),
+    (FLEX_TURBO, (WINDOW, 0), "flash_attn_func"),
     (DIRECT, None, "flash_attn_func"),
     (DIRECT, (WINDOW, 0), "flash_attn_func"),
 ], ids=["flex-turbo-causal", "flex-turbo-window", "direct-causal", "direct-window"])
@@ -340,19 +336,3 @@ def test_direct_default_causal_calls_flash_attn_func_with_todays_arguments():
         )
         assert call.args["q"].shape == (batch, seq, HEADS, 16)  # bshd views of Megatron's sbhd
         assert call.args["k"].shape == call.args["v"].shape == (batch, seq, 2, 16)
-
-
-def test_layers_share_one_block_mask_per_pattern_and_shape():
-    """The Megatron modules share a process-wide cache: one BlockMask per (pattern, shape)."""
-    from primus_ext.attention.block_mask_cache import shared_block_mask_cache
-    from primus_ext.testing import fake_primus_turbo
-
-    cache = shared_block_mask_cache()
-    cache.clear()
-    turbo = gpt.settings(use_turbo_flex_attention=True, turbo_flex_attention_backend="turbo", sink_sliding_window=4)
-    with fake_primus_turbo() as fake:
-        model = gpt.build_gpt(turbo, gpt.config(num_layers=3))
-        gpt.train(model, gpt.batches(1))
-    masks = [c.args["block_mask"] for c in fake.calls_to("flex_attention_bshd")]
-    assert len(masks) == 3 and all(m is masks[0] for m in masks)
-    assert len(cache) == 1

@@ -31,3 +31,15 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     assert "bash scripts/setup.sh && .venv/bin/primus-ext demo" in readme
     assert test_cmd in readme
     assert test_cmd in (root / ".ci" / "run").read_text()
+
+
+def test_every_cited_behaviour_code_is_defined_in_the_docs():
+    """A user reading "B16" in a message or a doc finds it in docs/behaviours.md or docs/refusals.md."""
+    root = DOCS.parent
+    defined = set(re.findall(r"^- \*\*(B\d+)\*\*", (DOCS / "behaviours.md").read_text(), flags=re.M))
+    refusal_text = (DOCS / "refusals.md").read_text()
+    defined |= set(re.findall(r"^\| `?(B[\w-]+)`? \|", refusal_text, flags=re.M))
+    sources = [*DOCS.glob("*.md"), root / "README.md", *(root / "primus_ext").rglob("*.py")]
+    cited = {code for path in sources for code in re.findall(r"\bB\d+\b", path.read_text(encoding="utf-8"))}
+    assert defined >= set(f"B{n}" for n in range(1, 35))
+    assert not cited - defined, sorted(cited - defined)

@@ -130,6 +130,15 @@ def test_runnable_example_prints_one_row_per_layer(example, capsys):
     assert grids(out), "no pattern picture printed"
 
 
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("example", [p for p in EXAMPLES if not is_refused_example(p)], ids=lambda p: p.name)
+def test_runnable_example_runs_on_both_archs_and_says_on_which_kernel(example, arch, capsys):
+    """B33: each runnable example has a kernel on MI300 and MI355, and check --arch names it."""
+    code, out, err = run(capsys, str(example), "--arch", arch)
+    assert code == 0, err
+    assert re.search(rf"^kernels on {arch}: .*(FlyDSL|AITER|HipKittens)", out, re.M) or "backend reference" in out, out
+
+
 @pytest.mark.parametrize("example", [p for p in EXAMPLES if is_refused_example(p)], ids=lambda p: p.name)
 def test_refused_example_exits_2_with_every_reason(example, capsys):
     config = yaml.safe_load(example.read_text())
@@ -164,7 +173,7 @@ def test_gpt_oss_table_and_kinds(capsys):
     assert code == 0
     rows = table_rows(out)
     assert [r["window"] for r in rows] == ["(128, 0)", "-", "(128, 0)", "-"]
-    assert all(r["sink"] == "yes" and r["causal"] == "yes" and r["packing"] == "either" for r in rows)
+    assert all(r["sink"] == "yes" and r["causal"] == "yes" and r["packing"] == "unpacked" for r in rows)
     titles = list(grids(out))
     assert len(titles) == 2
     assert titles[0].startswith("layers 1, 3: window(left=128, right=0)")

@@ -38,13 +38,15 @@ def test_the_embedded_default_and_the_example_are_identical():
     assert embedded_text() == EXAMPLE.read_text(encoding="utf-8")
 
 
-def test_default_config_is_flex_with_window_sinks_and_packing():
+def test_default_config_is_flex_with_window_sinks_on_dense_bf16_rows():
     config, _ = demo.load_config(None)
     settings = TurboAttentionSettings.from_dict(config)  # the `demo:` mapping is not refused
     assert settings.use_turbo_flex_attention and settings.use_sink_attention
     assert settings.sink_sliding_window > 0 and settings.sink_window_even_layers_only
     assert settings.turbo_flex_attention_backend == "auto"
-    assert config["packed_sequences"] is True
+    # B33: a sink on packed batches has no Turbo kernel on most shapes, so the demo is dense,
+    # and in bf16 as Megatron trains on Turbo (the CPU demo itself computes in float32).
+    assert config["packed_sequences"] is False and config["bf16"] is True
     assert "demo" not in settings.to_dict()
     assert demo_model.DemoOptions.from_mapping(config["demo"], config["seq_length"]).steps == 30
 
@@ -65,7 +67,8 @@ def test_demo_trains_both_paths_and_prints_parity_and_plans():
     assert re.search(r"^  layer 2: flex \| .*mask=causal \| sink", out, re.M), out
     if not HAS_TURBO:
         assert "direct path: Primus-Turbo flash_attn_* (CPU fake)" in out
-        assert "direct kernels: flash_attn_varlen_func x6" in out  # 3 steps x 2 layers, packed
+        assert "direct kernels: flash_attn_func x6" in out  # 3 steps x 2 layers, dense rows
+    assert "on cpu in float32 (the YAML's bf16 applies on a GPU)" in out or HAS_TURBO, out
 
 
 def test_demo_on_dense_batches(tmp_path):

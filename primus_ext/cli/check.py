@@ -208,9 +208,10 @@ def _turbo_for(arch: Optional[str]) -> Iterator[str]:
     if arch is None or not turbo_import_problem():
         yield ""
         return
-    with fake_primus_turbo():
+    with fake_primus_turbo(build="main"):
         yield (f"--arch {arch}: Primus-Turbo is not installed here; planned against the entry "
-               "signatures of its newest build (the CPU fake), with that arch's kernel dispatch")
+               "signatures of Primus-Turbo main, the build Primus pins (the CPU fake), with that arch's "
+               "kernel dispatch")
 
 
 def _kernel_notes(plans: Sequence[AttentionPlan]) -> list[str]:

@@ -149,12 +149,17 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
 
     batches = dm.make_batches(opts, opts.steps, packed=packed, seq_length=seq_length)
     cfg = dm.transformer_config(config)
+    half = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else ""
+    if device.type == "cpu":  # CPU kernels here are float32 ones; the YAML's half precision is a GPU's
+        cfg.bf16 = cfg.fp16 = False
+    precision = (f"float32 (the YAML's {half} applies on a GPU)" if half and device.type == "cpu"
+                 else half or "float32")
     layout = (f"THD packed, {batches[0].num_tokens} tokens/step in ~{batches[0].documents} documents"
               if packed else f"dense {tuple(batches[0].tokens.shape)} per step")
     print(f"primus-ext demo: {origin}")
     print(f"model: megatron-core GPT, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads / {cfg.num_query_groups} query groups, vocab {opts.vocab_size}, "
-          f"on {device.type}; data: counting documents, {layout}", flush=True)
+          f"on {device.type} in {precision}; data: counting documents, {layout}", flush=True)
     # One intra-op thread: this model's ops are tiny, and with a thread per core a step
     # stalls for up to a second whenever another process takes a core (OpenMP workers
     # wait for each other at every op).  Restored on the way out.

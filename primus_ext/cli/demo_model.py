@@ -134,7 +134,9 @@ def build_gpt(config: Any, settings: TurboAttentionSettings, *, vocab_size: int,
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_primus_turbo_local_spec(settings),
                      vocab_size=vocab_size, max_sequence_length=seq_length,
                      position_embedding_type="learned_absolute")
-    return model.to(device)
+    model = model.to(device)
+    # Megatron trains half-precision models as a cast module; Primus-Turbo takes no fp32 (B33).
+    return model.to(torch.bfloat16 if config.bf16 else torch.float16) if config.bf16 or config.fp16 else model
 
 
 def layer_plans(model: Any) -> list[Any]:

@@ -95,7 +95,7 @@ def build_plan(
     reasons.extend(failing_reasons(ctx))
     arch, _ = resolve_arch(settings.turbo_arch)
     routes = _kernel_routes(ctx, arch, mask_proof, score_proof)
-    reasons.extend(route_reasons(routes))
+    reasons.extend(route_reasons(routes, facts.packed))
     if routes == () and arch is not None and arch not in ARCHES and (ctx.on_turbo or ctx.on_direct):
         reasons.append(Reason(("turbo_arch",), f"the device is {arch}; Primus-Turbo's kernel dispatch is "
                               f"modelled for {' and '.join(ARCHES)} only, so no route can be checked.",

@@ -64,8 +64,12 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
     return tuple(out)
 
 
-def route_reasons(routes: Sequence[Tuple[str, Route]]) -> list[Reason]:
-    """One B33 reason per call kind that would fail or compute wrongly on the arch."""
+def route_reasons(routes: Sequence[Tuple[str, Route]], packed: Optional[bool] = None) -> list[Reason]:
+    """One B33 reason per call kind that would fail or compute wrongly on the arch.
+
+    ``packed`` is `LayerFacts.packed`: when unknown (None), packed calls are checked too,
+    and the user is told how to say that batches are never packed.
+    """
     reasons = []
     for kind, found in routes:
         problem = found.problem()
@@ -73,6 +77,9 @@ def route_reasons(routes: Sequence[Tuple[str, Route]]) -> list[Reason]:
             continue
         settings = tuple(dict.fromkeys(("turbo_arch",) + tuple(s for c in found.blocking for s in c.settings)))
         alternatives = [c.alternative for c in found.blocking if c.alternative]
+        if kind == "packed" and packed is None:
+            settings += ("packed_sequences",) if "packed_sequences" not in settings else ()
+            alternatives.append("if batches are never packed (THD), say so with packed_sequences: false")
         reasons.append(Reason(settings, f"{kind} calls: {problem}.",
                               "; or ".join(dict.fromkeys(alternatives)) or "change the configuration", "B33"))
     return reasons

@@ -52,11 +52,11 @@ def sbhd_qkv(batch: int, hq: int, hkv: int, dtype: torch.dtype, d: int = D, seed
                  for i, h in enumerate((hq, hkv, hkv)))
 
 
-def features(arch, layout, dtype, sink, window, det, hq, hkv, equal=None) -> CallFeatures:
+def features(arch, layout, dtype, sink, window, det, hq, hkv, equal=None, dropout=0.0) -> CallFeatures:
     """The row's features, written from the row (not read from tensors, as the fake does)."""
     return CallFeatures(arch=arch, entry=DENSE if layout == "dense" else VARLEN, dtype=dtype, head_dim=D,
                         head_dim_v=D, heads=hq, kv_heads=hkv, causal=window[1] == 0, window=window, sink=sink,
-                        deterministic=det, equal_documents=equal, sbhd_storage=True)
+                        deterministic=det, equal_documents=equal, sbhd_storage=True, dropout=dropout)
 
 
 def expected_error(found):
@@ -87,32 +87,33 @@ def oracle_out(layout, q, k, v, window, sink):
     return oracle.packed_attention(q[0], k[0], v[0], bounds, *window, **kw)
 
 
-def plan_refusal(arch, dtype, sink, window, det, hq, hkv, packed):
+def plan_refusal(arch, dtype, sink, window, det, hq, hkv, packed, dropout=0.0):
     """The plan's B33 refusal for the row's layer (None: it builds)."""
     try:
         build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch=arch, use_sink_attention=sink,
                             deterministic_mode=det),
                    facts(num_heads=hq, num_kv_heads=hkv, head_dim=D, seq_length=S, dtype=dtype, packed=packed,
-                         causal=window[1] == 0, window_size=window))
+                         causal=window[1] == 0, window_size=window, attention_dropout=dropout))
     except UnsupportedConfigError as exc:
         return exc
     return None
 
 
 ROWS = list(itertools.product(("gfx942", "gfx950"), ("bf16", "fp16", "fp32"), (False, True), WINDOWS,
-                              LAYOUTS, (False, True), GROUPS))
+                              LAYOUTS, (False, True), GROUPS, (0.0, 0.1)))
 
 
-@pytest.mark.parametrize("arch, dtype, sink, window_name, layout, det, group", ROWS,
+@pytest.mark.parametrize("arch, dtype, sink, window_name, layout, det, group, dropout", ROWS,
                          ids=["-".join(str(x) for x in row) for row in ROWS])
-def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, window_name, layout, det, group):
+def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, window_name, layout, det, group,
+                                                            dropout):
     hq, hkv = GROUPS[group]
     window = WINDOWS[window_name]
     equal = None if layout == "dense" else layout == "packed-equal"
-    found = route(features(arch, layout, dtype, sink, window, det, hq, hkv, equal))
+    found = route(features(arch, layout, dtype, sink, window, det, hq, hkv, equal, dropout))
     q, k, v = sbhd_qkv(1 if layout != "dense" else 2, hq, hkv, DTYPES[dtype])
     sink_t = rand(hq, dtype=torch.float32, seed=9) if sink else None
-    kw = dict(causal=window[1] == 0, window_size=window, sink=sink_t, deterministic=det)
+    kw = dict(causal=window[1] == 0, window_size=window, sink=sink_t, deterministic=det, dropout_p=dropout)
     error = expected_error(found)
     with fake_primus_turbo(arch=arch) as fake:
         import primus_turbo.pytorch.ops as ops
@@ -125,10 +126,11 @@ def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, w
             out = call_fake(ops, layout, q, k, v, **kw)
             assert fake.calls[-1].backend == found.backend
             assert out.dtype == DTYPES[dtype]
-            # the forward is right even where the backward is not (the defect is backward only)
-            want = oracle_out(layout, q, k, v, window, sink_t)
-            torch.testing.assert_close(out.double(), want, **OUT_TOL)
-        refusal = plan_refusal(arch, dtype, sink, window, det, hq, hkv, packed=layout != "dense")
+            if not dropout:  # (with dropout the forward is random; its mask is tested in test_fake_math)
+                # the forward is right even where the backward is not (the defect is backward only)
+                want = oracle_out(layout, q, k, v, window, sink_t)
+                torch.testing.assert_close(out.double(), want, **OUT_TOL)
+        refusal = plan_refusal(arch, dtype, sink, window, det, hq, hkv, packed=layout != "dense", dropout=dropout)
 
     fake_fails_or_is_wrong = error is not None or bool(found.defects)
     if refusal is not None:
@@ -137,7 +139,7 @@ def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, w
         # The plan cannot know that documents will have equal lengths (no setting says so),
         # so it answers as for documents of any length: the unequal row.  It refuses
         # whatever the fake refuses, and more (calls FlyDSL would take with equal documents).
-        unknown = route(features(arch, layout, dtype, sink, window, det, hq, hkv, None))
+        unknown = route(features(arch, layout, dtype, sink, window, det, hq, hkv, None, dropout))
         assert (refusal is not None) is (not unknown.ok)
         assert refusal is not None or not fake_fails_or_is_wrong
     else:
@@ -267,3 +269,33 @@ def test_sink_with_a_right_window_bound_has_wrong_gradients_on_an_arch_and_right
     torch.testing.assert_close(out.double(), per_cell, **OUT_TOL)
     for g_fake, g_ref in zip(got, want):
         torch.testing.assert_close(g_fake.double(), g_ref, **GRAD_TOL)
+
+
+# -- context parallel: the usp entries (primus_turbo_dispatch.md §3) ----------------------------
+CP_ROWS = list(itertools.product(("gfx942", "gfx950"), (0.0, 0.1), (False, True), ((8, 2), (6, 3)), ("a2a", "p2p")))
+
+
+@pytest.mark.parametrize("arch, dropout, sink, heads, comm", CP_ROWS, ids=["-".join(map(str, r)) for r in CP_ROWS])
+def test_context_parallel_rows_are_refused_exactly_where_the_usp_entries_assert(arch, dropout, sink, heads, comm):
+    """usp asserts dropout 0 and heads divisible by the Ulysses group, and takes no sink: the plan
+    refuses each of those at build time (B30-cp, cp-heads, B13-direct); the flex path refuses CP (B22).
+    What the fake usp entries raise for the same rows is held in tests/megatron/test_cp_groups.py."""
+    hq, hkv = heads
+    layer = facts(num_heads=hq, num_kv_heads=hkv, head_dim=D, seq_length=S, dtype="bf16", packed=False,
+                  attention_dropout=dropout, context_parallel_size=2, cp_comm_type=comm)
+    expected = {"B30-cp"} if dropout else set()
+    expected |= {"cp-heads"} if hq % 2 or hkv % 2 else set()
+    expected |= {"B13-direct"} if sink else set()
+    with fake_primus_turbo(arch=arch):
+        for flex in (False, True):
+            keys = dict(use_turbo_flex_attention=flex, turbo_flex_attention_backend="turbo", turbo_arch=arch,
+                        use_sink_attention=sink)
+            try:
+                build_plan(settings(**keys), layer)
+                codes: set = set()
+            except UnsupportedConfigError as exc:
+                codes = set(exc.codes)
+            if flex:
+                assert "B22" in codes
+            else:
+                assert codes == expected, (codes, expected)

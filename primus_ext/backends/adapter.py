@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
+from .call_checks import check_packed, check_qkv, check_window
 from .ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from ..attention.library import library_pattern
@@ -60,9 +61,8 @@ def _eager_flash_pattern(causal: bool, window: Tuple[int, int]) -> Pattern:
 
 
 def _flash_args(causal: Any, window_size: Any) -> Tuple[bool, Tuple[int, int]]:
-    """``(causal, (left, right))`` as plain bool and ints (same conversions, same order)."""
-    window = (int(window_size[0]), int(window_size[1]))
-    return bool(causal), window
+    """``(causal, (left, right))`` as plain bool and ints, the window checked (B34)."""
+    return bool(causal), check_window(window_size)
 
 
 class TurboFlexAttention:
@@ -165,6 +165,7 @@ class TurboFlexAttention:
             raise _refuse(("return_attn_probs",), "attention probabilities are never materialised (B26).",
                           "call with return_attn_probs=False.")
         plan = self.plan
+        check_qkv(q, k, v)
         if q.shape[-2] != plan.num_heads or k.shape[-2] != plan.num_kv_heads:
             # Hooks are proven for the planned heads only, and sinks / slopes are per head.
             raise _refuse(("num_attention_heads", "num_query_groups"),
@@ -177,6 +178,9 @@ class TurboFlexAttention:
         dropout = float(dropout_p)
         if sink is not None:
             sink = self._sink(sink, q.shape[-2])
+        elif plan.sink:
+            raise _refuse(("use_sink_attention", "sink"), "the layer was planned with a learned sink but the call "
+                          "passes none; it would run without one (B34).", "pass the layer's sink tensor.")
         deterministic = bool(deterministic or plan.deterministic)
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
             return self._packed(q, k, v, causal, window_size, bias, alibi_slopes, scale, dropout, sink,
@@ -206,14 +210,12 @@ class TurboFlexAttention:
             raise _refuse(tuple(dropped), "packed (thd) attention runs the document kernel, which takes no "
                           "mask_mod, score_mod or bias; they would be dropped (B17).",
                           "remove them for packed batches, or pass dense bshd inputs.")
-        if cu_seqlens_q is None or cu_seqlens_kv is None:
-            raise _refuse(("cu_seqlens_q", "cu_seqlens_kv"), "packed attention needs both cu_seqlens.")
         if q.dim() != 3:
             raise _refuse(("qkv_format",), f"packed inputs are thd [T, H, D]; got a {q.dim()}-D query.")
         # A missing max_seqlen is bounded by the token count: valid for the kernels and,
         # unlike reading the boundaries, free of a host sync.
-        max_q = q.shape[0] if max_seqlen_q is None else max_seqlen_q
-        max_kv = k.shape[0] if max_seqlen_kv is None else max_seqlen_kv
+        cu_seqlens_q, cu_seqlens_kv, max_q, max_kv = check_packed(q, k, cu_seqlens_q, cu_seqlens_kv,
+                                                                  max_seqlen_q, max_seqlen_kv)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
         flag, window = _flash_args(causal, window_size)

@@ -24,6 +24,7 @@ from ..plan import AttentionPlan, build_plan
 from ..plan.selftest import refuse_failures, self_test, selftest_enabled
 from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
+from .call_contract import MaskCheck, qkv_format, refuse as _contract_refusal
 from .facts import layer_facts
 
 
@@ -93,6 +94,9 @@ class TurboAttentionCore:
             turbo_module=True,
         )
         self.plan: AttentionPlan = build_plan(self.settings, self.facts)
+        pattern = self.plan.pattern
+        self.check_mask = MaskCheck(pattern is not None and pattern.right == 0 and self.plan.score_hook is None,
+                                    pattern.describe() if pattern is not None else f"the hook {self.plan.mask_hook}")
         if selftest_enabled(self.settings.turbo_selftest):
             refuse_failures(self_test([self.plan]), self.facts.layer_number)
         self.contiguous = needs_contiguous_bshd()
@@ -123,11 +127,10 @@ class TurboAttentionCore:
                           f"the call asks for attn_mask_type={attn_mask_type} but the layer was built and "
                           f"checked for {self.attn_mask_type}.", "build the layer with the mask type it runs.")
 
-    def _packing(self, packed_seq_params: Any) -> Optional[Any]:
+    def _packing(self, packed_seq_params: Any, fmt: str) -> Optional[Any]:
         """The packed params when this call is thd, None when dense; refuse anything ambiguous."""
         if packed_seq_params is None:
             return None
-        fmt = packed_seq_params.qkv_format or self.default_qkv_format
         has_bounds = packed_seq_params.cu_seqlens_q is not None or packed_seq_params.cu_seqlens_kv is not None
         if self.plan.packed_entry is None:
             raise _refuse(("packed_seq_params", "context_parallel_size", "enable_turbo_attention_float8"),
@@ -162,9 +165,21 @@ class TurboAttentionCore:
                 attn_mask_type: Any = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params: Any = None, *, sink: Optional[Tensor] = None, training: bool = False) -> Tensor:
         self._check_call(attn_mask_type, attention_bias)
-        packed = self._packing(packed_seq_params)
+        fmt = qkv_format(packed_seq_params, self.default_qkv_format)
+        packed = self._packing(packed_seq_params, fmt)
         dropout_p = self.dropout if training else 0.0  # B30
         plan = self.plan
+        if plan.sink and sink is None:
+            raise _contract_refusal(("use_sink_attention",), "the layer was planned with a learned sink but the "
+                                    "call passes none; it would run without one.", "pass the layer's sink.")
+        seq = 0 if packed is not None or fmt == "sbhd" else 1
+        if packed is None:
+            self._check_lengths(query.shape[seq], key.shape[seq])
+            self.check_mask(attention_mask, query.shape[seq], key.shape[seq])
+        elif attention_mask is not None:
+            raise _contract_refusal(("attention_mask", "packed_seq_params"), "an attention_mask tensor came with a "
+                                    "packed (thd) call; the documents are the cu_seqlens, the mask would be ignored.",
+                                    "pass attention_mask=None with packed batches.")
         hooked = plan.mask_mod is not None
         causal = plan.causal and not hooked
         window = (-1, -1) if hooked else plan.window
@@ -174,7 +189,7 @@ class TurboAttentionCore:
             out = self._packed(q, k, v, packed, dropout_p, causal, window, sink)
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
-        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value)) if fmt == "sbhd" else (query, key, value)
         if self.contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if self.adapter is not None:
@@ -183,8 +198,28 @@ class TurboAttentionCore:
         else:
             out = run_dense(self.handle, q, k, v, fp32_sink(sink), None, None, causal, window, plan.scale,
                             dropout_p, plan.deterministic, False)
-        out = out.transpose(0, 1)
+        out = out.transpose(0, 1) if fmt == "sbhd" else out
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _check_lengths(self, q_len: int, kv_len: int) -> None:
+        """Megatron's ``causal`` is top-left, ``causal_bottom_right`` bottom-right; flash kernels
+        align bottom-right and a mask_mod top-left, so with q_len != kv_len only the path
+        that computes the requested alignment runs."""
+        if q_len == kv_len or not self.plan.causal:
+            return
+        bottom_right = getattr(self.attn_mask_type, "name", str(self.attn_mask_type)) == "causal_bottom_right"
+        if bottom_right and self.plan.flex:
+            raise _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
+                                    f"attn_mask_type=causal_bottom_right with q_len={q_len} != kv_len={kv_len}: "
+                                    "the flex path aligns masks top-left (FlexAttention's convention).",
+                                    "use_turbo_flex_attention: false, whose flash kernels align bottom-right.")
+        if not bottom_right and not self.plan.flex:
+            raise _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
+                                    f"attn_mask_type=causal (top-left) with q_len={q_len} != kv_len={kv_len}: "
+                                    "the direct path's flash kernels align it bottom-right.",
+                                    "use attn_mask_type=causal_bottom_right if that is meant, or "
+                                    "use_turbo_flex_attention: true with turbo_flex_attention_backend: reference "
+                                    "for top-left.")
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: Any, dropout_p: float, causal: bool,
                 window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:

@@ -249,6 +249,8 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("return_attn_probs")
         if c["sink"] == "unplanned" and not planned_sink(case):
             exp.must.append("sink without a planned sink")
+        if c["sink"] == "none" and planned_sink(case):
+            exp.must.append("a planned sink missing at the call")
         if c["thd"] and (hooked or scored or c["bias"]):
             exp.must.append("hook or bias on a packed call")
         if c["thd"] and turbo and (causal or window != (-1, -1)) and c["docs_q"] != c["docs_kv"]:

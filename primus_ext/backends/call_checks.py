@@ -1,0 +1,138 @@
+"""Checks of one attention call's own inputs, the same on every backend (B34).
+
+What a caller hands the adapter per call (tensor dtypes and ranks, ``window_size``,
+packed boundaries) is honoured or refused here with the project's error, before any
+kernel sees it; a kernel's own ``ValueError`` or a torch ``RuntimeError`` from deep
+inside would name neither the argument nor the way out.
+
+Packed boundaries are checked without a host sync: the value checks (start at 0,
+never decrease, end at the token count, no document longer than ``max_seqlen``) are
+one on-device assertion.  On CPU it fails at once and is raised as our error; on a GPU
+it fails as a device-side assert carrying the same text, asynchronously.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..errors import Reason, UnsupportedInputError
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
+    return UnsupportedInputError(Reason(settings, reason, alternative, "B34"))
+
+
+def check_qkv(q: Any, k: Any, v: Any) -> None:
+    """q, k, v are floating tensors of one dtype, one device and one rank."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise _refuse((name,), f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dtype not in _FLOATS:
+            raise _refuse((name,), f"{name} has dtype {t.dtype}; attention takes floating point inputs.",
+                          "pass bf16 or fp16 tensors (float32 / float64 on the reference backend).")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise _refuse(("q", "k", "v"), f"q, k and v have different dtypes ({q.dtype}, {k.dtype}, {v.dtype}); "
+                      "no kernel mixes them.", "cast all three to one dtype.")
+    if not (q.device == k.device == v.device):
+        raise _refuse(("q", "k", "v"), f"q, k and v are on different devices ({q.device}, {k.device}, {v.device}).")
+    if not (q.dim() == k.dim() == v.dim()):
+        raise _refuse(("q", "k", "v"), f"q, k and v have different ranks ({q.dim()}, {k.dim()}, {v.dim()}).")
+    if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1]:
+        raise _refuse(("q", "k", "v"), f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do "
+                      "not fit: q and k need one head dim, k and v one shape up to the head dim.")
+
+
+def check_window(window_size: Any) -> Tuple[int, int]:
+    """``window_size`` as two ints, each -1 (unbounded) or >= 0."""
+    try:
+        left, right = (int(window_size[0]), int(window_size[1]))
+        if len(window_size) != 2:
+            raise ValueError
+    except (TypeError, ValueError, IndexError):
+        raise _refuse(("window_size",), f"window_size must be a pair (left, right) of ints, got {window_size!r}.",
+                      "use (-1, -1) for no window, (W, 0) for a causal sliding window.") from None
+    if left < -1 or right < -1:
+        raise _refuse(("window_size",), f"window_size={window_size!r}: each bound is -1 (unbounded) or >= 0.",
+                      "use (-1, -1) for no window, (W, 0) for a causal sliding window.")
+    return left, right
+
+
+def _boundaries(name: str, cu: Any, device: torch.device, tokens: int) -> Tensor:
+    if not isinstance(cu, Tensor):
+        raise _refuse((name,), f"{name} must be a 1-D int32 tensor on the inputs' device, got {type(cu).__name__}.",
+                      f"pass torch.tensor({name}, dtype=torch.int32, device=q.device).")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise _refuse((name,), f"{name} must be 1-D with at least two entries (0 and the token count), got "
+                      f"shape {tuple(cu.shape)}.")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise _refuse((name,), f"{name} has dtype {cu.dtype}; document boundaries are integers.",
+                      "pass int32 boundaries.")
+    if cu.device != device:
+        raise _refuse((name,), f"{name} is on {cu.device} but the inputs are on {device}.",
+                      f"move {name} to the inputs' device.")
+    if cu.dtype == torch.int64:  # torch's default integer type: one small on-device cast, documented
+        cu = cu.to(torch.int32)
+    return cu
+
+
+def _max_seqlen(name: str, value: Any, tokens: int) -> Any:
+    if value is None:
+        return tokens  # bounds every document, with no host read of the boundaries
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point:
+            raise _refuse((name,), f"{name} must be a positive int, got a tensor of shape {tuple(value.shape)} "
+                          f"and dtype {value.dtype}.")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _refuse((name,), f"{name} must be a positive int, got {value!r}.",
+                      "pass the longest document's length, or leave it None.")
+    return value
+
+
+def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv: Any
+                 ) -> Tuple[Tensor, Tensor, Any, Any]:
+    """Validated ``(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)`` of a thd call.
+
+    The same object comes back for q and kv when one tensor was given for both, so a
+    kernel (and `turbo`'s same-boundaries check) still sees one tensor.
+    """
+    same = cu_q is cu_kv
+    cu_q = _boundaries("cu_seqlens_q", cu_q, q.device, q.shape[0])
+    cu_kv = cu_q if same else _boundaries("cu_seqlens_kv", cu_kv, q.device, k.shape[0])
+    if cu_q.numel() != cu_kv.numel():
+        raise _refuse(("cu_seqlens_q", "cu_seqlens_kv"), f"cu_seqlens_q has {cu_q.numel() - 1} documents and "
+                      f"cu_seqlens_kv {cu_kv.numel() - 1}; q and kv need the same documents.")
+    max_q = _max_seqlen("max_seqlen_q", max_q, q.shape[0])
+    max_kv = _max_seqlen("max_seqlen_kv", max_kv, k.shape[0])
+    _assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
+    if not same:
+        _assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
+    return cu_q, cu_kv, max_q, max_kv
+
+
+def _assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
+    # Lengths at full size (entry 0 set to 0): a slice of n - 1 entries would make a compiled
+    # graph specialise on n == 2, one more recompile per batch shape.
+    first = torch.arange(cu.numel(), device=cu.device) == 0
+    lengths = torch.where(first, torch.zeros_like(cu), cu - cu.roll(1))
+    ok = (cu[0] == 0) & (cu[-1] == tokens) & (lengths >= 0).all() & (lengths.max() <= longest)
+    if torch.compiler.is_compiling():  # a traced graph keeps a constant message
+        torch._assert_async(ok, f"{name} must start at 0, never decrease, end at the token count, and have no "
+                                "document longer than max_seqlen (B34)")
+        return
+    why = (f"{name} must start at 0, never decrease, end at the token count ({tokens}), and have no document "
+           f"longer than max_seqlen ({longest if not isinstance(longest, Tensor) else 'the tensor given'}) (B34)")
+    try:
+        torch._assert_async(ok, why)
+    except RuntimeError:  # CPU: the assertion fails at once
+        raise _refuse((name, "max_seqlen_q" if name.endswith("_q") else "max_seqlen_kv"), why + ".",
+                      "build the boundaries as the cumulative document lengths, and max_seqlen as the longest "
+                      "document (or leave it None).") from None
+
+
+__all__ = ["check_packed", "check_qkv", "check_window"]

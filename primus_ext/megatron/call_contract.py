@@ -1,0 +1,84 @@
+"""What Megatron hands core attention per call, honoured or refused (B34).
+
+* ``attention_mask``: the layers compute their mask from the plan (causal, windows,
+  documents), so a mask tensor can only be accepted when it says nothing more: it must
+  be Megatron's causal mask (bool, ``True`` = masked, ``[B or 1, 1, Sq, Skv]``, the
+  strict upper triangle, as ``get_ltor_masks_and_position_ids`` builds it without
+  ``reset_attention_mask``) and the layer's own attention must stay inside it (its
+  pattern has right bound 0).  Anything else, a document mask above all, is refused,
+  never ignored.  Proving it costs one on-device comparison per distinct mask tensor:
+  every layer of a step gets the same tensor object, so a step pays once, and nothing
+  is read on the host (on a GPU a failure is a device-side assert with this text).
+* ``qkv_format``: one of Megatron's ``sbhd``, ``bshd``, ``thd``; ``bshd`` dense inputs
+  are read as ``[B, S, H, D]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..errors import Reason, UnsupportedInputError
+
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+_MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader); the layer "
+                     "applies its configured causal / window / document mask itself. For document masks, pack "
+                     "batches as THD (packed_seq_params with cu_seqlens).")
+
+
+def refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
+    return UnsupportedInputError(Reason(settings, reason, alternative, "B34"), context="Megatron core attention")
+
+
+def qkv_format(packed_seq_params: Any, default: str) -> str:
+    """The call's layout: ``packed_seq_params.qkv_format`` (None: the module default, B20)."""
+    fmt = getattr(packed_seq_params, "qkv_format", None) if packed_seq_params is not None else None
+    fmt = fmt or default
+    if fmt not in QKV_FORMATS:
+        raise refuse(("packed_seq_params",), f"qkv_format={fmt!r} is not one of Megatron's {QKV_FORMATS}.",
+                     "use 'sbhd' (Megatron's default), 'bshd' or 'thd' (packed, with cu_seqlens).")
+    return fmt
+
+
+class MaskCheck:
+    """Accepts ``attention_mask`` tensors that are provably Megatron's causal mask."""
+
+    def __init__(self, layer_is_causal: bool, what: str) -> None:
+        self.layer_is_causal = layer_is_causal
+        self.what = what  # the layer's attention, for messages
+        self._seen: Optional[Tuple[Any, ...]] = None
+
+    def __call__(self, mask: Optional[Any], q_len: int, kv_len: int) -> None:
+        if mask is None:
+            return
+        if not isinstance(mask, Tensor):
+            raise refuse(("attention_mask",), f"attention_mask must be a tensor or None, got {type(mask).__name__}.")
+        if not self.layer_is_causal:
+            raise refuse(("attention_mask",), f"an attention_mask tensor reached a layer whose attention is "
+                         f"{self.what}; the layer cannot apply a mask tensor, and it would be ignored.",
+                         _MASK_ALTERNATIVE)
+        shape = tuple(mask.shape)
+        if (mask.dtype != torch.bool or mask.dim() != 4 or shape[1] != 1 or shape[2:] != (q_len, kv_len)):
+            raise refuse(("attention_mask",), f"attention_mask of dtype {mask.dtype} and shape {shape} is not "
+                         f"Megatron's causal mask (bool [B or 1, 1, {q_len}, {kv_len}]); it would be ignored.",
+                         _MASK_ALTERNATIVE)
+        why = ("attention_mask is not Megatron's causal mask (a document mask from reset_attention_mask, or "
+               "another mask); the layer would ignore it (B25, B34)")
+        expected = lambda: torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).triu(1)  # noqa: E731
+        if torch.compiler.is_compiling():  # no memo inside a graph: one fused comparison per call
+            torch._assert_async((mask == expected()).all(), why)
+            return
+        key = (mask.data_ptr(), mask._version, shape, mask.stride(), mask.device)
+        if key == self._seen:
+            return
+        same = (mask == expected()).all()
+        try:
+            torch._assert_async(same, why)
+        except RuntimeError:  # CPU: the assertion fails at once
+            raise refuse(("attention_mask", "reset_attention_mask"), why + ".", _MASK_ALTERNATIVE) from None
+        self._seen = key
+
+
+__all__ = ["MaskCheck", "QKV_FORMATS", "qkv_format", "refuse"]

@@ -94,6 +94,12 @@ class TurboFlexAttention:
             return None  # evaluated at every call by the backend: exact at every shape
         return plan.pattern
 
+    def _bind(self, causal: bool, window: Tuple[int, int]) -> None:
+        """A call asking for other causal / window than the plan is planned too (memoised per value)."""
+        plan = self.plan
+        if plan.bind_call is not None and (causal != plan.causal or window != plan.window):
+            plan.bind_call(causal, window)
+
     def _check_assumptions(self) -> None:
         for assumption in self._assumptions:
             if not assumption.holds():
@@ -190,6 +196,7 @@ class TurboFlexAttention:
                           "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
         q_len, kv_len = q.shape[1], k.shape[1]
         flag, window = _flash_args(causal, window_size)
+        self._bind(flag, window)
         pattern = self._dense_pattern(causal, window_size, (flag, window))
         self._check_dense_shape(pattern, q_len, kv_len)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
@@ -219,6 +226,7 @@ class TurboFlexAttention:
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
         flag, window = _flash_args(causal, window_size)
+        self._bind(flag, window)
         return run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, sink, alibi_slopes,
                           flag, window, scale, dropout, deterministic, return_lse)
 

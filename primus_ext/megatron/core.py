@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..backends.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
+from ..backends.call_checks import check_packed
 from ..backends.direct import DirectRunner, DirectTarget, choose_direct, context_parallel_groups
 from ..backends.ops import register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
@@ -231,6 +232,7 @@ class TurboAttentionCore:
             return self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
                                 deterministic=self.plan.deterministic, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                                 max_seqlen_q=max_q, max_seqlen_kv=max_kv)
+        cu_q, cu_kv, max_q, max_kv = check_packed(q, k, cu_q, cu_kv, max_q, max_kv)  # as the adapter does
         return run_packed(self.handle, q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, causal, window,
                           self.plan.scale, dropout_p, self.plan.deterministic, False)
 

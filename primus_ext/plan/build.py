@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
 from ..attention.hook_proof import MaskProof, ScoreProof, prove_mask, prove_score
@@ -12,7 +13,7 @@ from ..backends.base import BackendCapabilities
 from ..backends.dispatch import ARCHES
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import load_ops
-from ..errors import Reason, UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
 from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
 from .facts import LayerFacts
@@ -137,6 +138,7 @@ def build_plan(
             score_proof.assumptions if score_proof else ()),
         arch=arch,
         kernels=describe_routes(routes),
+        bind_call=_call_binder(settings, facts, backend) if flex and mask_mod is None else None,
     )
     if flex:
         log.info("primus_ext %s", plan.describe())
@@ -155,6 +157,32 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
         ctx.facts, arch, dense_pattern=mask_proof.pattern if (ctx.flex and mask_proof) else None,
         window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
         alibi=bool(score_proof and score_proof.kind == "alibi"))
+
+
+def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts,
+                 backend: Optional[AttentionBackend]) -> Callable[[bool, Tuple[int, int]], None]:
+    """`AttentionPlan.bind_call`: a call's own causal / window planned like the layer's, memoised."""
+    verdicts: dict[Tuple[bool, Tuple[int, int]], tuple] = {}
+    unwindowed = settings.replace(sink_sliding_window=0)  # the call's window is the only window
+
+    def bind(causal: bool, window: Tuple[int, int]) -> None:
+        key = (causal, window)
+        reasons = verdicts.get(key)
+        if reasons is None:
+            call_facts = dataclasses.replace(facts, causal=causal,
+                                             window_size=None if window == (-1, -1) else window)
+            try:
+                build_plan(unwindowed, call_facts, backend=backend)
+                reasons = ()
+            except UnsupportedConfigError as exc:
+                reasons = exc.reasons
+            if len(verdicts) < 64:
+                verdicts[key] = reasons
+        if reasons:
+            raise UnsupportedInputError(list(reasons), context=f"layer {facts.layer_number}, a call with "
+                                        f"causal={causal}, window_size={window} (the plan's rules, B34)")
+
+    return bind
 
 
 def _proven_text(proof: Optional[MaskProof]) -> Optional[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from ..attention.hook_trace import Assumption
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
@@ -52,6 +52,9 @@ class AttentionPlan:
     hook_assumptions: Tuple[Assumption, ...] = field(default=(), compare=False, repr=False)
     """Values a hook proof relied on (a module global, a captured tensor): re-checked before
     each call that runs the proven pattern instead of the hook."""
+    bind_call: Optional[Callable[[bool, Tuple[int, int]], None]] = field(default=None, compare=False, repr=False)
+    """Checks a call whose own ``(causal, window_size)`` differ from the plan's against the same
+    rules, once per distinct value; raises `UnsupportedInputError` with their reasons."""
 
     @property
     def flex(self) -> bool:

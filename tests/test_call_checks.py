@@ -1,0 +1,131 @@
+"""B34 at the adapter: every call input honoured or refused with the project's error.
+
+The sweep calls the flex adapter (reference and turbo backends) and Megatron's direct path
+with the inputs that used to escape as a kernel's ``ValueError`` or a torch ``RuntimeError``,
+and asserts that only `PrimusExtError` subclasses come out; where an input is accepted
+(int64 boundaries) the result is held to the float64 oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+
+from primus_ext.errors import PrimusExtError, UnsupportedInputError
+from primus_ext.megatron import PrimusTurboLocalAttention
+from primus_ext.plan import build_plan
+from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.testing import fake_primus_turbo
+
+from . import oracle
+from .helpers import adapter, facts, packed_qkv, qkv, settings
+from .megatron import gpt
+
+TOL = dict(atol=1e-10, rtol=1e-10)
+CU = [0, 4, 11]
+
+
+def _cu(dtype=torch.int32):
+    return torch.tensor(CU, dtype=dtype)
+
+
+def packed_call(run: Callable, **over: Any):
+    q, k, v = packed_qkv(11)
+    kw = dict(causal=True, cu_seqlens_q=_cu(), cu_seqlens_kv=_cu(), max_seqlen_q=7, max_seqlen_kv=7)
+    kw.update(over)
+    return run(q, k, v, **kw)
+
+
+SWEEP: dict[str, Callable[[Callable], Any]] = {
+    "max_seqlen below the longest document": lambda run: packed_call(run, max_seqlen_q=3, max_seqlen_kv=3),
+    "cu_seqlens as a Python list": lambda run: packed_call(run, cu_seqlens_q=CU, cu_seqlens_kv=CU),
+    "cu_seqlens not ending at T": lambda run: packed_call(run, cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32),
+                                                          cu_seqlens_kv=torch.tensor([0, 4, 9], dtype=torch.int32)),
+    "cu_seqlens decreasing": lambda run: packed_call(run, cu_seqlens_q=torch.tensor([0, 8, 4, 11], dtype=torch.int32),
+                                                     cu_seqlens_kv=torch.tensor([0, 8, 4, 11], dtype=torch.int32)),
+    "cu_seqlens not starting at 0": lambda run: packed_call(run, cu_seqlens_q=torch.tensor([2, 11], dtype=torch.int32),
+                                                            cu_seqlens_kv=torch.tensor([2, 11], dtype=torch.int32)),
+    "cu_seqlens of one element": lambda run: packed_call(run, cu_seqlens_q=torch.tensor([0], dtype=torch.int32),
+                                                         cu_seqlens_kv=torch.tensor([0], dtype=torch.int32)),
+    "cu_seqlens 2-D": lambda run: packed_call(run, cu_seqlens_q=_cu()[None], cu_seqlens_kv=_cu()[None]),
+    "cu_seqlens float": lambda run: packed_call(run, cu_seqlens_q=_cu().float(), cu_seqlens_kv=_cu().float()),
+    "max_seqlen zero": lambda run: packed_call(run, max_seqlen_q=0, max_seqlen_kv=0),
+    "mixed q/k/v dtypes": lambda run: run(*(lambda q, k, v: (q, k.float(), v))(*qkv())),
+    "integer q": lambda run: run(*(lambda q, k, v: (q.long(), k.long(), v.long()))(*qkv())),
+    "more query heads than planned": lambda run: run(*qkv(hq=8)),
+    "fewer key/value heads than planned": lambda run: run(*qkv(hkv=1)),
+    "window below -1": lambda run: run(*qkv(), causal=True, window_size=(-2, 0)),
+    "window of three ints": lambda run: run(*qkv(), window_size=(1, 0, 2)),
+    "window not ints": lambda run: run(*qkv(), window_size="wide"),
+    "q not a tensor": lambda run: run([[1.0]], *qkv()[1:]),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "turbo"])
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_no_foreign_exception_escapes_the_adapter(name, backend):
+    with fake_primus_turbo(arch=None):
+        run = adapter(settings(turbo_flex_attention_backend=backend), facts(packed=None))
+        with pytest.raises(PrimusExtError) as err:
+            SWEEP[name](run)
+    assert isinstance(err.value, UnsupportedInputError), err.value
+    assert err.value.settings, "the error names no argument or setting"
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(SWEEP) if "cu_seqlens" in n or "max_seqlen" in n])
+def test_no_foreign_exception_escapes_megatrons_direct_packed_path(name):
+    """The same packed inputs through PrimusTurboLocalAttention on the direct path (its own checks)."""
+    with fake_primus_turbo() as fake:
+        layer = PrimusTurboLocalAttention(gpt.config(kv_channels=8), 1, AttnMaskType.causal, "self",
+                                          settings=gpt.settings())
+
+        def run(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal):
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+            return layer(q.float(), k.float(), v.float(), None, packed_seq_params=params)
+
+        with pytest.raises(UnsupportedInputError):
+            SWEEP[name](run)
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("backend", ["reference", "turbo"])
+def test_int64_boundaries_are_cast_once_and_compute_exactly(backend):
+    """torch's default integer dtype is accepted: cast to int32 on the device, then the kernel."""
+    with fake_primus_turbo() as fake:
+        run = adapter(settings(turbo_flex_attention_backend=backend), facts(packed=True))
+        out = packed_call(run, cu_seqlens_q=_cu(torch.int64), cu_seqlens_kv=_cu(torch.int64))
+    q, k, v = packed_qkv(11)
+    torch.testing.assert_close(out, oracle.packed_attention(q, k, v, CU), **TOL)
+    if backend == "turbo":
+        assert fake.calls[-1].args["cu_seqlens_q"].dtype == torch.int32
+
+
+def test_a_call_window_other_than_the_plans_is_planned_like_the_layer():
+    """B34 / item 3: a sink layer planned causal on gfx942, called with a two-sided window, would run
+    AITER's sink kernel whose backward drops the right bound: refused, as the plan refuses it."""
+    q, k, v = (t.bfloat16() for t in qkv(d=16))
+    sink = torch.zeros(4)
+    with fake_primus_turbo(arch="gfx942") as fake:
+        plan = build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch="gfx942", use_sink_attention=True),
+                          facts(head_dim=16, dtype="bf16", packed=False))
+        run = TurboFlexAttention(plan)
+        run(q, k, v, causal=True, sink=sink)  # the planned call
+        run(q, k, v, causal=True, window_size=(4, 0), sink=sink)  # another window, also fine on AITER
+        for _ in range(2):
+            with pytest.raises(UnsupportedInputError, match="sink backward ignores") as err:
+                run(q, k, v, causal=False, window_size=(4, 4), sink=sink)
+        assert "B33" in err.value.codes and "window_size=(4, 4)" in str(err.value)
+    assert [c.args["window_size"] for c in fake.calls] == [(-1, -1), (4, 0)]
+
+
+def test_deterministic_at_a_call_reaches_the_kernel_on_every_build():
+    q, k, v = qkv()
+    for build in ("main", "old", "newest"):
+        with fake_primus_turbo(build=build) as fake:
+            adapter(settings(turbo_flex_attention_backend="turbo"))(q, k, v, causal=True, deterministic=True)
+        assert fake.calls[-1].args["deterministic"] is True, build

@@ -21,7 +21,8 @@ from primus_ext.settings import TurboAttentionSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "configs" / "examples" / "demo.yaml"
-PARITY = re.compile(r"^parity: max relative loss difference flex vs direct = (\S+) \(steps (\d+)\)$", re.M)
+PARITY = re.compile(r"^parity, step by step from identical parameters, flex vs (\w+): max relative loss "
+                    r"difference (\S+), max relative gradient difference (\S+) \(steps (\d+)\)$", re.M)
 HAS_TURBO = importlib.util.find_spec("primus_turbo") is not None
 
 
@@ -57,7 +58,8 @@ def test_demo_trains_both_paths_and_prints_parity_and_plans():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = PARITY.search(out)
     assert match, out
-    assert float(match.group(1)) < 1e-5 and match.group(2) == "3"
+    assert match.group(1) == "direct" and float(match.group(2)) < 1e-5 and float(match.group(3)) < 1e-4
+    assert match.group(4) == "3"
     # progress bar (final state) and the per-run summary
     assert re.search(r"^.*flex .*3/3 .*loss=\d+\.\d+, [\d,]+ tok/s", out, re.M), out
     assert re.search(r"direct .*3/3 .*loss=", out), out
@@ -71,15 +73,36 @@ def test_demo_trains_both_paths_and_prints_parity_and_plans():
     assert "on cpu in float32 (the YAML's bf16 applies on a GPU)" in out or HAS_TURBO, out
 
 
-def test_demo_on_dense_batches(tmp_path):
-    config = tmp_path / "dense.yaml"
-    config.write_text(EXAMPLE.read_text().replace("packed_sequences: true", "packed_sequences: false"))
+def test_demo_on_packed_batches(tmp_path):
+    config = tmp_path / "packed.yaml"
+    config.write_text(EXAMPLE.read_text().replace("packed_sequences: false", "packed_sequences: true"))
     proc = run_cli(str(config), "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "dense (4, 64) per step" in proc.stdout
-    assert float(PARITY.search(proc.stdout).group(1)) < 1e-5
+    assert "THD packed" in proc.stdout
+    assert float(PARITY.search(proc.stdout).group(2)) < 1e-5
     if not HAS_TURBO:
-        assert "direct kernels: flash_attn_func x4" in proc.stdout
+        assert "direct kernels: flash_attn_varlen_func x4" in proc.stdout
+
+
+def _hook_config(tmp_path, left: int, right: int):
+    path = tmp_path / "hook.yaml"
+    text = EXAMPLE.read_text().replace("use_sink_attention: true", "use_sink_attention: false")
+    text = text.replace("sink_sliding_window: 4", "sink_sliding_window: 0").replace(
+        "turbo_flex_attention_backend: auto", "turbo_flex_attention_backend: turbo")
+    path.write_text(text + "turbo_flex_attention_mask_mod: primus_ext.attention.masks:sliding_window\n"
+                    f"turbo_flex_attention_mask_mod_kwargs: {{left: {left}, right: {right}}}\n")
+    return path
+
+
+@pytest.mark.parametrize("left, right, partner", [(4, 0, "direct"), (4, 4, "reference")])
+def test_a_hook_is_compared_with_the_path_that_computes_it(tmp_path, left, right, partner):
+    """A hook proven a causal window runs on the direct path as window_size; a two-sided one,
+    which the direct path cannot express, is compared with the exact reference backend."""
+    proc = run_cli(str(_hook_config(tmp_path, left, right)), "--steps", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = PARITY.search(proc.stdout)
+    assert match and match.group(1) == partner, proc.stdout
+    assert "cannot express" not in proc.stdout or partner == "reference"
 
 
 def test_the_loss_falls_over_the_default_steps():
@@ -147,17 +170,67 @@ def test_a_refused_layer_exits_2_with_its_reason(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "primus_ext cannot build this attention (layer 1)" in proc.stderr
     assert "turbo_flex_attention_mask_mod" in proc.stderr and "when instantiating" not in proc.stderr
-    assert "parity:" not in proc.stdout
+    assert "parity," not in proc.stdout
+
+
+def _steps(losses, grad=1.0):
+    return [demo_model.Step({}, loss, {"w": torch.full((2,), grad)}) for loss in losses]
 
 
 def test_a_loss_mismatch_exits_1(monkeypatch, capsys):
-    """The parity verdict, with the two training runs replaced by canned losses."""
+    """The parity verdict, with the two training runs replaced by canned steps."""
     import contextlib
 
-    runs = iter([([2.0, 1.0], []), ([2.0, 1.1], [])])
+    runs = iter([(_steps([2.0, 1.0]), []), (_steps([2.0, 1.1]), [])])
     monkeypatch.setattr(demo_model, "single_process_world", contextlib.nullcontext)
     monkeypatch.setattr(demo, "_run", lambda *a, **k: next(runs))
+    monkeypatch.setattr(demo, "_partner", lambda plans, s, cfg: ("direct", s, cfg, ""))
     assert demo.run_demo(None, 2) == 1
     captured = capsys.readouterr()
-    assert "= 9.09e-02 (steps 2)" in captured.out
+    assert "max relative loss difference 9.09e-02" in captured.out
     assert "MISMATCH" in captured.err and "step 2" in captured.err
+
+
+def test_a_gradient_mismatch_alone_exits_1(monkeypatch, capsys):
+    import contextlib
+
+    runs = iter([(_steps([2.0, 1.0], grad=1.0), []), (_steps([2.0, 1.0], grad=1.01), [])])
+    monkeypatch.setattr(demo_model, "single_process_world", contextlib.nullcontext)
+    monkeypatch.setattr(demo, "_run", lambda *a, **k: next(runs))
+    monkeypatch.setattr(demo, "_partner", lambda plans, s, cfg: ("direct", s, cfg, ""))
+    assert demo.run_demo(None, 2) == 1
+    assert "max relative gradient difference 9.90e-03" in capsys.readouterr().out
+
+
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+REFUSED = {"refused.yaml"}  # the deliberately refused example
+
+
+@pytest.mark.parametrize("command", ["check", "demo"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_config_passes_check_and_demo(config, command, capsys):
+    """Exit 0 for every config (a module fragment is explained), 2 with reasons for refused.yaml."""
+    args = [command, str(config)] + (["--steps", "2"] if command == "demo" else [])
+    code = main(args)
+    out, err = capsys.readouterr()
+    if config.name in REFUSED:
+        assert code == 2 and err.strip(), out + err
+        return
+    assert code == 0, out + err
+    assert "MISMATCH" not in err and "Traceback" not in err
+    if "modules" in config.parts:
+        assert "a module fragment" in out
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"\xff\xfe num_layers: 2", "not UTF-8 text"),
+    (b"", "the file is empty"),
+    (b"num_layers: 2\nnum_layers: 3\n", "appears twice"),
+    (b"- a\n- b\n", "must hold a mapping"),
+])
+@pytest.mark.parametrize("command", ["check", "demo"])
+def test_unreadable_files_get_a_clear_error_not_a_traceback(tmp_path, capsys, content, words, command):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    assert main([command, str(path)]) == 2
+    assert words in capsys.readouterr().err

@@ -21,7 +21,6 @@ import dataclasses
 import sys
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
-import yaml
 
 from ..backends import turbo_import_problem
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError
@@ -30,6 +29,7 @@ from ..plan import build_plan
 from ..plan.build import layer_window
 from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
+from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
 from ..testing import fake_primus_turbo
 from .render import ascii_grid, layer_kinds, layer_list, write_png
 
@@ -46,16 +46,7 @@ LEGEND = ("entries: '-' = this layer gets no such batches (packed_sequences), "
 
 
 def _load(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as fh:
-        try:
-            data = yaml.safe_load(fh)
-        except yaml.YAMLError as exc:
-            raise PrimusExtError(f"{path} is not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise PrimusExtError(f"{path} must hold a flat mapping of keys to values, got {type(data).__name__}")
-    return dict(data)
+    return load_yaml_mapping(path, allow_empty=False)
 
 
 def _model_problems(config: Mapping[str, Any]) -> list[str]:
@@ -235,9 +226,13 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     out = out or sys.stdout
     err = err or sys.stderr
     config = _load(path)
+    fragment = is_module_fragment(config)
     settings = settings_for(config, arch, err)
     if settings is None:
         return REFUSED
+    if fragment:
+        print(fragment_note(path, settings), file=out)
+        return 0
     if seq_len is not None:
         if seq_len < 1:
             raise PrimusExtError(f"--seq-len must be a positive integer, got {seq_len}")

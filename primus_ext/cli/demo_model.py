@@ -215,24 +215,46 @@ def make_batches(opts: DemoOptions, steps: int, *, packed: bool, seq_length: int
 
 
 # -- training ------------------------------------------------------------------------
+@dataclass
+class Step:
+    """One training step as the parity check needs it: the parameters it started from, its
+    loss and the gradients it computed."""
+
+    params: dict[str, torch.Tensor]
+    loss: float
+    grads: dict[str, torch.Tensor]
+
+
 def train(model: Any, batches: list[Batch], lr: float, device: torch.device,
-          on_step: Callable[[int, float, int, float], None]) -> list[float]:
-    """Adam steps; ``on_step(step, loss, tokens, seconds)`` after each.  Returns the losses."""
+          on_step: Callable[[int, float, int, float], None], replay: Optional[list[Step]] = None) -> list[Step]:
+    """Adam steps; ``on_step(step, loss, tokens, seconds)`` after each.
+
+    With ``replay`` (another run's steps) every step starts from that run's parameters
+    instead of this model's own, so the two runs are compared step by step from identical
+    parameters: float rounding cannot accumulate into a drifting trajectory.
+    """
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
-    losses = []
+    steps = []
+    named = dict(model.named_parameters())
     for step, batch in enumerate(batches, 1):
         start = time.perf_counter()
+        if replay is not None:
+            with torch.no_grad():
+                for name, value in replay[step - 1].params.items():
+                    named[name].copy_(value)
+        params = {n: p.detach().clone() for n, p in named.items()} if replay is None else {}
         b = batch.to(device)
         loss = model(b.tokens, b.positions, None, labels=b.labels,
                      packed_seq_params=b.packed_seq_params()).float().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
         opt.step()
-        losses.append(loss.item())
-        on_step(step, losses[-1], b.num_tokens, time.perf_counter() - start)
-    return losses
+        steps.append(Step(params, loss.item(), grads))
+        on_step(step, steps[-1].loss, b.num_tokens, time.perf_counter() - start)
+    return steps
 
 
-__all__ = ["Batch", "DemoOptions", "build_gpt", "layer_plans", "make_batches", "single_process_world",
+__all__ = ["Batch", "DemoOptions", "Step", "build_gpt", "layer_plans", "make_batches", "single_process_world",
            "train", "transformer_config"]

@@ -21,7 +21,15 @@ class PrimusTurboLocalSpecProvider(LocalSpecProvider):
         self.settings = settings
 
     def core_attention(self) -> Callable[..., Any]:
+        if self.settings is not None and not _turbo_on(self.settings):
+            return super().core_attention()  # use_turbo_attention: false -> Megatron's own attention
         return functools.partial(PrimusTurboLocalAttention, settings=self.settings)
+
+
+def _turbo_on(settings: TurboAttentionSettings) -> bool:
+    """Turbo attention is asked for; with neither switch on, the layer stays Megatron's own.
+    (``use_turbo_flex_attention`` without ``use_turbo_attention`` is built, and refused, B3.)"""
+    return settings.use_turbo_attention or settings.use_turbo_flex_attention
 
 
 def use_core_attention(layer_spec: ModuleSpec, core_attention: Callable[..., Any]) -> ModuleSpec:

@@ -75,7 +75,9 @@ class AttentionPlan:
         parts = [f"layer {self.layer_number}: {self.path}"]
         if self.flex:
             parts.append(f"backend={self.backend} ({self.backend_reason})")
-            parts.append(f"dense={self.dense_entry or '-'} packed={self.packed_entry or '-'}")
+            dense = self.dense_entry if self.packed is not True else None  # '-': no such batches
+            packed = self.packed_entry if self.packed is not False else None
+            parts.append(f"dense={dense or '-'} packed={packed or '-'}")
         parts.append(f"mask={self.pattern_text}")
         if self.mask_hook:
             parts.append(f"mask_mod={self.mask_hook} -> {self.mask_recognised}")

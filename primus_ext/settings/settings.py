@@ -27,7 +27,6 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-import yaml
 
 from ..errors import Reason, UnsupportedConfigError
 
@@ -153,21 +152,11 @@ class TurboAttentionSettings:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> "TurboAttentionSettings":
-        """Load a flat YAML mapping (``yaml.safe_load``); an empty file means all defaults."""
-        with open(path, encoding="utf-8") as handle:
-            try:
-                data = yaml.safe_load(handle)
-            except yaml.YAMLError as exc:
-                raise UnsupportedConfigError(Reason(
-                    settings=(), reason=f"{os.fspath(path)} is not valid YAML: {exc}",
-                    alternative="fix the YAML syntax.")) from exc
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise UnsupportedConfigError(Reason(
-                settings=(), reason=f"{os.fspath(path)} must hold a flat mapping, got {type(data).__name__}.",
-                alternative="write one 'key: value' per line at the top level."))
-        return cls.from_dict(data)
+        """Load a flat YAML mapping; an empty file means all defaults (`load_yaml_mapping` refuses
+        non-UTF-8 files, repeated keys and non-mappings)."""
+        from .yaml_file import load_yaml_mapping
+
+        return cls.from_dict(load_yaml_mapping(path))
 
     @classmethod
     def from_args(cls, namespace: Any) -> "TurboAttentionSettings":

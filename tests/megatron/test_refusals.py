@@ -262,3 +262,21 @@ def test_plain_dense_call_is_unchanged(path):
     want = oracle.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), oracle.causal())
     assert out.shape == (16, 2, 4 * 16)
     torch.testing.assert_close(out.double(), want.transpose(0, 1).reshape(16, 2, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_the_module_yaml_as_the_readme_uses_it_leaves_megatrons_own_attention():
+    """configs/modules/megatron/primus_turbo.yaml has use_turbo_attention: false: the spec keeps
+    megatron-core's DotProductAttention instead of building (and refusing) a Turbo layer."""
+    from pathlib import Path
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from primus_ext.megatron import get_gpt_layer_primus_turbo_local_spec
+    from primus_ext.settings import TurboAttentionSettings
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "modules" / "megatron" / "primus_turbo.yaml"
+    settings = TurboAttentionSettings.from_yaml(path)
+    spec = get_gpt_layer_primus_turbo_local_spec(settings)
+    assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention
+    on = get_gpt_layer_primus_turbo_local_spec(settings.replace(use_turbo_attention=True))
+    assert on.submodules.self_attention.submodules.core_attention.func is PrimusTurboLocalAttention

@@ -116,6 +116,8 @@ def _window(plan: AttentionPlan) -> str:
 
 
 def _packing(plan: AttentionPlan) -> str:
+    if plan.eod_documents:
+        return "documents from EOD, packed THD"
     return {True: "packed (thd)", False: "unpacked"}.get(plan.packed, "either")  # type: ignore[arg-type]
 
 

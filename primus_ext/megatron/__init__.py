@@ -10,6 +10,7 @@ from typing import Any
 
 from .args import add_turbo_attention_args, settings_or_megatron_args
 from .core import TurboAttentionCore
+from .eod_packing import PackedMicroBatch, pack_eod_micro_batch
 from .facts import layer_facts
 from .local import PrimusTurboLocalAttention
 from .specs import (
@@ -23,10 +24,12 @@ __all__ = [
     "PrimusTurboAttention",
     "PrimusTurboLocalAttention",
     "PrimusTurboLocalSpecProvider",
+    "PackedMicroBatch",
     "TurboAttentionCore",
     "add_turbo_attention_args",
     "get_gpt_layer_primus_turbo_local_spec",
     "layer_facts",
+    "pack_eod_micro_batch",
     "primus_turbo_te_core_attention",
     "settings_or_megatron_args",
     "use_core_attention",

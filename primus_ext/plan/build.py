@@ -132,6 +132,7 @@ def build_plan(
         dense_entry=caps.dense_entry if caps else (direct.dense if direct else None),
         packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
         packed=facts.packed,
+        eod_documents=bool(settings.reset_attention_mask and facts.packed),
         mask_mod=mask_mod,
         score_mod=score_mod,
         hook_assumptions=(mask_proof.assumptions if mask_proof else ()) + (

@@ -43,6 +43,8 @@ class AttentionPlan:
     packed_entry: Optional[str] = None
     packed: Optional[bool] = None
     """From `LayerFacts.packed`: only thd batches (True), only dense (False), either (None)."""
+    eod_documents: bool = False
+    """``reset_attention_mask`` with packed batches: documents come from EOD tokens, converted to THD."""
     mask_mod: Optional[MaskMod] = field(default=None, compare=False, repr=False)
     score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
     arch: Optional[str] = None

@@ -220,12 +220,13 @@ RULES: Tuple[Rule, ...] = (
          "set enable_turbo_attention_float8: false, or use_turbo_flex_attention: false for "
          "the direct fp8 path.",
          lambda c: c.flex and c.settings.enable_turbo_attention_float8),
-    Rule("B25", ("reset_attention_mask",),
+    Rule("B25", ("reset_attention_mask", "packed_sequences"),
          "reset_attention_mask=True carries document boundaries in a dense attention_mask "
          "tensor that no Primus-Turbo entry can take; the boundaries would be ignored.",
-         "pack documents as THD (packed_seq_params with cu_seqlens) and set "
+         "convert each micro-batch to packed THD with primus_ext.megatron.pack_eod_micro_batch (documents "
+         "from EOD, run on the varlen kernel) and set packed_sequences: true, or set "
          "reset_attention_mask: false.",
-         lambda c: c.turbo_path and c.settings.reset_attention_mask),
+         lambda c: c.turbo_path and c.settings.reset_attention_mask and c.facts.packed is not True),
     Rule("B26", ("return_attn_probs",),
          "attention probabilities are never materialised by the Turbo kernels.",
          "do not request attention probabilities.",

@@ -59,6 +59,7 @@ ROWS = {
     "context parallel": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a"}),
     "packed + context parallel": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a", "packed": True}),
     "document mask tensor": Row({"reset_attention_mask": True}),
+    "documents from EOD, packed THD": Row({"reset_attention_mask": True}, facts={"packed": True}),
     "ALiBi position embedding": Row(facts={"position_embedding_type": "alibi"}),
     "deterministic": Row({"deterministic_mode": True}),
     "deterministic, Primus-Turbo main": Row({"deterministic_mode": True}, build="main"),

@@ -1,0 +1,98 @@
+"""Cost of `pack_eod_micro_batch` per micro-batch against the attention it replaces.
+
+For one micro-batch of ``B`` rows of ``S`` tokens with EOD-separated documents (about one
+every 512 tokens), side by side in one run:
+
+* ``convert``: `primus_ext.megatron.pack_eod_micro_batch` (boundaries, positions, loss
+  mask; what a ``get_batch`` adds);
+* ``dense-mask attention``: one head of the attention Megatron's ``reset_attention_mask``
+  would need instead: ``scaled_dot_product_attention`` with the dense ``[B, 1, S, S]``
+  document mask, forward only.  One head of one layer is the smallest unit it costs, so
+  the ratio is an upper bound of the conversion's share (a model has many heads and
+  layers per micro-batch).
+
+The dense-mask attention is O(S^2) in time and memory (1 GiB of mask alone at 32k), so on
+a CPU it runs up to ``--dense-limit`` tokens and the row above reports the conversion only.
+
+Goal: convert < 1% of the dense-mask attention on the same batch.
+
+    python -m benchmarks.eod_packing [--sizes 4096 32768] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+
+from . import _common as c
+
+NAME = "eod_packing"
+EOD = 0
+GOAL = 0.01
+
+
+def _batch(rows: int, seq: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 50_000, (rows, seq), generator=gen)
+    tokens.view(-1)[torch.randperm(rows * seq, generator=gen)[: rows * seq // 512]] = EOD
+    return tokens
+
+
+def _dense_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """Megatron's reset_attention_mask semantics as an allowed-mask: same document and causal."""
+    rows, seq = tokens.shape
+    after_eod = torch.zeros_like(tokens)
+    after_eod[:, 1:] = (tokens[:, :-1] == EOD).long()
+    doc = after_eod.cumsum(1)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return (doc[:, :, None] == doc[:, None, :]).unsqueeze(1) & causal
+
+
+def main(argv: Any = None) -> int:
+    from primus_ext.megatron import pack_eod_micro_batch
+
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 32768], help="tokens per row (S)")
+    parser.add_argument("--rows", type=int, default=2, help="rows per micro-batch (B)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dense-limit", type=int, default=8192, help="largest S for the dense-mask attention")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    c.set_threads(args.threads)
+    env = c.environment()
+    c.header(NAME, "EOD -> packed THD conversion vs the dense-mask attention it replaces, ms", env)
+    rows, results = [], []
+    for seq in args.sizes:
+        tokens = _batch(args.rows, seq)
+        max_docs = args.rows * seq // 256
+        candidates = {"convert": lambda: pack_eod_micro_batch(tokens, eod_token=EOD, max_documents=max_docs,
+                                                              eod_mask_loss=True)}
+        if seq <= args.dense_limit:
+            mask = _dense_mask(tokens)
+            q = torch.randn(args.rows, 1, seq, 64, dtype=torch.bfloat16)
+            candidates["dense"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        for fn in candidates.values():
+            fn()  # warm-up
+        timing = c.interleaved(candidates, repeats=args.repeats, scale=1e3)
+        convert = timing["convert"]["median"]
+        dense = timing["dense"]["median"] if "dense" in timing else None
+        share = convert / dense if dense else None
+        rows.append([f"{seq // 1024}k", args.rows, f"{convert:.3f}", f"{dense:.1f}" if dense else "skipped (CPU)",
+                     f"{100 * share:.3f}%" if share is not None else "-",
+                     c.verdict(share < GOAL if share is not None else None)])
+        results.append({"seq": seq, "rows": args.rows, "timing": timing, "share": share})
+    print(c.table(["S", "B", "convert ms (median)", "dense-mask attention ms, 1 head", "share", "< 1%"], rows))
+    print(f"\nmedians of {args.repeats} interleaved samples; bf16 q/k/v [B, 1, S, 64]; one EOD per ~512 tokens; "
+          f"{args.threads} intra-op thread(s).")
+    path = c.write_json(NAME, {"environment": env, "results": results, "goal_share": GOAL})
+    c.footer(path, started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

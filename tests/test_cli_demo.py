@@ -21,7 +21,7 @@ from primus_ext.settings import TurboAttentionSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "configs" / "examples" / "demo.yaml"
-PARITY = re.compile(r"^parity, step by step from identical parameters, flex vs (\w+): max relative loss "
+PARITY = re.compile(r"^parity, step by step from identical parameters, flex vs ([\w-]+): max relative loss "
                     r"difference (\S+), max relative gradient difference (\S+) \(steps (\d+)\)$", re.M)
 HAS_TURBO = importlib.util.find_spec("primus_turbo") is not None
 
@@ -234,3 +234,12 @@ def test_unreadable_files_get_a_clear_error_not_a_traceback(tmp_path, capsys, co
     path.write_bytes(content)
     assert main([command, str(path)]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_eod_documents_demo_is_compared_with_megatrons_dense_mask(capsys):
+    """Issue 12: EOD rows converted to THD train like megatron-core's own dense reset_attention_mask."""
+    assert main(["demo", str(ROOT / "configs" / "examples" / "eod_documents.yaml"), "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    match = PARITY.search(out)
+    assert match and match.group(1) == "dense-mask" and float(match.group(3)) < 1e-4, out
+    assert "converted to packed THD" in out

@@ -80,9 +80,11 @@ class _Progress:
 
 
 def _run(label: str, config: Any, settings: TurboAttentionSettings, batches: list, opts: dm.DemoOptions,
-         seq_length: int, device: torch.device, replay: Optional[list] = None) -> tuple[list[Any], list[Any]]:
-    model = dm.build_gpt(config, settings, vocab_size=opts.vocab_size, seq_length=seq_length,
-                         seed=opts.seed, device=device)
+         seq_length: int, device: torch.device, replay: Optional[list] = None,
+         core_attention: Any = None) -> tuple[list[Any], list[Any]]:
+    vocab = opts.vocab_size + (1 if opts.eod_documents else 0)  # the EOD token is one past the corpus
+    model = dm.build_gpt(config, settings, vocab_size=vocab, seq_length=seq_length,
+                         seed=opts.seed, device=device, core_attention=core_attention)
     progress = _Progress(label, len(batches))
     start = time.perf_counter()
     try:
@@ -92,7 +94,7 @@ def _run(label: str, config: Any, settings: TurboAttentionSettings, batches: lis
     each = ", each from the flex run's parameters" if replay is not None else ""
     print(f"{label} path: loss {steps[0].loss:.4f} -> {steps[-1].loss:.4f} over {len(steps)} steps{each} "
           f"({rate:,.0f} tokens/s, {time.perf_counter() - start:.1f} s)", flush=True)
-    return steps, dm.layer_plans(model)
+    return steps, (dm.layer_plans(model) if core_attention is None else [])
 
 
 def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tuple[str, Any, Any, str]:
@@ -189,7 +191,17 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
     # An explicit `turbo` flex backend cannot load without Primus-Turbo; give it the fake too.
     flex_on_fake = not real_turbo and settings.turbo_flex_attention_backend == "turbo"
 
-    batches = dm.make_batches(opts, opts.steps, packed=packed, seq_length=seq_length)
+    dense_mask_batches: Optional[list] = None
+    if opts.eod_documents:
+        if not (settings.reset_attention_mask and packed):
+            print("primus-ext demo: demo.eod_documents trains on EOD-separated documents converted to packed THD; "
+                  "set reset_attention_mask: true and packed_sequences: true", file=sys.stderr)
+            return 2
+        from .demo_eod import eod_batches
+
+        batches, dense_mask_batches = eod_batches(opts, opts.steps, seq_length)
+    else:
+        batches = dm.make_batches(opts, opts.steps, packed=packed, seq_length=seq_length)
     cfg = dm.transformer_config(config)
     half = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else ""
     if device.type == "cpu":  # CPU kernels here are float32 ones; the YAML's half precision is a GPU's
@@ -198,6 +210,9 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
                  else half or "float32")
     layout = (f"THD packed, {batches[0].num_tokens} tokens/step in ~{batches[0].documents} documents"
               if packed else f"dense {tuple(batches[0].tokens.shape)} per step")
+    if dense_mask_batches is not None:
+        layout = (f"EOD-separated documents in {tuple(dense_mask_batches[0].tokens.shape)} rows, converted to "
+                  f"packed THD (~{batches[0].documents} documents per step)")
     print(f"primus-ext demo: {origin}")
     print(f"model: megatron-core GPT, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads / {cfg.num_query_groups} query groups, vocab {opts.vocab_size}, "
@@ -218,6 +233,13 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
             for plan in plans:
                 print(f"  {plan.describe()}")
             label, other_settings, other_cfg, why = _partner(plans, settings, cfg)
+            core_attention, other_batches = None, batches
+            if dense_mask_batches is not None:
+                from .demo_eod import DenseMaskAttention
+
+                label, other_settings, other_cfg, core_attention, other_batches = (
+                    "dense-mask", settings, cfg, DenseMaskAttention, dense_mask_batches)
+                why = "megatron-core's own reset_attention_mask mask and positions, applied densely"
             if why:
                 print(f"compared with: {label or 'nothing'} ({why})")
             if not label:
@@ -226,8 +248,8 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
                 print("direct path: Primus-Turbo flash_attn_* " + ("(real)" if real_turbo else "(CPU fake)"),
                       flush=True)
             with _maybe_fake(label == "direct" and not real_turbo) as fake:
-                other_steps, _ = _run(label, other_cfg, other_settings, batches, opts, seq_length, device,
-                                      replay=flex_steps)
+                other_steps, _ = _run(label, other_cfg, other_settings, other_batches, opts, seq_length, device,
+                                      replay=flex_steps, core_attention=core_attention)
                 _print_kernels(label, fake)
     except UnsupportedConfigError as exc:
         # Rebuilt from its reasons: megatron-core appends "when instantiating ..." to the text.

@@ -45,6 +45,8 @@ class DemoOptions:
     vocab_size: int = 32
     min_doc_len: int = 6
     max_doc_len: int = 24
+    eod_documents: bool = False
+    """Dense [B, S] rows of EOD-separated documents, converted to packed THD (reset_attention_mask)."""
 
     @classmethod
     def from_mapping(cls, mapping: Any, seq_length: int) -> "DemoOptions":
@@ -59,6 +61,11 @@ class DemoOptions:
                                  f"known: {', '.join(names)}")
         values = {}
         for key, value in mapping.items():
+            if key == "eod_documents":
+                if not isinstance(value, bool):
+                    raise PrimusExtError(f"demo.eod_documents must be true or false, got {value!r}")
+                values[key] = value
+                continue
             kind = float if key == "lr" else int
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
                 raise PrimusExtError(f"demo.{key} must be a number ({kind.__name__}), got {value!r}")
@@ -124,14 +131,17 @@ def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
 
 
 def build_gpt(config: Any, settings: TurboAttentionSettings, *, vocab_size: int, seq_length: int,
-              seed: int, device: torch.device) -> Any:
-    """A megatron-core GPTModel with Turbo core attention; the seed fixes the weights."""
+              seed: int, device: torch.device, core_attention: Any = None) -> Any:
+    """A megatron-core GPTModel with Turbo core attention (or ``core_attention``); the seed fixes the weights."""
     from megatron.core.models.gpt import GPTModel
 
-    from ..megatron import get_gpt_layer_primus_turbo_local_spec
+    from ..megatron import get_gpt_layer_primus_turbo_local_spec, use_core_attention
 
     torch.manual_seed(seed)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_primus_turbo_local_spec(settings),
+    spec = get_gpt_layer_primus_turbo_local_spec(settings)
+    if core_attention is not None:
+        spec = use_core_attention(spec, core_attention)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=vocab_size, max_sequence_length=seq_length,
                      position_embedding_type="learned_absolute")
     model = model.to(device)
@@ -151,6 +161,7 @@ class Batch:
     positions: torch.Tensor     # restart at 0 in every document when packed
     cu_seqlens: Optional[torch.Tensor] = None  # int32 document boundaries when packed
     documents: int = 0
+    attention_mask: Optional[torch.Tensor] = None  # Megatron's dense mask (True = masked), EOD demo only
 
     @property
     def num_tokens(self) -> int:
@@ -159,7 +170,7 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         move = (lambda t: None if t is None else t.to(device))
         return Batch(move(self.tokens), move(self.labels), move(self.positions), move(self.cu_seqlens),
-                     self.documents)
+                     self.documents, move(self.attention_mask))
 
     def packed_seq_params(self) -> Any:
         if self.cu_seqlens is None:
@@ -245,7 +256,7 @@ def train(model: Any, batches: list[Batch], lr: float, device: torch.device,
                     named[name].copy_(value)
         params = {n: p.detach().clone() for n, p in named.items()} if replay is None else {}
         b = batch.to(device)
-        loss = model(b.tokens, b.positions, None, labels=b.labels,
+        loss = model(b.tokens, b.positions, b.attention_mask, labels=b.labels,
                      packed_seq_params=b.packed_seq_params()).float().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()

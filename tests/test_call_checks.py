@@ -129,3 +129,27 @@ def test_deterministic_at_a_call_reaches_the_kernel_on_every_build():
         with fake_primus_turbo(build=build) as fake:
             adapter(settings(turbo_flex_attention_backend="turbo"))(q, k, v, causal=True, deterministic=True)
         assert fake.calls[-1].args["deterministic"] is True, build
+
+
+DENSE_SWEEP = {
+    "mixed q/k/v dtypes": lambda q, k, v: (q, k.double(), v),
+    "integer q, k, v": lambda q, k, v: (q.long(), k.long(), v.long()),
+    "more query heads than built": lambda q, k, v: (torch.cat([q, q], dim=2), k, v),
+    "fewer key/value heads than built": lambda q, k, v: (q, k[:, :, :1], v[:, :, :1]),
+    "v of another length": lambda q, k, v: (q, k, v[:-1]),
+}
+
+
+@pytest.mark.parametrize("path", ["direct", "flex-reference", "flex-turbo"])
+@pytest.mark.parametrize("name", sorted(DENSE_SWEEP))
+def test_no_foreign_exception_escapes_megatrons_dense_calls(name, path):
+    from tests.megatron.test_refusals import qkv_sbhd
+
+    keys = {"direct": {}, "flex-reference": dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"),
+            "flex-turbo": dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="turbo")}[path]
+    with fake_primus_turbo() as fake:
+        layer = PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.causal, "self",
+                                          settings=gpt.settings(**keys))
+        with pytest.raises(UnsupportedInputError):
+            layer(*DENSE_SWEEP[name](*qkv_sbhd()), None)
+    assert fake.calls == []

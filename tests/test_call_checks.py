@@ -145,8 +145,9 @@ DENSE_SWEEP = {
 def test_no_foreign_exception_escapes_megatrons_dense_calls(name, path):
     from tests.megatron.test_refusals import qkv_sbhd
 
-    keys = {"direct": {}, "flex-reference": dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"),
-            "flex-turbo": dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="turbo")}[path]
+    flex = dict(use_turbo_flex_attention=True)
+    keys = {"direct": {}, "flex-reference": dict(flex, turbo_flex_attention_backend="reference"),
+            "flex-turbo": dict(flex, turbo_flex_attention_backend="turbo")}[path]
     with fake_primus_turbo() as fake:
         layer = PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.causal, "self",
                                           settings=gpt.settings(**keys))

@@ -114,7 +114,8 @@ def test_turbo_route_in_bf16_runs_exactly_or_was_refused(arch, name, group):
     sink64 = sink.detach().double().requires_grad_(True) if sink is not None else None
     want, _ = oracle.attention(eq, ek, ev, _allowed(case, plan), sink=sink64)
     want = want[0] if packed else want
-    assert oracle.mismatch(out, want, oracle.OUTPUT_TOL[BF16]) is None, oracle.mismatch(out, want, oracle.OUTPUT_TOL[BF16])
+    problem = oracle.mismatch(out, want, oracle.OUTPUT_TOL[BF16])
+    assert problem is None, problem
     wants = torch.autograd.grad(want, exact + ([sink64] if sink64 is not None else []), grad.double())
     for what, g, w in zip(("dq", "dk", "dv", "dsink"), got, wants):
         problem = oracle.mismatch(g, w, oracle.GRAD_TOL[BF16])

@@ -171,7 +171,8 @@ class TurboAttentionCore:
             raise _contract_refusal(("num_attention_heads", "num_query_groups"),
                                     f"the call has {query.shape[-2]} query and {key.shape[-2]} key/value heads, but "
                                     f"the layer was built for {self.facts.num_heads} and {self.facts.kv_heads} "
-                                    "(per tensor-parallel rank).", "build the layer with the head counts it is called with.")
+                                    "(per tensor-parallel rank).",
+                                    "build the layer with the head counts it is called with.")
         fmt = qkv_format(packed_seq_params, self.default_qkv_format)
         packed = self._packing(packed_seq_params, fmt)
         dropout_p = self.dropout if training else 0.0  # B30

@@ -284,3 +284,22 @@ def test_distinct_padded_boundaries_cost_one_host_comparison(dense_kernels):
     assert counted(lambda: module.forward(*args, packed_seq_params=same)).syncs == 0
     counts = counted(lambda: module.forward(*args, packed_seq_params=copy))
     assert counts.by_op("sync") == {"aten.equal.default": 1}, counts.summary()
+
+
+def test_dropped_adapters_and_their_op_targets_are_released():
+    """100 adapters built and dropped leave nothing behind in the op-target registry."""
+    import gc
+    import weakref
+
+    from primus_ext.backends import ops
+
+    gc.collect()
+    before = len(ops._TARGETS)
+    refs = []
+    for _ in range(100):
+        run = adapter(settings())
+        refs.append(weakref.ref(run))
+        del run
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+    assert len(ops._TARGETS) == before

@@ -73,7 +73,7 @@ class TurboFlexAttention:
         self.backend = backend if backend is not None else make_backend(plan.backend)
         self._alibi: dict[torch.device, Tensor] = {}
         self._target = PlanTarget(plan, self.backend)
-        self.handle = register_target(self._target)
+        self.handle = register_target(self._target, owner=self)
         # A proof that used a module global or a captured tensor holds while they are
         # unchanged; the reference evaluates the hooks themselves and needs no check.
         self._assumptions = () if self.backend.name == "reference" else tuple(plan.hook_assumptions)

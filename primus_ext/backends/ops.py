@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
@@ -51,10 +52,16 @@ _TARGETS: dict[int, OpTarget] = {}
 _NEXT = itertools.count(1)
 
 
-def register_target(target: OpTarget) -> int:
-    """Give ``target`` a handle the ops can carry as a plain int (build time, not per call)."""
+def register_target(target: OpTarget, owner: Any = None) -> int:
+    """Give ``target`` a handle the ops can carry as a plain int (build time, not per call).
+
+    With ``owner`` (the adapter or module the handle belongs to) the registry lets go of the
+    target when the owner is collected, so dropped layers do not stay alive through it.
+    """
     handle = next(_NEXT)
     _TARGETS[handle] = target
+    if owner is not None:
+        weakref.finalize(owner, _TARGETS.pop, handle, None)
     return handle
 
 

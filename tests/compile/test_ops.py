@@ -31,6 +31,7 @@ HEADS = 4
 BOUNDS = (0, 5, 11, 16)  # three documents, 16 tokens
 LONGEST = 6
 NO_RNG = torch.empty(0, dtype=torch.uint8)
+_ALIVE: list = []
 UNREGISTERED = -1  # a handle no target owns: any call of the real implementation would fail
 
 
@@ -74,7 +75,9 @@ def handle_for(backend: str, case: Case, packed: bool) -> int:
     """A registered target: a flex adapter whose plan matches the case."""
     window = case.window[0] if case.causal and case.window[0] > 0 else 0
     keys = dict(turbo_flex_attention_backend=backend, use_sink_attention=case.sink, sink_sliding_window=window)
-    return adapter(settings(**keys), facts(num_kv_heads=case.kv_heads, packed=packed)).handle
+    run = adapter(settings(**keys), facts(num_kv_heads=case.kv_heads, packed=packed))
+    _ALIVE.append(run)  # a handle lives as long as its adapter (the registry lets go of dropped ones)
+    return run.handle
 
 
 def sink_for(case: Case, grad: bool = False, dtype=torch.float32) -> Optional[torch.Tensor]:

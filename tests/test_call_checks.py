@@ -154,3 +154,48 @@ def test_no_foreign_exception_escapes_megatrons_dense_calls(name, path):
         with pytest.raises(UnsupportedInputError):
             layer(*DENSE_SWEEP[name](*qkv_sbhd()), None)
     assert fake.calls == []
+
+
+def _sbhd(h: int, dtype=torch.bfloat16):
+    return torch.randn(128, 2, h, 64).to(dtype).transpose(0, 1)
+
+
+@pytest.mark.parametrize("arch, keys, call", [
+    ("gfx942", {}, dict(deterministic=True)),  # AITER asserts on deterministic + sink
+    ("gfx942", {}, dict(dtype=torch.float32)),  # no backend takes fp32
+    ("gfx950", {"deterministic_mode": True}, dict(layout="bshd")),  # not sbhd: FlyDSL passes, AITER asserts
+    ("gfx950", {"deterministic_mode": True}, dict(dropout_p=0.1)),  # dropout leaves FlyDSL for AITER
+])
+def test_a_call_the_plan_did_not_assume_is_routed_and_refused_by_us(arch, keys, call):
+    """Helper review of issue 10: a call with another layout, flag or dtype than the plan assumed
+    used to reach a kernel backend that asserts; each is routed per call on the arch (B33)."""
+    dtype = call.pop("dtype", torch.bfloat16)
+    layout = call.pop("layout", "sbhd")
+    layer = facts(num_heads=8, num_kv_heads=1, head_dim=64, seq_length=128, dtype="bf16", packed=False)
+    with fake_primus_turbo(arch=arch, build="main") as fake:
+        plan = build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch=arch, use_sink_attention=True,
+                                   **keys), layer)
+        run = TurboFlexAttention(plan)
+        q, k, v = (_sbhd(h, dtype) for h in (8, 1, 1))
+        if layout == "bshd":
+            q, k, v = (t.contiguous() for t in (q, k, v))
+        with pytest.raises(UnsupportedInputError) as err:
+            run(q, k, v, causal=True, sink=torch.zeros(8), **call)
+        assert "B33" in err.value.codes
+        run(*(_sbhd(h) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8))  # the planned call runs
+    assert len(fake.calls) == 1
+
+
+def test_causal_flags_reach_the_kernel_normalised():
+    """causal=False with window (-1, 0) is causal: the kernel gets causal=True, (-1, -1)."""
+    with fake_primus_turbo() as fake:
+        adapter(settings(turbo_flex_attention_backend="turbo"))(*qkv(), causal=False, window_size=(-1, 0))
+    assert (fake.calls[-1].args["causal"], fake.calls[-1].args["window_size"]) == (True, (-1, -1))
+
+
+@pytest.mark.parametrize("window", [(-5, 0), (1.5, 0), (1, 2, 3)])
+def test_a_malformed_config_window_is_refused_at_build(window):
+    from primus_ext.errors import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match="window_size"):
+        build_plan(settings(), facts(window_size=window))

@@ -99,26 +99,18 @@ def test_sink_keyword_omitted_where_entry_lacks_it_and_refused_when_set():
         assert sink_kwargs_for(ops.flash_attn_func, None, where="dense") == {"sink": None}
 
 
-def test_packed_sink_takes_the_flex_varlen_entry_only_where_flash_varlen_lacks_sink():
-    """B7/B13: flex_attention_varlen runs a packed sink only when flash_attn_varlen_func cannot."""
-    q, k, v = packed_qkv(6)
-    cu = torch.tensor([0, 6], dtype=torch.int32)
-    sink = torch.zeros(4)
-    for varlen_sink, entry in ((True, "flash_attn_varlen_func"), (False, "flex_attention_varlen")):
-        with fake_primus_turbo(varlen_sink=varlen_sink) as fake:
-            run = adapter(turbo(use_sink_attention=True), facts(packed=True))
-            out = run(q, k, v, causal=True, sink=sink, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                      max_seqlen_q=6, max_seqlen_kv=6)
-        assert [c.entry for c in fake.calls] == [entry]
-        torch.testing.assert_close(out, oracle.packed_attention(q, k, v, [0, 6], sink=sink), **TOL)
-
-
-def test_packed_sink_is_refused_where_no_entry_takes_it():
-    """B13: neither varlen entry takes `sink` -> packed sinks refused, dense-only sinks kept."""
-    with fake_primus_turbo(build="old") as fake:
-        assert not hasattr(fake.module, "flex_attention_varlen")
+@pytest.mark.parametrize("flex", [False, True])
+def test_packed_sink_is_refused_where_flash_attn_varlen_func_lacks_sink(flex):
+    """B13/B7: packed sinks (and documents hooks with a sink) need `sink` on flash_attn_varlen_func;
+    the flex varlen entry is never a fallback (it takes a sink only for equal-length documents,
+    which no plan can know).  Dense-only sinks are kept."""
+    documents = dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:chunked",
+                     turbo_flex_attention_mask_mod_kwargs={"chunk_size": 4})
+    with fake_primus_turbo(flex=flex, varlen_sink=False):
         with pytest.raises(UnsupportedConfigError, match="use_sink_attention"):
             build_plan(turbo(use_sink_attention=True), facts(packed=True))
+        with pytest.raises(UnsupportedConfigError, match="use_sink_attention"):
+            build_plan(turbo(use_sink_attention=True, **documents), facts(packed=False))
         build_plan(turbo(use_sink_attention=True), facts(packed=False))
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
 from .call_checks import check_packed, check_qkv, check_window
+from .call_route import CallRoutes
 from .ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from ..attention.library import library_pattern
@@ -74,6 +75,8 @@ class TurboFlexAttention:
         self._alibi: dict[torch.device, Tensor] = {}
         self._target = PlanTarget(plan, self.backend)
         self.handle = register_target(self._target, owner=self)
+        # On a known arch, a call the plan did not assume is routed too (B33 per call).
+        self._routes = CallRoutes(plan.arch) if self.backend.name == "turbo" and plan.arch else None
         # A proof that used a module global or a captured tensor holds while they are
         # unchanged; the reference evaluates the hooks themselves and needs no check.
         self._assumptions = () if self.backend.name == "reference" else tuple(plan.hook_assumptions)
@@ -201,6 +204,9 @@ class TurboFlexAttention:
         self._check_dense_shape(pattern, q_len, kv_len)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
+        if self._routes is not None and pattern is not None:
+            self._routes.check("varlen" if pattern.documents else "dense", q, k, v, pattern.right == 0,
+                               pattern.window, sink, dropout, deterministic, alibi_slopes, bias, scale)
         return run_dense(self.handle, q, k, v, sink, alibi_slopes, bias, flag, window, scale, dropout,
                          deterministic, return_lse)
 
@@ -227,6 +233,10 @@ class TurboFlexAttention:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
         flag, window = _flash_args(causal, window_size)
         self._bind(flag, window)
+        if self._routes is not None:
+            call = _flash_pattern(flag, window)
+            self._routes.check("varlen", q, k, v, call.right == 0, call.window, sink, dropout, deterministic,
+                               alibi_slopes, None, scale)
         return run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, sink, alibi_slopes,
                           flag, window, scale, dropout, deterministic, return_lse)
 

@@ -13,15 +13,14 @@ direct entries compute all of them exactly, so those are what runs, on every bui
 * packed (thd) calls -> ``flash_attn_varlen_func`` with the window inside each document.
 
 The flex compat layer (``flex_attention*``, unmerged) adds no pattern these lack, only
-a mask probe and a BlockMask per shape; it is used for one thing alone: a sink on
-packed calls when the build's ``flash_attn_varlen_func`` has no ``sink`` parameter
-and its ``flex_attention_varlen`` has one (B7).
+a mask probe and a BlockMask per shape, so it is never called (B7).  (Its varlen entry
+takes a sink only for documents of equal length, which no plan can know.)
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -29,7 +28,7 @@ from torch import Tensor
 from ..attention.pattern import Pattern
 from ..errors import Reason, UnsupportedInputError
 from .base import BackendCapabilities, KernelCall, Output
-from .capabilities import deterministic_kwargs_for, entry_accepts, entry_name, sink_kwargs_for
+from .capabilities import entry_accepts, entry_name, sink_kwargs_for
 
 
 def load_ops() -> Any:
@@ -54,12 +53,6 @@ class TurboBackend:
         self.ops = ops if ops is not None else load_ops()
         self.direct: Callable[..., Any] = self.ops.flash_attn_func
         self.flash_varlen: Callable[..., Any] = self.ops.flash_attn_varlen_func
-        # The only call the flex layer can take that the direct entries cannot: a packed
-        # sink on a build whose flash_attn_varlen_func predates `sink`.
-        flex_varlen = getattr(self.ops, "flex_attention_varlen", None)
-        self.sink_varlen: Optional[Callable[..., Any]] = (
-            flex_varlen if flex_varlen is not None and not entry_accepts(self.flash_varlen, "sink")
-            and entry_accepts(flex_varlen, "sink") else None)
 
     def capabilities(self) -> BackendCapabilities:
         varlen = self.flash_varlen
@@ -71,11 +64,9 @@ class TurboBackend:
             packed_entry=entry_name(varlen),
             direct_entry="flash_attn_func",
             sink_dense=entry_accepts(self.direct, "sink"),
-            sink_packed=entry_accepts(varlen, "sink") or self.sink_varlen is not None,
+            sink_packed=entry_accepts(varlen, "sink"),
             deterministic_dense=entry_accepts(self.direct, "deterministic"),
-            # A packed sink may take the flex entry: then it must take `deterministic` too.
-            deterministic_packed=entry_accepts(varlen, "deterministic") and (
-                self.sink_varlen is None or entry_accepts(self.sink_varlen, "deterministic")),
+            deterministic_packed=entry_accepts(varlen, "deterministic"),
         )
 
     # -- dense ---------------------------------------------------------------
@@ -84,10 +75,10 @@ class TurboBackend:
         assert pattern is not None, "the plan never sends a custom mask to the turbo backend"
         if pattern.boundaries is not None:
             return self._documents_dense(q, k, v, call)
-        if call.flash_args is not None and pattern.kind in ("causal", "full"):
-            causal, window = call.flash_args
-        else:
-            causal, window = turbo_window_args(pattern)
+        # Normalised always (causal=False with (-1, 0) is causal): the kernel's dispatcher reads
+        # the flags as given, and the plan routed the normalised call; Megatron's own causal /
+        # full calls are unchanged by it (B6).
+        causal, window = turbo_window_args(pattern)
         return self.direct(
             q, k, v,
             dropout_p=call.dropout_p,
@@ -134,20 +125,12 @@ class TurboBackend:
         if call.pattern.window != (-1, -1):
             _check_same_boundaries(cu_seqlens_q, cu_seqlens_kv, call.pattern)
         causal, window = turbo_window_args(call.pattern)
-        if call.sink is not None and self.sink_varlen is not None:
-            result = self.sink_varlen(
-                q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                causal=causal, window_size=window, scale=call.scale, alibi_slopes=call.alibi_slopes,
-                dropout_p=call.dropout_p, return_lse=call.return_lse, sink=call.sink,
-                **deterministic_kwargs_for(self.sink_varlen, call.deterministic, where="packed"),
-            )
-        else:
-            result = self.flash_varlen(
-                q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                dropout_p=call.dropout_p, softmax_scale=call.scale, causal=causal, window_size=window,
-                alibi_slopes=call.alibi_slopes, deterministic=call.deterministic, return_lse=call.return_lse,
-                return_attn_probs=False, **sink_kwargs_for(self.flash_varlen, call.sink, where="packed"),
-            )
+        result = self.flash_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+            dropout_p=call.dropout_p, softmax_scale=call.scale, causal=causal, window_size=window,
+            alibi_slopes=call.alibi_slopes, deterministic=call.deterministic, return_lse=call.return_lse,
+            return_attn_probs=False, **sink_kwargs_for(self.flash_varlen, call.sink, where="packed"),
+        )
         return varlen_lse_as_heads_tokens(result) if call.return_lse else result
 
 

@@ -30,7 +30,12 @@ def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optiona
     (1, 3, 5, ...), i.e. the even 0-indexed ones, as GPT-OSS does (B14).
     """
     if facts.window_size is not None:
-        return (int(facts.window_size[0]), int(facts.window_size[1]))
+        window = tuple(facts.window_size)
+        if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window):
+            raise UnsupportedConfigError(Reason(("window_size",), f"window_size={facts.window_size!r}: a window is "
+                                                "two ints, each -1 (unbounded) or >= 0.",
+                                                "use (-1, -1) for none, (W, 0) for a causal sliding window."))
+        return (window[0], window[1])
     width = settings.sink_sliding_window
     if width > 0 and (not settings.sink_window_even_layers_only or facts.layer_number % 2 == 1):
         return (width, 0)

@@ -105,6 +105,12 @@ class Rule:
         return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields), self.code)
 
 
+def _documents_hook(c: "RuleInput") -> bool:
+    """A mask hook proven to be documents: its dense calls run on the packed (varlen) entry."""
+    proof = c.mask_proof
+    return c.flex and proof is not None and proof.pattern is not None and proof.pattern.documents
+
+
 def _score_kind(ctx: RuleInput) -> str:
     return ctx.score_proof.kind if ctx.score_proof else "identity"
 
@@ -266,7 +272,8 @@ RULES: Tuple[Rule, ...] = (
          "a learned sink is configured but the packed entry ({packed_entry}) has no `sink` "
          "parameter; packed batches would drop it.",
          "upgrade Primus-Turbo, set turbo_flex_attention_backend: reference, or train unpacked.",
-         lambda c: c.on_turbo and c.sink and c.facts.packed is True and not c.caps.sink_packed),  # type: ignore[union-attr]
+         lambda c: c.on_turbo and c.sink and not c.caps.sink_packed  # type: ignore[union-attr]
+         and (c.facts.packed is True or _documents_hook(c))),
     Rule("sink-shape", ("use_sink_attention", "kv_channels"),
          "Primus-Turbo's sink kernel wants equal q/k and v head dims and a power-of-two head dim "
          "(got {head_dim} and {head_dim_v}).",

@@ -182,14 +182,13 @@ def expect_build(case: Case) -> BuildExpectation:
         # Builds without flex entries run on flash_attn_func (which takes a sink) and
         # flash_attn_varlen_func (which takes one only where the build has varlen sinks).
         "B13": False,
-        "B13-packed": on_turbo and sink and packed is True and not fake["flex"] and not fake["varlen_sink"],
+        "B13-packed": on_turbo and sink and not fake["varlen_sink"] and (
+            packed is True or (mspec is not None and mspec.provable is True and mspec.kind == "documents")),
         "sink-shape": (on_turbo or (on_direct and fake is not None)) and sink
         and not (is_pow2(layer["head_dim"]) and layer["head_dim"] == layer["head_dim_v"]),
-        # Every build's flash entries take `deterministic`, and they run every pattern (B7); a
-        # packed sink takes flex_attention_varlen where flash_attn_varlen_func lacks `sink`.
+        # Every build's flash entries take `deterministic`, and they run every pattern (B7).
         "B24": False,
-        "B24-packed": on_turbo and s["deterministic_mode"] and may_pack and fake["flex"] and not fake["varlen_sink"]
-        and not fake["flex_deterministic"],
+        "B24-packed": False,
     }
     # A rule is expected once docs/refusals.md documents it (B30-cp and cp-heads arrive with
     # the context-parallel direct path; before that nothing refuses those cases at build).
@@ -282,9 +281,8 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("padded boundaries differ")
         if hooked or scored:
             exp.must.append("hook on a packed call")
-        # the direct path, or a flex build without flex entries, packs on flash_attn_varlen_func
-        if fake is not None and planned_sink(case) and not fake["varlen_sink"] and (
-                not case.flex or (turbo and not fake["flex"])):
+        # the direct path and the turbo backend pack on flash_attn_varlen_func (B7)
+        if fake is not None and planned_sink(case) and not fake["varlen_sink"] and (not case.flex or turbo):
             exp.late_sink = True
     return exp
 

@@ -1,0 +1,65 @@
+"""Each turbo call's own kernel route on the plan's arch, checked before the kernel (B33, B34).
+
+The plan checks the routes of the layer's configured calls.  A caller using the adapter
+as the drop-in ``flash_attn_func`` can still pass what the plan did not assume: another
+storage layout (FlyDSL wants sbhd), ``deterministic=True``, dropout, another dtype or
+head dim.  Such a call could reach a kernel backend that asserts, or one that computes
+it wrongly (AITER's sink backward).  So on a known arch each distinct call shape is routed
+with the same dispatch model, once, and refused with our error when it would fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..errors import Reason, UnsupportedInputError
+from .dispatch import ARCHES, CallFeatures, route, default_scale
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+_MEMO_MAX = 256
+
+
+class CallRoutes:
+    """Memoised `route` of a layer's calls on one arch; raises for a call no backend runs right."""
+
+    def __init__(self, arch: Optional[str]) -> None:
+        self.arch = arch if arch in ARCHES else None
+        self._seen: dict[tuple, Optional[UnsupportedInputError]] = {}
+
+    def check(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
+              sink: Any, dropout: float, deterministic: bool, alibi: Any, bias: Any, scale: Optional[float]) -> None:
+        if self.arch is None:
+            return
+        sbhd = entry != "dense" or q.shape[0] == 1 or q.transpose(0, 1).is_contiguous()
+        key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, sink is not None,
+               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd)
+        if key not in self._seen:
+            if len(self._seen) >= _MEMO_MAX:
+                self._seen.clear()
+            self._seen[key] = self._problem(key)
+        problem = self._seen[key]
+        if problem is not None:
+            raise problem
+
+    def _problem(self, key: tuple) -> Optional[UnsupportedInputError]:
+        entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd = key
+        found = route(CallFeatures(
+            arch=self.arch or "", entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
+            head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
+            dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
+            default_scale=default_scale(scale, int(d)), equal_documents=None, sbhd_storage=sbhd))
+        text = found.problem()
+        if not text:
+            return None
+        settings = tuple(dict.fromkeys(("turbo_arch",) + tuple(s for c in found.blocking for s in c.settings)))
+        alternatives = [c.alternative for c in found.blocking if c.alternative]
+        if entry == "dense" and not sbhd:
+            alternatives.append("pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed")
+        return UnsupportedInputError(Reason(settings, f"this call: {text}.", "; or ".join(alternatives)
+                                            or "call with the arguments the layer was planned for", "B33"))
+
+
+__all__ = ["CallRoutes"]

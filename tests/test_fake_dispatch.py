@@ -299,3 +299,16 @@ def test_context_parallel_rows_are_refused_exactly_where_the_usp_entries_assert(
                 assert "B22" in codes
             else:
                 assert codes == expected, (codes, expected)
+
+
+def test_fake_flex_varlen_refuses_a_sink_with_documents_of_unequal_length():
+    """Facts §4: the flex layer refuses it on any arch; the fake is never kinder."""
+    q, k, v = sbhd_qkv(1, 8, 1, BF16)
+    with fake_primus_turbo():
+        import primus_turbo.pytorch.ops as ops
+
+        unequal = torch.tensor(UNEQUAL, dtype=torch.int32)
+        with pytest.raises(ValueError, match="equal length"):
+            ops.flex_attention_varlen(q[0], k[0], v[0], unequal, unequal, 11, 11, causal=True, sink=torch.zeros(8))
+        equal = torch.tensor(EQUAL, dtype=torch.int32)
+        ops.flex_attention_varlen(q[0], k[0], v[0], equal, equal, 8, 8, causal=True, sink=torch.zeros(8))

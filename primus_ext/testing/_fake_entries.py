@@ -204,6 +204,11 @@ def flex_varlen(name: str, *, faults: Iterable[str] = (), dispatch: Optional["Di
     def body(a: Args, _classify: MaskClassifier) -> Any:
         _check_softcap(name, a["softcap"])
         causal = bool(a["causal"])
+        cu = a["cu_seqlens_q"]
+        if a.get("sink") is not None and isinstance(cu, Tensor) and cu.dim() == 1:
+            bounds = cu.tolist()  # the flex layer reads the boundaries on the host too
+            if len({end - start for start, end in zip(bounds, bounds[1:])}) > 1:
+                raise ValueError(f"{name}: a sink needs documents of equal length (flex compat layer)")
         return _varlen_core(name, a, "query", causal=causal, window=tuple(a["window_size"]),
                             scale=a["scale"], require_same_bounds=causal, faults=faults, dispatch=dispatch)
 

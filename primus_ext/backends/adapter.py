@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
-from .call_checks import check_packed, check_qkv, check_window
+from .call_checks import check_heads, check_packed, check_qkv, check_window
 from .call_route import CallRoutes
 from .ops import register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
@@ -175,12 +175,7 @@ class TurboFlexAttention:
                           "call with return_attn_probs=False.")
         plan = self.plan
         check_qkv(q, k, v)
-        if q.shape[-2] != plan.num_heads or k.shape[-2] != plan.num_kv_heads:
-            # Hooks are proven for the planned heads only, and sinks / slopes are per head.
-            raise _refuse(("num_attention_heads", "num_query_groups"),
-                          f"the call has {q.shape[-2]} query and {k.shape[-2]} key/value heads, but the layer "
-                          f"was planned for {plan.num_heads} and {plan.num_kv_heads}.",
-                          "build the layer with the head counts (per tensor-parallel rank) it is called with.")
+        check_heads(q, k, plan.num_heads, plan.num_kv_heads)
         if self._assumptions:
             self._check_assumptions()
         scale = softmax_scale if softmax_scale is not None else plan.scale

@@ -13,18 +13,43 @@ it fails as a device-side assert carrying the same text, asynchronously.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Tuple
 
 import torch
 from torch import Tensor
 
-from ..errors import Reason, UnsupportedInputError
+from ..errors import PrimusExtError, Reason, UnsupportedInputError
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
     return UnsupportedInputError(Reason(settings, reason, alternative, "B34"))
+
+
+def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]) -> None:
+    """A value check without a host sync: an on-device assertion of ``ok``.
+
+    On CPU it fails at once and ``refusal()`` is raised instead (our error type); on a GPU
+    it fails later as a device-side assert with ``why`` (a constant text inside a graph).
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, why)
+        return
+    try:
+        torch._assert_async(ok, why)
+    except RuntimeError:  # CPU: the assertion fails at once
+        raise refusal() from None
+
+
+def check_heads(q: Tensor, k: Tensor, heads: int, kv_heads: int) -> None:
+    """The call's query and key/value head counts are those the layer was planned for."""
+    if q.shape[-2] != heads or k.shape[-2] != kv_heads:
+        # Hooks are proven for the planned heads only, and sinks / slopes are per head.
+        raise _refuse(("num_attention_heads", "num_query_groups"),
+                      f"the call has {q.shape[-2]} query and {k.shape[-2]} key/value heads, but the layer "
+                      f"was planned for {heads} and {kv_heads}.",
+                      "build the layer with the head counts (per tensor-parallel rank) it is called with.")
 
 
 def check_qkv(q: Any, k: Any, v: Any) -> None:
@@ -62,7 +87,7 @@ def check_window(window_size: Any) -> Tuple[int, int]:
     return left, right
 
 
-def _boundaries(name: str, cu: Any, device: torch.device, tokens: int) -> Tensor:
+def _boundaries(name: str, cu: Any, device: torch.device) -> Tensor:
     if not isinstance(cu, Tensor):
         raise _refuse((name,), f"{name} must be a 1-D int32 tensor on the inputs' device, got {type(cu).__name__}.",
                       f"pass torch.tensor({name}, dtype=torch.int32, device=q.device).")
@@ -102,8 +127,8 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     kernel (and `turbo`'s same-boundaries check) still sees one tensor.
     """
     same = cu_q is cu_kv
-    cu_q = _boundaries("cu_seqlens_q", cu_q, q.device, q.shape[0])
-    cu_kv = cu_q if same else _boundaries("cu_seqlens_kv", cu_kv, q.device, k.shape[0])
+    cu_q = _boundaries("cu_seqlens_q", cu_q, q.device)
+    cu_kv = cu_q if same else _boundaries("cu_seqlens_kv", cu_kv, q.device)
     if cu_q.numel() != cu_kv.numel():
         raise _refuse(("cu_seqlens_q", "cu_seqlens_kv"), f"cu_seqlens_q has {cu_q.numel() - 1} documents and "
                       f"cu_seqlens_kv {cu_kv.numel() - 1}; q and kv need the same documents.")
@@ -121,18 +146,16 @@ def _assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None
     first = torch.arange(cu.numel(), device=cu.device) == 0
     lengths = torch.where(first, torch.zeros_like(cu), cu - cu.roll(1))
     ok = (cu[0] == 0) & (cu[-1] == tokens) & (lengths >= 0).all() & (lengths.max() <= longest)
-    if torch.compiler.is_compiling():  # a traced graph keeps a constant message
-        torch._assert_async(ok, f"{name} must start at 0, never decrease, end at the token count, and have no "
-                                "document longer than max_seqlen (B34)")
-        return
-    why = (f"{name} must start at 0, never decrease, end at the token count ({tokens}), and have no document "
-           f"longer than max_seqlen ({longest if not isinstance(longest, Tensor) else 'the tensor given'}) (B34)")
-    try:
-        torch._assert_async(ok, why)
-    except RuntimeError:  # CPU: the assertion fails at once
-        raise _refuse((name, "max_seqlen_q" if name.endswith("_q") else "max_seqlen_kv"), why + ".",
-                      "build the boundaries as the cumulative document lengths, and max_seqlen as the longest "
-                      "document (or leave it None).") from None
+    if torch.compiler.is_compiling():  # the values may be symbolic: a traced graph keeps a constant text
+        why = (f"{name} must start at 0, never decrease, end at the token count, and have no document longer "
+               "than max_seqlen (B34)")
+    else:
+        why = (f"{name} must start at 0, never decrease, end at the token count ({tokens}), and have no document "
+               f"longer than max_seqlen ({longest if not isinstance(longest, Tensor) else 'the tensor given'}) (B34)")
+    assert_on_device(ok, why, lambda: _refuse(
+        (name, "max_seqlen_q" if name.endswith("_q") else "max_seqlen_kv"), why + ".",
+        "build the boundaries as the cumulative document lengths, and max_seqlen as the longest document "
+        "(or leave it None)."))
 
 
-__all__ = ["check_packed", "check_qkv", "check_window"]
+__all__ = ["assert_on_device", "check_heads", "check_packed", "check_qkv", "check_window"]

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import Reason, UnsupportedInputError
+from ..errors import UnsupportedInputError
 from .dispatch import ARCHES, CallFeatures, route, default_scale
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -51,15 +51,10 @@ class CallRoutes:
             head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
             dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
             default_scale=default_scale(scale, int(d)), equal_documents=None, sbhd_storage=sbhd))
-        text = found.problem()
-        if not text:
-            return None
-        settings = tuple(dict.fromkeys(("turbo_arch",) + tuple(s for c in found.blocking for s in c.settings)))
-        alternatives = [c.alternative for c in found.blocking if c.alternative]
-        if entry == "dense" and not sbhd:
-            alternatives.append("pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed")
-        return UnsupportedInputError(Reason(settings, f"this call: {text}.", "; or ".join(alternatives)
-                                            or "call with the arguments the layer was planned for", "B33"))
+        layout = () if entry != "dense" or sbhd else (
+            "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
+        reason = found.reason("this call", alternatives=layout)
+        return UnsupportedInputError(reason) if reason is not None else None
 
 
 __all__ = ["CallRoutes"]

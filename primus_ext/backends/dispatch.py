@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
+
+from ..errors import Reason
 
 ARCHES = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI355"}
@@ -191,6 +193,17 @@ class Route:
         if self.defects:
             return f"on {arch} {entry} runs on {self.backend}: {'; '.join(self.defects)}"
         return ""
+
+    def reason(self, what: str, *, settings: Sequence[str] = (), alternatives: Sequence[str] = ()) -> Optional[Reason]:
+        """The B33 refusal of this route ("{what}: {problem}"), or None when it runs right;
+        ``settings`` / ``alternatives`` add to those of the blocking checks."""
+        problem = self.problem()
+        if not problem:
+            return None
+        names = ("turbo_arch",) + tuple(s for c in self.blocking for s in c.settings) + tuple(settings)
+        ways = [c.alternative for c in self.blocking if c.alternative] + list(alternatives)
+        return Reason(tuple(dict.fromkeys(names)), f"{what}: {problem}.",
+                      "; or ".join(dict.fromkeys(ways)) or "change the configuration", "B33")
 
 
 def route(features: CallFeatures) -> Route:

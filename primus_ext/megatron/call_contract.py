@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..backends.call_checks import assert_on_device
 from ..errors import Reason, UnsupportedInputError
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -67,17 +68,14 @@ class MaskCheck:
         why = ("attention_mask is not Megatron's causal mask (a document mask from reset_attention_mask, or "
                "another mask); the layer would ignore it (B25, B34)")
         expected = lambda: torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).triu(1)  # noqa: E731
+        refusal = lambda: refuse(("attention_mask", "reset_attention_mask"), why + ".", _MASK_ALTERNATIVE)  # noqa: E731
         if torch.compiler.is_compiling():  # no memo inside a graph: one fused comparison per call
-            torch._assert_async((mask == expected()).all(), why)
+            assert_on_device((mask == expected()).all(), why, refusal)
             return
         key = (mask.data_ptr(), mask._version, shape, mask.stride(), mask.device)
         if key == self._seen:
             return
-        same = (mask == expected()).all()
-        try:
-            torch._assert_async(same, why)
-        except RuntimeError:  # CPU: the assertion fails at once
-            raise refuse(("attention_mask", "reset_attention_mask"), why + ".", _MASK_ALTERNATIVE) from None
+        assert_on_device((mask == expected()).all(), why, refusal)
         self._seen = key
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..backends.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
-from ..backends.call_checks import check_packed, check_qkv
+from ..backends.call_checks import check_heads, check_packed, check_qkv
 from ..backends.direct import DirectRunner, DirectTarget, choose_direct, context_parallel_groups
 from ..backends.ops import register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
@@ -167,12 +167,7 @@ class TurboAttentionCore:
                 packed_seq_params: Any = None, *, sink: Optional[Tensor] = None, training: bool = False) -> Tensor:
         self._check_call(attn_mask_type, attention_bias)
         check_qkv(query, key, value)
-        if query.shape[-2] != self.facts.num_heads or key.shape[-2] != self.facts.kv_heads:
-            raise _contract_refusal(("num_attention_heads", "num_query_groups"),
-                                    f"the call has {query.shape[-2]} query and {key.shape[-2]} key/value heads, but "
-                                    f"the layer was built for {self.facts.num_heads} and {self.facts.kv_heads} "
-                                    "(per tensor-parallel rank).",
-                                    "build the layer with the head counts it is called with.")
+        check_heads(query, key, self.facts.num_heads, self.facts.kv_heads)
         fmt = qkv_format(packed_seq_params, self.default_qkv_format)
         packed = self._packing(packed_seq_params, fmt)
         dropout_p = self.dropout if training else 0.0  # B30

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ..backends.call_checks import assert_on_device
 from ..errors import Reason, UnsupportedInputError
 
 
@@ -78,14 +79,9 @@ def pack_eod_micro_batch(tokens: Tensor, *, eod_token: int, max_documents: int, 
     count = starts.sum()
     too_many = (f"a micro-batch holds more documents than max_documents={max_documents}; they would be merged "
                 "(B25)")
-    if torch.compiler.is_compiling():
-        torch._assert_async(count <= max_documents, too_many)
-    else:
-        try:
-            torch._assert_async(count <= max_documents, too_many)
-        except RuntimeError:  # CPU: fails at once
-            raise _refuse(("max_documents",), too_many + ".", "raise max_documents (e.g. to seq_length // 2 "
-                          "times the micro-batch size) or use longer documents.") from None
+    assert_on_device(count <= max_documents, too_many, lambda: _refuse(
+        ("max_documents",), too_many + ".",
+        "raise max_documents (e.g. to seq_length // 2 times the micro-batch size) or use longer documents."))
     index = torch.arange(total, device=tokens.device)
     first = torch.nonzero_static(starts, size=max_documents, fill_value=total).reshape(-1)
     cu = torch.cat([first, first.new_full((1,), total)]).to(torch.int32)

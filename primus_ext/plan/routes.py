@@ -72,16 +72,12 @@ def route_reasons(routes: Sequence[Tuple[str, Route]], packed: Optional[bool] = 
     """
     reasons = []
     for kind, found in routes:
-        problem = found.problem()
-        if not problem:
-            continue
-        settings = tuple(dict.fromkeys(("turbo_arch",) + tuple(s for c in found.blocking for s in c.settings)))
-        alternatives = [c.alternative for c in found.blocking if c.alternative]
-        if kind == "packed" and packed is None:
-            settings += ("packed_sequences",) if "packed_sequences" not in settings else ()
-            alternatives.append("if batches are never packed (THD), say so with packed_sequences: false")
-        reasons.append(Reason(settings, f"{kind} calls: {problem}.",
-                              "; or ".join(dict.fromkeys(alternatives)) or "change the configuration", "B33"))
+        unknown_packing = kind == "packed" and packed is None
+        reason = found.reason(f"{kind} calls", settings=("packed_sequences",) if unknown_packing else (),
+                              alternatives=("if batches are never packed (THD), say so with packed_sequences: false",)
+                              if unknown_packing else ())
+        if reason is not None:
+            reasons.append(reason)
     return reasons
 
 

@@ -199,3 +199,19 @@ def test_a_malformed_config_window_is_refused_at_build(window):
 
     with pytest.raises(UnsupportedConfigError, match="window_size"):
         build_plan(settings(), facts(window_size=window))
+
+
+def test_boundaries_proven_once_are_checked_again_when_they_or_the_bound_change():
+    """The value check runs once per boundary tensor (every layer of a step shares it), and again
+    after an in-place change or for a tighter max_seqlen."""
+    from primus_ext.backends.call_checks import check_packed
+
+    q = torch.randn(11, 4, 8)
+    cu = _cu()
+    check_packed(q, q, cu, cu, 7, 7)
+    check_packed(q, q, cu, cu, 7, 7)  # proven: no second check needed, and none fails
+    with pytest.raises(UnsupportedInputError, match="max_seqlen"):
+        check_packed(q, q, cu, cu, 6, 6)  # a tighter bound is checked, not assumed
+    cu[1] = 12  # in place (a new version): now 12 > 11, decreasing
+    with pytest.raises(UnsupportedInputError, match="never decrease"):
+        check_packed(q, q, cu, cu, 11, 11)

@@ -13,6 +13,7 @@ it fails as a device-side assert carrying the same text, asynchronously.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Tuple
 
 import torch
@@ -140,7 +141,23 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     return cu_q, cu_kv, max_q, max_kv
 
 
+_PROVEN: list = []
+"""The last boundaries proven, ``(weakref, version, tokens, longest)``: every layer of a step gets
+the same tensor, so the value check runs once per step, not once per layer and call."""
+
+
 def _assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
+    if torch.compiler.is_compiling() or isinstance(longest, Tensor):
+        _check_boundaries(name, cu, tokens, longest)
+        return
+    for ref, version, n, bound in _PROVEN:
+        if ref() is cu and version == cu._version and n == tokens and bound <= longest:
+            return
+    _check_boundaries(name, cu, tokens, longest)
+    _PROVEN[:] = [(weakref.ref(cu), cu._version, tokens, longest)] + _PROVEN[:1]
+
+
+def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     # Lengths at full size (entry 0 set to 0): a slice of n - 1 entries would make a compiled
     # graph specialise on n == 2, one more recompile per batch shape.
     first = torch.arange(cu.numel(), device=cu.device) == 0

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Tuple
 
 import torch
@@ -49,7 +50,9 @@ class MaskCheck:
     def __init__(self, layer_is_causal: bool, what: str) -> None:
         self.layer_is_causal = layer_is_causal
         self.what = what  # the layer's attention, for messages
-        self._seen: Optional[Tuple[Any, ...]] = None
+        # The mask last proven, by weak reference and version: a freed mask's address can be
+        # reused by another tensor, so identity, not address, says "the same mask".
+        self._seen: Optional[Tuple[Any, int]] = None
 
     def __call__(self, mask: Optional[Any], q_len: int, kv_len: int) -> None:
         if mask is None:
@@ -72,11 +75,11 @@ class MaskCheck:
         if torch.compiler.is_compiling():  # no memo inside a graph: one fused comparison per call
             assert_on_device((mask == expected()).all(), why, refusal)
             return
-        key = (mask.data_ptr(), mask._version, shape, mask.stride(), mask.device)
-        if key == self._seen:
+        seen = self._seen
+        if seen is not None and seen[0]() is mask and seen[1] == mask._version:
             return
         assert_on_device((mask == expected()).all(), why, refusal)
-        self._seen = key
+        self._seen = (weakref.ref(mask), mask._version)
 
 
 __all__ = ["MaskCheck", "QKV_FORMATS", "qkv_format", "refuse"]

@@ -170,12 +170,24 @@ def test_bf16_sink_costs_exactly_its_fp32_cast(fake_kernels):
 
 
 # -- flex adapter, packed thd -------------------------------------------------------------
-def test_reference_packed_call_has_no_host_sync_anywhere():
+def test_reference_packed_call_off_cpu_has_no_host_sync_anywhere():
+    """Off the CPU the reference tells documents apart on the device (the band layout)."""
     (q, k, v), bounds = packed_inputs()
     run = reference_is_kernel(adapter(settings(), facts(packed=True)))
+    run.backend.read_boundaries = False  # what a non-CPU device gets
     counts = counted(lambda: run(q, k, v, causal=True, **bounds))
     assert counts.syncs == 0 and counts.kernel_syncs == 0, counts.summary()
     assert counts.copies == 0, counts.summary()
+
+
+def test_reference_packed_call_on_cpu_reads_only_host_memory():
+    """On the CPU the boundaries are host memory: the reference reads them once per vector
+    (no device to sync with) to visit each document's own tiles, and the caller nothing."""
+    (q, k, v), bounds = packed_inputs()
+    run = reference_is_kernel(adapter(settings(), facts(packed=True)))
+    counts = counted(lambda: run(q, k, v, causal=True, **bounds))
+    assert counts.syncs == 0 and counts.copies == 0, counts.summary()
+    assert counts.by_op("sync", kernel=True) == {"Tensor.tolist": 2}, counts.summary()
 
 
 def test_turbo_packed_call_syncs_only_inside_turbo(fake_kernels):
@@ -303,3 +315,65 @@ def test_dropped_adapters_and_their_op_targets_are_released():
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
     assert len(ops._TARGETS) == before
+
+
+def test_no_route_builds_a_block_mask_and_a_shape_sweep_keeps_no_tensor():
+    """24 drop-in adapters (reference and turbo, dense and packed, causal, window, sink, hook)
+    over 100 shapes: no BlockMask is ever built (no route reads one), and once the inputs
+    are dropped nothing of them stays alive in a cache; the per-call memos stay bounded."""
+    import gc
+    import weakref
+
+    from torch.nn.attention import flex_attention as flex
+
+    from primus_ext.backends.adapter import _CALLS_MAX
+    from primus_ext.backends.call_route import _MEMO_MAX
+
+    built = []
+    original = flex.BlockMask.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        original(self, *args, **kwargs)
+
+    keys = [dict(), dict(use_sink_attention=True, sink_sliding_window=3),
+            dict(turbo_flex_attention_mask_mod="tests.proof_hooks:gym_window")]
+    refs = []
+    with fake_primus_turbo(arch="gfx942") as fake:
+        runs = []
+        for backend in ("reference", "turbo"):
+            for extra in keys:
+                for packed in (False, True):
+                    if packed and ("use_sink_attention" in extra or "turbo_flex_attention_mask_mod" in extra):
+                        continue
+                    s = settings(turbo_flex_attention_backend=backend, turbo_arch="gfx942", **extra)
+                    runs += [adapter(s, facts(dtype="bf16", packed=packed)) for _ in range(3)]
+        flex.BlockMask.__init__ = counting
+        try:
+            for shape in range(100):
+                seq = 8 + shape
+                run = runs[shape % len(runs)]
+                sink = torch.zeros(4) if run.plan.sink else None
+                if run.plan.packed:
+                    q, k, v = (t[0] for t in qkv(1, seq, dtype=torch.bfloat16))
+                    cu = torch.tensor([0, seq // 2, seq], dtype=torch.int32)
+                    run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=seq - seq // 2,
+                        max_seqlen_kv=seq - seq // 2)
+                    refs += [weakref.ref(t) for t in (q, k, v, cu)]
+                    del cu
+                else:
+                    q, k, v = qkv(s=seq, dtype=torch.bfloat16)
+                    hook = run.plan.mask_mod is not None
+                    run(q, k, v, causal=not hook, sink=sink)
+                    refs += [weakref.ref(t) for t in (q, k, v)]
+                del q, k, v
+        finally:
+            flex.BlockMask.__init__ = original
+        fake.reset()  # the fake's call log holds the very tensors passed (by design)
+        gc.collect()
+        assert not built, f"{len(built)} BlockMasks built"
+        assert sum(r() is not None for r in refs) == 0, "a cache keeps inputs alive"
+        assert len(runs) == 24
+        for run in runs:
+            assert len(run._target._calls) <= _CALLS_MAX
+            assert run._routes is None or len(run._routes._seen) <= _MEMO_MAX

@@ -21,7 +21,7 @@ from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
 from .call_checks import check_heads, check_packed, check_qkv, check_window
 from .call_route import CallRoutes
-from .ops import register_target, run_dense, run_packed
+from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from ..attention.library import library_pattern
 from ..attention.pattern import Pattern, pattern_from_flash_args
@@ -76,7 +76,7 @@ class TurboFlexAttention:
         self._target = PlanTarget(plan, self.backend)
         self.handle = register_target(self._target, owner=self)
         # On a known arch, a call the plan did not assume is routed too (B33 per call).
-        self._routes = CallRoutes(plan.arch) if self.backend.name == "turbo" and plan.arch else None
+        self._routes = self._target.routes
         # A proof that used a module global or a captured tensor holds while they are
         # unchanged; the reference evaluates the hooks themselves and needs no check.
         self._assumptions = () if self.backend.name == "reference" else tuple(plan.hook_assumptions)
@@ -249,6 +249,7 @@ class PlanTarget:
     def __init__(self, plan: Any, backend: AttentionBackend) -> None:
         self.plan = plan
         self.backend = backend
+        self.routes = CallRoutes(plan.arch) if backend.name == "turbo" and plan.arch else None
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
         # The reference evaluates every user hook itself at every call, proven or not, so
@@ -268,10 +269,28 @@ class PlanTarget:
     def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
               dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
+        call = self._dense_call(q, sink, alibi, bias, causal, window, scale, dropout_p, deterministic, return_lse)
+        return self.backend.dense(q, k, v, call)
+
+    def pair(self, a: CallArgs) -> Optional[KernelPair]:
+        """The backend's kernel-level pair for this call, if it has one (compiled steps)."""
+        find = getattr(self.backend, "kernel_pair", None)
+        if find is None:
+            return None
+        if a.cu_q is None:
+            call = self._dense_call(a.q, a.sink, a.alibi, a.bias, a.causal, a.window, a.scale, a.dropout_p,
+                                    a.deterministic, False)
+        else:
+            call = self._call(False, (a.causal, tuple(a.window)), a.sink, a.alibi, None, a.scale, a.dropout_p,
+                              a.deterministic, False)
+        return find(a, call, self.routes)
+
+    def _dense_call(self, q: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor], bias: Optional[Tensor],
+                    causal: bool, window: Tuple[int, int], scale: Optional[float], dropout_p: float,
+                    deterministic: bool, return_lse: bool) -> KernelCall:
         flash = (causal, tuple(window)) if self.plan.mask_mod is None else None
         length = q.shape[1] if self.per_length and flash is None else None
-        call = self._call(True, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse, length)
-        return self.backend.dense(q, k, v, call)
+        return self._call(True, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse, length)
 
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
                sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: Tuple[int, int],

@@ -92,4 +92,10 @@ def fp32_sink(sink: Optional[Tensor]) -> Optional[Tensor]:
     return sink.float()
 
 
-__all__ = ["AttentionBackend", "BackendCapabilities", "KernelCall", "Output", "fp32_sink"]
+def same_tensor(a: Tensor, b: Tensor) -> bool:
+    """The same boundaries without reading them: one tensor, or two views of the same memory."""
+    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
+__all__ = ["AttentionBackend", "BackendCapabilities", "KernelCall", "Output", "fp32_sink", "same_tensor"]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UnsupportedInputError
-from .dispatch import ARCHES, CallFeatures, route, default_scale
+from .dispatch import ARCHES, CallFeatures, Route, default_scale, route
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 _MEMO_MAX = 256
@@ -27,24 +27,40 @@ class CallRoutes:
 
     def __init__(self, arch: Optional[str]) -> None:
         self.arch = arch if arch in ARCHES else None
-        self._seen: dict[tuple, Optional[UnsupportedInputError]] = {}
+        self._seen: dict[tuple, tuple[Route, Optional[UnsupportedInputError]]] = {}
 
     def check(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
               sink: Any, dropout: float, deterministic: bool, alibi: Any, bias: Any, scale: Optional[float]) -> None:
         if self.arch is None:
             return
-        sbhd = entry != "dense" or q.shape[0] == 1 or q.transpose(0, 1).is_contiguous()
-        key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, sink is not None,
-               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd)
-        if key not in self._seen:
-            if len(self._seen) >= _MEMO_MAX:
-                self._seen.clear()
-            self._seen[key] = self._problem(key)
-        problem = self._seen[key]
+        problem = self._lookup(entry, q, k, v, causal, window, sink, dropout, deterministic, alibi, bias, scale)[1]
         if problem is not None:
             raise problem
 
-    def _problem(self, key: tuple) -> Optional[UnsupportedInputError]:
+    def backend(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
+                sink: Any, dropout: float, deterministic: bool, alibi: Any, bias: Any,
+                scale: Optional[float]) -> Optional[str]:
+        """The kernel backend this call reaches and runs right on, or None (unknown arch, or refused)."""
+        if self.arch is None:
+            return None
+        found, problem = self._lookup(entry, q, k, v, causal, window, sink, dropout, deterministic, alibi, bias,
+                                      scale)
+        return None if problem is not None else found.backend
+
+    def _lookup(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
+                sink: Any, dropout: float, deterministic: bool, alibi: Any,
+                bias: Any, scale: Optional[float]) -> tuple[Route, Optional[UnsupportedInputError]]:
+        sbhd = entry != "dense" or q.shape[0] == 1 or q.transpose(0, 1).is_contiguous()
+        key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, sink is not None,
+               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd)
+        found = self._seen.get(key)
+        if found is None:
+            if len(self._seen) >= _MEMO_MAX:
+                self._seen.clear()
+            found = self._seen[key] = self._route(key)
+        return found
+
+    def _route(self, key: tuple) -> tuple[Route, Optional[UnsupportedInputError]]:
         entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd = key
         found = route(CallFeatures(
             arch=self.arch or "", entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
@@ -54,7 +70,7 @@ class CallRoutes:
         layout = () if entry != "dense" or sbhd else (
             "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
         reason = found.reason("this call", alternatives=layout)
-        return UnsupportedInputError(reason) if reason is not None else None
+        return found, (UnsupportedInputError(reason) if reason is not None else None)
 
 
 __all__ = ["CallRoutes"]

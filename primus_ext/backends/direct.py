@@ -40,7 +40,10 @@ from typing import Any, Optional, Tuple
 from torch import Tensor
 
 from .base import fp32_sink
+from .call_route import CallRoutes
 from .capabilities import entry_accepts, sink_kwargs_for
+from .ops import CallArgs
+from .turbo_kernels import AiterPair, discover
 
 CP_GROUP_KWARGS = ("ulysses_group", "ring_group")
 
@@ -165,10 +168,23 @@ class DirectRunner:
 
 
 class DirectTarget:
-    """What a direct-path op handle runs (see `primus_ext.backends.ops`)."""
+    """What a direct-path op handle runs (see `primus_ext.backends.ops`); on a known ``arch``
+    a call routed to AITER gets AITER's kernel-level pair in compiled steps."""
 
-    def __init__(self, runner: DirectRunner) -> None:
+    def __init__(self, runner: DirectRunner, arch: Optional[str] = None) -> None:
         self.runner = runner
+        plain = runner.entries.dense == "flash_attn_func"
+        self.kernels = discover() if plain else None
+        self.routes = CallRoutes(arch) if plain and arch else None
+
+    def pair(self, a: CallArgs) -> Optional[AiterPair]:
+        if self.kernels is None or self.routes is None:
+            return None
+        entry = "dense" if a.cu_q is None else "varlen"
+        if self.routes.backend(entry, a.q, a.k, a.v, a.causal, a.window, a.sink, a.dropout_p, a.deterministic,
+                               a.alibi, a.bias, a.scale) != "AITER":
+            return None
+        return AiterPair(self.kernels, a.causal, a.window)
 
     def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],

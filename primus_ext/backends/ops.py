@@ -16,11 +16,14 @@ module, the BlockMask cache) stays outside the graph: the op receives an integer
 traces nor guards on it.  The implementations run eagerly: the reference math on
 any device (so the ops work in CPU tests), or Primus-Turbo's entries.
 
-Backward recomputes the forward with autograd inside the backward op (Turbo's own
-backward kernels are not part of its public entry points).  ``rng_state`` is the
-generator state captured before a forward with dropout, restored for the recompute,
-so the same dropout mask is used.  ``lse`` is returned for callers that want it and
-is not differentiable.
+Where the target has a kernel-level pair for the call (`OpTarget.pair`: Primus-Turbo's
+AITER ops, or the reference's blockwise math), the forward op returns that kernel's
+``(out, lse)`` and the backward op hands them back to the kernel-level backward, so
+a compiled step runs attention's forward once.  Otherwise the backward op recomputes
+the forward with autograd; ``rng_state`` is then the generator state captured before
+a forward with dropout, restored for the recompute, so the same dropout mask is used.
+``lse`` (``[B, Hq, Sq]`` dense, ``[Hq, T]`` packed, fp32 or float64 for float64
+inputs) is not differentiable.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -46,6 +49,39 @@ class OpTarget(Protocol):
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
                sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: tuple[int, int],
                scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Any: ...
+
+
+class CallArgs(NamedTuple):
+    """One call as the ops see it (``cu_q`` None for a dense call)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    cu_q: Optional[Tensor]
+    cu_kv: Optional[Tensor]
+    max_q: int
+    max_kv: int
+    sink: Optional[Tensor]
+    alibi: Optional[Tensor]
+    bias: Optional[Tensor]
+    causal: bool
+    window: tuple[int, int]
+    scale: Optional[float]
+    dropout_p: float
+    deterministic: bool
+
+
+class KernelPair(Protocol):
+    """A kernel-level forward and its backward for one call, decided from metadata only."""
+
+    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` in the op's layouts."""
+        ...
+
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor,
+                 lse: Tensor) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``(dq, dk, dv, dsink, dbias)`` from the forward's ``out`` and ``lse``."""
+        ...
 
 
 _TARGETS: dict[int, OpTarget] = {}
@@ -67,6 +103,17 @@ def register_target(target: OpTarget, owner: Any = None) -> int:
 
 def target(handle: int) -> OpTarget:
     return _TARGETS[handle]
+
+
+def _pair(handle: int, a: CallArgs) -> Optional[KernelPair]:
+    """The target's kernel pair for this call; never with dropout (its rng would have to
+    travel through the graph in each kernel's own format)."""
+    find = getattr(_TARGETS[handle], "pair", None)
+    return None if find is None or a.dropout_p > 0.0 else find(a)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)
 
 
 # -- generator state for dropout ---------------------------------------------------
@@ -98,10 +145,47 @@ def _rng_restored(state: Tensor, device: torch.device):
         yield
 
 
-def _split(result: Any, return_lse: bool) -> tuple[Tensor, Tensor]:
+def _contiguous(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _run_forward(handle: int, a: CallArgs, return_lse: bool, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward ops' body: the kernel pair's forward, or the target's eager call."""
+    pair = _pair(handle, a)
+    if pair is not None:
+        out, lse = pair.forward(a)
+        return _contiguous(out), lse.to(_lse_dtype(a.q)), _rng_snapshot(a.q.device, 0.0)
+    rng = _rng_snapshot(a.q.device, a.dropout_p)
+    t = target(handle)
+    with torch.no_grad():
+        if a.cu_q is None:
+            result = t.dense(a.q, a.k, a.v, a.sink, a.alibi, a.bias, a.causal, a.window, a.scale, a.dropout_p,
+                             a.deterministic, return_lse)
+        else:
+            result = t.packed(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv, a.sink, a.alibi, a.causal,
+                              a.window, a.scale, a.dropout_p, a.deterministic, return_lse)
     out, lse = result if return_lse else (result, None)
-    out = out if out.is_contiguous() else out.contiguous()
-    return out, (lse if lse is not None else out.new_empty(0, dtype=torch.float32))
+    # zeros, not garbage: an output nobody asked for must still be deterministic
+    lse = lse.to(_lse_dtype(a.q)) if lse is not None else a.q.new_zeros(lse_shape, dtype=_lse_dtype(a.q))
+    return _contiguous(out), lse, rng
+
+
+def _pair_grads(pair: KernelPair, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor,
+                dense: bool) -> tuple[Tensor, ...]:
+    dq, dk, dv, dsink, dbias = pair.backward(a, grad_out, out, lse)
+    grads = [dq, dk, dv, dsink] + ([dbias] if dense else [])
+    like = [a.q, a.k, a.v, a.sink] + ([a.bias] if dense else [])
+    return tuple(_fit(g, t, a.q) for g, t in zip(grads, like))
+
+
+def _fit(g: Optional[Tensor], leaf: Optional[Tensor], q: Tensor) -> Tensor:
+    """A gradient as the op declares it: ``empty_like(leaf)`` strides and dtype, empty for no leaf."""
+    if leaf is None:
+        return q.new_empty(0)
+    if g is None:
+        return torch.zeros_like(leaf)
+    want = torch.empty_like(leaf)
+    return g if g.stride() == want.stride() and g.dtype == want.dtype else want.copy_(g)
 
 
 @contextlib.contextmanager
@@ -130,20 +214,9 @@ def _none_if_empty(t: Tensor) -> Optional[Tensor]:
 def _grads(out: Tensor, leaves: Sequence[Optional[Tensor]], grad_out: Tensor, like: Tensor) -> list[Tensor]:
     live = [t for t in leaves if t is not None]
     found = iter(torch.autograd.grad(out, live, grad_out, allow_unused=True))
-    grads = []
-    for leaf in leaves:
-        if leaf is None:
-            grads.append(like.new_empty(0))
-            continue
-        g = next(found)
-        if g is None:
-            g = torch.zeros_like(leaf)
-        elif g.stride() != (want := torch.empty_like(leaf)).stride():
-            # The fake implementations declare ``empty_like(input)`` strides; the math's
-            # own gradient layout (e.g. from a transpose) must not leak out of the op.
-            g = want.copy_(g)
-        grads.append(g)
-    return grads
+    # The fake implementations declare ``empty_like(input)`` strides; the math's own
+    # gradient layout (e.g. from a transpose) must not leak out of the op.
+    return [_fit(None if leaf is None else next(found), leaf, like) for leaf in leaves]
 
 
 def _leaf(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -156,11 +229,9 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ali
                     bias: Optional[Tensor], handle: int, causal: bool, window_left: int, window_right: int,
                     scale: Optional[float], dropout_p: float, deterministic: bool,
                     return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
-    rng = _rng_snapshot(q.device, dropout_p)
-    with torch.no_grad():
-        result = target(handle).dense(q, k, v, sink, alibi_slopes, bias, causal, (window_left, window_right),
-                                      scale, dropout_p, deterministic, return_lse)
-    return (*_split(result, return_lse), rng)
+    a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
+                 (window_left, window_right), scale, dropout_p, deterministic)
+    return _run_forward(handle, a, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
 
 
 @dense_attention.register_fake
@@ -168,27 +239,32 @@ def _(q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_rig
       deterministic, return_lse):
     batch, q_len, heads = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty(batch, q_len, heads, v.shape[-1])
-    lse = q.new_empty((batch, heads, q_len) if return_lse else (0,), dtype=torch.float32)
+    lse = q.new_empty((batch, heads, q_len), dtype=_lse_dtype(q))
     rng = torch.empty(_rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
     return out, lse, rng
 
 
 @torch.library.custom_op(f"{NAMESPACE}::dense_attention_backward", mutates_args=())
-def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor],
-                             alibi_slopes: Optional[Tensor], bias: Optional[Tensor], rng_state: Tensor,
-                             handle: int, causal: bool, window_left: int, window_right: int,
+def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             sink: Optional[Tensor], alibi_slopes: Optional[Tensor], bias: Optional[Tensor],
+                             rng_state: Tensor, handle: int, causal: bool, window_left: int, window_right: int,
                              scale: Optional[float], dropout_p: float,
                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
+                 (window_left, window_right), scale, dropout_p, deterministic)
+    pair = _pair(handle, a)
+    if pair is not None:
+        return _pair_grads(pair, a, grad_out, out, lse, dense=True)  # type: ignore[return-value]
     leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(bias)]
     with _autograd_inside_op(), _rng_restored(rng_state, q.device):
-        out = target(handle).dense(*leaves[:4], alibi_slopes, leaves[4], causal, (window_left, window_right),
-                                   scale, dropout_p, deterministic, False)
-        return tuple(_grads(out, leaves, grad_out, q))  # type: ignore[return-value]
+        again = target(handle).dense(*leaves[:4], alibi_slopes, leaves[4], causal, (window_left, window_right),
+                                     scale, dropout_p, deterministic, False)
+        return tuple(_grads(again, leaves, grad_out, q))  # type: ignore[return-value]
 
 
 @dense_attention_backward.register_fake
-def _(grad_out, q, k, v, sink, alibi_slopes, bias, rng_state, handle, causal, window_left, window_right, scale,
-      dropout_p, deterministic):
+def _(grad_out, q, k, v, out, lse, sink, alibi_slopes, bias, rng_state, handle, causal, window_left, window_right,
+      scale, dropout_p, deterministic):
     def like(t: Optional[Tensor]) -> Tensor:
         return torch.empty_like(t) if t is not None else q.new_empty(0)
 
@@ -198,14 +274,14 @@ def _(grad_out, q, k, v, sink, alibi_slopes, bias, rng_state, handle, causal, wi
 def _dense_setup(ctx, inputs, output) -> None:
     q, k, v, sink, alibi, bias, *scalars = inputs
     ctx.mark_non_differentiable(output[1], output[2])
-    ctx.save_for_backward(q, k, v, sink, alibi, bias, output[2])
+    ctx.save_for_backward(q, k, v, output[0], output[1], sink, alibi, bias, output[2])
     ctx.scalars = scalars[:-1]  # everything but return_lse
 
 
 def _dense_backward(ctx, grad_out, _grad_lse, _grad_rng):
-    q, k, v, sink, alibi, bias, rng = ctx.saved_tensors
+    q, k, v, out, lse, sink, alibi, bias, rng = ctx.saved_tensors
     dq, dk, dv, dsink, dbias = torch.ops.primus_ext.dense_attention_backward(
-        grad_out, q, k, v, sink, alibi, bias, rng, *ctx.scalars)
+        grad_out, q, k, v, out, lse, sink, alibi, bias, rng, *ctx.scalars)
     return (dq, dk, dv, _none_if_empty(dsink), None, _none_if_empty(dbias)) + (None,) * 8
 
 
@@ -219,12 +295,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
                      scale: Optional[float], dropout_p: float, deterministic: bool,
                      return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
-    rng = _rng_snapshot(q.device, dropout_p)
-    with torch.no_grad():
-        result = target(handle).packed(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink,
-                                       alibi_slopes, causal, (window_left, window_right), scale, dropout_p,
-                                       deterministic, return_lse)
-    return (*_split(result, return_lse), rng)
+    a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
+                 causal, (window_left, window_right), scale, dropout_p, deterministic)
+    return _run_forward(handle, a, return_lse, (q.shape[1], q.shape[0]))
 
 
 @varlen_attention.register_fake
@@ -232,28 +305,34 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seql
       window_left, window_right, scale, dropout_p, deterministic, return_lse):
     tokens, heads = q.shape[0], q.shape[1]
     out = q.new_empty(tokens, heads, v.shape[-1])
-    lse = q.new_empty((heads, tokens) if return_lse else (0,), dtype=torch.float32)
+    lse = q.new_empty((heads, tokens), dtype=_lse_dtype(q))
     rng = torch.empty(_rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
     return out, lse, rng
 
 
 @torch.library.custom_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=())
-def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                              cu_seqlens_kv: Tensor, sink: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                              rng_state: Tensor, handle: int, max_seqlen_q: int, max_seqlen_kv: int, causal: bool,
-                              window_left: int, window_right: int, scale: Optional[float], dropout_p: float,
+def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor, sink: Optional[Tensor],
+                              alibi_slopes: Optional[Tensor], rng_state: Tensor, handle: int, max_seqlen_q: int,
+                              max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
+                              scale: Optional[float], dropout_p: float,
                               deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
+                 causal, (window_left, window_right), scale, dropout_p, deterministic)
+    pair = _pair(handle, a)
+    if pair is not None:
+        return _pair_grads(pair, a, grad_out, out, lse, dense=False)  # type: ignore[return-value]
     leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink)]
     with _autograd_inside_op(), _rng_restored(rng_state, q.device):
-        out = target(handle).packed(*leaves[:3], cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                    leaves[3], alibi_slopes, causal, (window_left, window_right), scale,
-                                    dropout_p, deterministic, False)
-        return tuple(_grads(out, leaves, grad_out, q))  # type: ignore[return-value]
+        again = target(handle).packed(*leaves[:3], cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                      leaves[3], alibi_slopes, causal, (window_left, window_right), scale,
+                                      dropout_p, deterministic, False)
+        return tuple(_grads(again, leaves, grad_out, q))  # type: ignore[return-value]
 
 
 @varlen_attention_backward.register_fake
-def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, rng_state, handle, max_seqlen_q,
-      max_seqlen_kv, causal, window_left, window_right, scale, dropout_p, deterministic):
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, rng_state, handle,
+      max_seqlen_q, max_seqlen_kv, causal, window_left, window_right, scale, dropout_p, deterministic):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(sink) if sink is not None else q.new_empty(0))
 
@@ -261,18 +340,19 @@ def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, rng_st
 def _varlen_setup(ctx, inputs, output) -> None:
     q, k, v, cu_q, cu_kv, sink, alibi, *scalars = inputs
     ctx.mark_non_differentiable(output[1], output[2])
-    ctx.save_for_backward(q, k, v, cu_q, cu_kv, sink, alibi, output[2])
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv, sink, alibi, output[2])
     ctx.scalars = scalars[:-1]
 
 
 def _varlen_backward(ctx, grad_out, _grad_lse, _grad_rng):
-    q, k, v, cu_q, cu_kv, sink, alibi, rng = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_kv, sink, alibi, rng = ctx.saved_tensors
     dq, dk, dv, dsink = torch.ops.primus_ext.varlen_attention_backward(
-        grad_out, q, k, v, cu_q, cu_kv, sink, alibi, rng, *ctx.scalars)
+        grad_out, q, k, v, out, lse, cu_q, cu_kv, sink, alibi, rng, *ctx.scalars)
     return (dq, dk, dv, None, None, _none_if_empty(dsink)) + (None,) * 11
 
 
 varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
 
 def run_dense(handle: int, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], causal: bool, window: tuple[int, int], scale: Optional[float],
@@ -286,7 +366,7 @@ def run_dense(handle: int, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tenso
         out, lse, _ = torch.ops.primus_ext.dense_attention(
             q, k, v, sink, alibi, bias, handle, causal, window[0], window[1], scale, dropout_p, deterministic,
             return_lse)
-        return (out, lse) if return_lse else out
+        return (out, lse.float()) if return_lse else out
     return target(handle).dense(q, k, v, sink, alibi, bias, causal, window, scale, dropout_p, deterministic,
                                 return_lse)
 
@@ -306,12 +386,12 @@ def run_packed(handle: int, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv
         out, lse, _ = torch.ops.primus_ext.varlen_attention(
             q, k, v, cu_q, cu_kv, sink, alibi, handle, max_q, max_kv, causal, window[0], window[1], scale,
             dropout_p, deterministic, return_lse)
-        return (out, lse) if return_lse else out
+        return (out, lse.float()) if return_lse else out
     return target(handle).packed(q, k, v, cu_q, cu_kv, max_q, max_kv, sink, alibi, causal, window, scale,
                                  dropout_p, deterministic, return_lse)
 
 
 FORWARD_OPS = (torch.ops.primus_ext.dense_attention.default, torch.ops.primus_ext.varlen_attention.default)
 
-__all__ = ["FORWARD_OPS", "NAMESPACE", "OpTarget", "dense_attention", "register_target", "run_dense",
+__all__ = ["CallArgs", "FORWARD_OPS", "KernelPair", "NAMESPACE", "OpTarget", "dense_attention", "register_target", "run_dense",
            "run_packed", "target", "varlen_attention"]

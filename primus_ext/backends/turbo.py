@@ -20,15 +20,18 @@ takes a sink only for documents of equal length, which no plan can know.)
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
 from ..errors import Reason, UnsupportedInputError
-from .base import BackendCapabilities, KernelCall, Output
+from .base import BackendCapabilities, KernelCall, Output, same_tensor
+from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for
+from .ops import CallArgs
+from .turbo_kernels import AiterPair, discover
 
 
 def load_ops() -> Any:
@@ -53,6 +56,7 @@ class TurboBackend:
         self.ops = ops if ops is not None else load_ops()
         self.direct: Callable[..., Any] = self.ops.flash_attn_func
         self.flash_varlen: Callable[..., Any] = self.ops.flash_attn_varlen_func
+        self.kernels = discover()
 
     def capabilities(self) -> BackendCapabilities:
         varlen = self.flash_varlen
@@ -68,6 +72,21 @@ class TurboBackend:
             deterministic_dense=entry_accepts(self.direct, "deterministic"),
             deterministic_packed=entry_accepts(varlen, "deterministic"),
         )
+
+    def kernel_pair(self, a: CallArgs, call: KernelCall, routes: Optional[CallRoutes]) -> Optional[AiterPair]:
+        """AITER's kernel-level pair for a call the dispatch model sends to AITER on the plan's
+        arch, so that compiled and eager steps run the same kernels (`turbo_kernels`)."""
+        pattern = call.pattern
+        if self.kernels is None or routes is None or pattern is None or pattern.boundaries is not None:
+            return None  # documents flattened onto the varlen kernel keep the recompute
+        causal, window = turbo_window_args(pattern)
+        entry = "dense" if a.cu_q is None else "varlen"
+        if routes.backend(entry, a.q, a.k, a.v, causal, window, a.sink, a.dropout_p, a.deterministic, a.alibi,
+                          a.bias, a.scale) != "AITER":
+            return None
+        if a.cu_q is not None and pattern.window != (-1, -1):
+            _check_same_boundaries(a.cu_q, a.cu_kv, pattern)
+        return AiterPair(self.kernels, causal, window)
 
     # -- dense ---------------------------------------------------------------
     def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
@@ -143,12 +162,6 @@ def varlen_lse_as_heads_tokens(result: Any) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _same_tensor(a: Tensor, b: Tensor) -> bool:
-    """The same boundaries without reading them: one tensor, or two views of the same memory."""
-    return a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
-
-
 def _check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, pattern: Pattern) -> None:
     """Refuse a causal / windowed packed call whose q and kv documents differ in length.
 
@@ -157,7 +170,7 @@ def _check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, pattern: Pattern) -> Non
     same call would give two different answers.  The boundaries are read on the host only
     when two distinct tensors are given (Megatron passes one tensor for both).
     """
-    if _same_tensor(cu_q, cu_kv):
+    if same_tensor(cu_q, cu_kv):
         return
     why = ("cu_seqlens_q and cu_seqlens_kv differ, so documents have different q and kv lengths; "
            f"Primus-Turbo's varlen kernel aligns the {pattern.describe()} mask bottom-right inside "

@@ -110,7 +110,7 @@ class TurboAttentionCore:
                                     context_parallel=self.facts.context_parallel_size > 1)
             groups_kw = cp_group_kwargs(cp_comm_type, pg_collection, self.facts.context_parallel_size)
             self.runner = DirectRunner(load_ops(), entries, groups_kw)
-            self.handle = register_target(DirectTarget(self.runner), owner=self)
+            self.handle = register_target(DirectTarget(self.runner, self.plan.arch), owner=self)
 
     @property
     def local_heads(self) -> int:

@@ -174,14 +174,34 @@ def _backward(d_out: Tensor, qg: Tensor, kh: Tensor, vh: Tensor, out: Tensor, ls
     return d_q, d_k, d_v, d_sink, None if d_slopes is None else d_slopes.flatten(), d_bias
 
 
+def _forward_bshd(q: Tensor, k: Tensor, v: Tensor, spec: _Spec, sink: Optional[Tensor], slopes: Optional[Tensor],
+                  bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(out [B, Hq, Sq, Dv] in work precision, lse [B, Hkv, G, Sq])`` of bshd inputs."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    qg, kh, vh = _heads(q, k, v, work)
+    return _forward(qg, kh, vh, spec, *_extras(sink, slopes, bias, k.shape[2], work))
+
+
+def _backward_bshd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: _Spec,
+                   sink: Optional[Tensor], slopes: Optional[Tensor], bias: Optional[Tensor],
+                   needs: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor],
+                                                   Optional[Tensor]]:
+    """bshd gradients (work precision) from ``d_out [B, Hq, Sq, Dv]``, ``out`` alike and ``lse [B, Hkv, G, Sq]``."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    qg, kh, vh = _heads(q, k, v, work)
+    hkv = k.shape[2]
+    d_q, d_k, d_v, d_sink, d_slopes, d_bias = _backward(
+        d_out.to(work).unflatten(1, (hkv, -1)), qg, kh, vh, out.to(work).unflatten(1, (hkv, -1)), lse, spec,
+        *_extras(sink, slopes, bias, hkv, work), needs=needs)
+    return d_q.flatten(1, 2).transpose(1, 2), d_k.transpose(1, 2), d_v.transpose(1, 2), d_sink, d_slopes, d_bias
+
+
 class _Blockwise(torch.autograd.Function):
     """bshd q, k, v -> ``(out [B, Hq, Sq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)``."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, slopes, bias, spec):  # type: ignore[override]
-        work = torch.promote_types(q.dtype, torch.float32)
-        qg, kh, vh = _heads(q, k, v, work)
-        out, lse = _forward(qg, kh, vh, spec, *_extras(sink, slopes, bias, k.shape[2], work))
+        out, lse = _forward_bshd(q, k, v, spec, sink, slopes, bias)
         ctx.save_for_backward(q, k, v, sink, slopes, bias, out, lse)
         ctx.spec = spec
         result = out.flatten(1, 2).to(q.dtype)
@@ -193,21 +213,13 @@ class _Blockwise(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out, _d_lse):  # type: ignore[override]
         q, k, v, sink, slopes, bias, out, lse = ctx.saved_tensors
-        work = out.dtype
-        qg, kh, vh = _heads(q, k, v, work)
-        d_o = d_out.to(work).unflatten(1, (k.shape[2], -1))
         needs = ctx.needs_input_grad
-        d_q, d_k, d_v, d_sink, d_slopes, d_bias = _backward(
-            d_o, qg, kh, vh, out, lse, ctx.spec, *_extras(sink, slopes, bias, k.shape[2], work),
-            needs=needs[3:6])
+        grads = _backward_bshd(d_out, q, k, v, out.flatten(1, 2), lse, ctx.spec, sink, slopes, bias, needs[3:6])
 
         def back(grad: Optional[Tensor], like: Optional[Tensor], wanted: bool) -> Optional[Tensor]:
             return grad.to(like.dtype) if wanted and grad is not None and like is not None else None
 
-        return (back(d_q.flatten(1, 2).transpose(1, 2), q, needs[0]),
-                back(d_k.transpose(1, 2), k, needs[1]), back(d_v.transpose(1, 2), v, needs[2]),
-                back(d_sink, sink, needs[3]), back(d_slopes, slopes, needs[4]),
-                back(d_bias, bias, needs[5]), None)
+        return tuple(back(g, t, n) for g, t, n in zip(grads, (q, k, v, sink, slopes, bias), needs)) + (None,)
 
 
 def _with_dropout(q: Tensor, k: Tensor, v: Tensor, spec: _Spec, sink: Optional[Tensor],
@@ -289,5 +301,33 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, bounds_q: Sequence[int], b
     return (out, torch.cat(lses, dim=1)) if return_lse else out
 
 
+def kernel_forward(q: Tensor, k: Tensor, v: Tensor, *, window: Pattern, scale: Optional[float],
+                   alibi_slopes: Optional[Tensor], bias: Optional[Tensor], sink: Optional[Tensor],
+                   faults: Iterable[str] = (), alibi_shift: int = 0) -> tuple[Tensor, Tensor]:
+    """The kernel-level dense forward: ``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)``,
+    ``window`` bottom-right; no dropout (the ops bound by primus_ext never pass one)."""
+    spec = _spec(window, q.shape[1], k.shape[1], alibi_shift, scale, q.shape[-1], BLOCK_KV, sink, check_faults(faults))
+    with torch.no_grad():
+        out, lse = _forward_bshd(q, k, v, spec, sink, alibi_slopes, bias)
+    return out.flatten(1, 2).transpose(1, 2).to(q.dtype), lse.flatten(1, 2).float()
+
+
+def kernel_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, window: Pattern,
+                    scale: Optional[float], alibi_slopes: Optional[Tensor], bias: Optional[Tensor],
+                    sink: Optional[Tensor], faults: Iterable[str] = (),
+                    alibi_shift: int = 0) -> tuple[Tensor, Tensor, Tensor,
+                                                                                 Optional[Tensor], Optional[Tensor]]:
+    """The kernel-level dense backward from the forward's ``out`` and ``lse``:
+    ``(dq, dk, dv, dsink fp32 or None, dbias or None)``, the known faults applied."""
+    spec = _spec(window, q.shape[1], k.shape[1], alibi_shift, scale, q.shape[-1], BLOCK_KV, sink, check_faults(faults))
+    lse_g = lse.unflatten(1, (k.shape[2], -1)).to(torch.promote_types(q.dtype, torch.float32))
+    with torch.no_grad():
+        d_q, d_k, d_v, d_sink, _, d_bias = _backward_bshd(
+            d_out.transpose(1, 2), q, k, v, out.transpose(1, 2), lse_g, spec, sink, alibi_slopes, bias,
+            (sink is not None, False, bias is not None))
+    return (d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None if d_sink is None else d_sink.float(),
+            None if d_bias is None else d_bias.to(bias.dtype))  # type: ignore[union-attr]
+
+
 __all__ = ["BLOCK_KV", "FAULTS", "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_faults",
-           "varlen_attention"]
+           "kernel_backward", "kernel_forward", "varlen_attention"]

@@ -15,6 +15,11 @@ entries that:
   backend's, so outputs and gradients are exact up to rounding;
 * record every call, so tests can assert *which* kernel got *which* arguments.
 
+While a fake is installed, AITER's kernel-level ops
+(``torch.ops.primus_turbo.attention_aiter_{,varlen_}{forward,backward}_impl``, real
+argument names, the backward's undeclared ``dsink``/``dbias`` writes included) run on
+the fake's math too and are recorded like the entries (`._fake_kernels`).
+
 The keyword knobs pick which build is imitated, because the project must adapt to
 each by inspecting signatures rather than version strings::
 
@@ -43,6 +48,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from . import _fake_kernels
 from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
 from ._fake_math import FAULTS, SINK_BACKWARD_IGNORES_RIGHT_WINDOW, check_faults
@@ -185,6 +191,10 @@ class FakeTurbo:
         self.calls.clear()
         self._classifier.probe_count = 0
 
+    def record(self, entry: str, args: dict[str, Any], backend: Optional[str] = None) -> None:
+        """Log a call made outside the entries (the kernel-level ops of `._fake_kernels`)."""
+        self.calls.append(Call(entry, args, backend))
+
     def calls_to(self, entry: str) -> list[Call]:
         """The recorded calls of one entry, in call order."""
         return [c for c in self.calls if c.entry == entry]
@@ -313,9 +323,11 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     for key in saved:
         del sys.modules[key]
     sys.modules.update(fake.install())
+    _fake_kernels.activate(fake)
     try:
         yield fake
     finally:
+        _fake_kernels.deactivate(fake)
         for key in [k for k in sys.modules if _owned(k)]:
             del sys.modules[key]
         sys.modules.update(saved)

@@ -106,10 +106,12 @@ def forward_args(case: Case, handle: int, packed: bool, q, k, v, sink, dropout_p
 
 
 def backward_args(case: Case, handle: int, packed: bool, grad_out, q, k, v, sink) -> tuple:
+    """The backward op's arguments, with the ``out`` and ``lse`` of a real forward op call."""
+    out, lse, _ = forward_op(packed)(*forward_args(case, handle, packed, q, k, v, sink, lse=False))
     tail = (case.causal, *case.window, case.scale, 0.0, False)
     if packed:
-        return (grad_out, q, k, v, cu(), cu(), sink, None, NO_RNG, handle, LONGEST, LONGEST) + tail
-    return (grad_out, q, k, v, sink, None, None, NO_RNG, handle) + tail
+        return (grad_out, q, k, v, out, lse, cu(), cu(), sink, None, NO_RNG, handle, LONGEST, LONGEST) + tail
+    return (grad_out, q, k, v, out, lse, sink, None, None, NO_RNG, handle) + tail
 
 
 def forward_op(packed: bool):
@@ -183,9 +185,10 @@ def test_fake_implementations_answer_from_input_shapes_only():
         assert (rng.shape, rng.dtype) == ((rng_numel,), torch.uint8)
         out, lse, rng = OPS.dense_attention(q, k, v, None, None, None, UNREGISTERED, True, -1, -1, None, 0.0,
                                             False, False)
-        assert out.shape == (3, 10, 4, 16) and lse.shape == (0,) and rng.shape == (0,)
-        grads = OPS.dense_attention_backward(out, q, k, v, sink, None, None, rng, UNREGISTERED, True, 3, 0,
-                                             None, 0.0, False)
+        # lse is always there: a kernel pair's backward needs it even when the caller does not
+        assert out.shape == (3, 10, 4, 16) and lse.shape == (3, 4, 10) and rng.shape == (0,)
+        grads = OPS.dense_attention_backward(out, q, k, v, out, lse, sink, None, None, rng, UNREGISTERED, True, 3,
+                                             0, None, 0.0, False)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, sink.shape, (0,)]
 
         tq, tk, tv = torch.empty(40, 4, 8), torch.empty(40, 2, 8), torch.empty(40, 2, 16)
@@ -194,13 +197,27 @@ def test_fake_implementations_answer_from_input_shapes_only():
             bounds = torch.empty(documents + 1, dtype=torch.int32)
             out, lse, rng = OPS.varlen_attention(tq, tk, tv, bounds, bounds, None, None, UNREGISTERED, longest,
                                                  longest, True, -1, -1, None, 0.0, False, True)
-            grads = OPS.varlen_attention_backward(out, tq, tk, tv, bounds, bounds, None, None, rng, UNREGISTERED,
-                                                  longest, longest, True, -1, -1, None, 0.0, False)
+            grads = OPS.varlen_attention_backward(out, tq, tk, tv, out, lse, bounds, bounds, None, None, rng,
+                                                  UNREGISTERED, longest, longest, True, -1, -1, None, 0.0, False)
             shapes.add((out.shape, lse.shape, tuple(g.shape for g in grads)))
         assert shapes == {((40, 4, 16), (4, 40), ((40, 4, 8), (40, 2, 8), (40, 2, 16), (0,)))}
 
 
 # -- gradients ----------------------------------------------------------------------
+def op_and_eager_grads(handle: int, case: Case, packed: bool, fake) -> tuple:
+    """``(out, grads, eager out, eager grads, kernel entries the op step ran)``: one step
+    through the ops, then the same call straight on the target with its own autograd."""
+    q, k, v = inputs(case, packed, grad=True)
+    sink = sink_for(case, grad=True)
+    leaves = [t for t in (q, k, v, sink) if t is not None]
+    out = forward_op(packed)(*forward_args(case, handle, packed, q, k, v, sink, lse=False))[0]
+    grad_out = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(9))
+    got = torch.autograd.grad(out, leaves, grad_out)
+    kernel = [c.entry for c in fake.calls] if fake is not None else []
+    expected_out = target_call(handle, case, packed, q, k, v, sink)
+    return out, got, expected_out, torch.autograd.grad(expected_out, leaves, grad_out), kernel
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
@@ -208,15 +225,8 @@ def test_op_gradients_equal_the_targets_autograd(layout, backend, case):
     """The registered backward (the backward op) gives the gradients eager autograd gives."""
     packed = layout == "thd"
     with on_backend(backend) as fake:
-        handle = handle_for(backend, case, packed)
-        q, k, v = inputs(case, packed, grad=True)
-        sink = sink_for(case, grad=True)
-        leaves = [t for t in (q, k, v, sink) if t is not None]
-        out = forward_op(packed)(*forward_args(case, handle, packed, q, k, v, sink, lse=False))[0]
-        grad_out = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(9))
-        got = torch.autograd.grad(out, leaves, grad_out)
-        expected_out = target_call(handle, case, packed, q, k, v, sink)
-        expected = torch.autograd.grad(expected_out, leaves, grad_out)
+        out, got, expected_out, expected, _ = op_and_eager_grads(handle_for(backend, case, packed), case, packed,
+                                                                 fake)
     torch.testing.assert_close(out, expected_out)
     for name, g, e in zip(("dq", "dk", "dv", "dsink"), got, expected):
         assert g.abs().sum() > 0, f"{name} is zero: the comparison would prove nothing"
@@ -285,3 +295,61 @@ def test_backward_op_replays_the_forward_dropout_mask(layout, backend, sink):
     assert (out - no_dropout).abs().max() > 1e-3, "dropout had no effect"
     assert (out - other_seed).abs().max() > 1e-3, "the dropout mask does not depend on the generator"
     assert_turbo_ran(fake, packed)
+
+
+# -- AITER's kernel-level pair (gfx942) -------------------------------------------------
+AITER_CASES = [
+    Case("aiter-window-sink-gqa-bf16", torch.bfloat16, sink=True, kv_heads=2, causal=True, window=(3, 0)),
+    Case("aiter-causal-mha-bf16", torch.bfloat16, sink=False, kv_heads=4, causal=True, window=(-1, -1), lse=True),
+    Case("aiter-full-mqa-bf16", torch.bfloat16, sink=False, kv_heads=1, causal=False, window=(-1, -1)),
+]
+AITER_OPS = {"attention_aiter_forward_impl", "attention_aiter_backward_impl",
+             "attention_aiter_varlen_forward_impl", "attention_aiter_varlen_backward_impl"}
+AITER_LAYOUTS = [(layout, case) for case in AITER_CASES for layout in ("bshd", "thd")
+                 if not (layout == "thd" and case.sink)]  # no varlen sink on gfx942 (refused, B33)
+
+
+def aiter_handle(case: Case, packed: bool) -> int:
+    window = case.window[0] if case.causal and case.window[0] > 0 else 0
+    keys = dict(turbo_flex_attention_backend="turbo", use_sink_attention=case.sink, sink_sliding_window=window,
+                turbo_arch="gfx942")
+    run = adapter(settings(**keys), facts(num_kv_heads=case.kv_heads, packed=packed, dtype="bf16"))
+    _ALIVE.append(run)
+    return run.handle
+
+
+@pytest.mark.parametrize("layout,case", AITER_LAYOUTS, ids=lambda x: str(x))
+def test_opcheck_on_aiters_kernel_pair(layout, case):
+    """Both ops pass opcheck where they call AITER's kernel-level ops; the backward op owns
+    the dsink buffer the kernel writes without declaring it, so no input is mutated."""
+    packed = layout == "thd"
+    with fake_primus_turbo(arch="gfx942") as fake:
+        handle = aiter_handle(case, packed)
+        q, k, v = inputs(case, packed, grad=True)
+        sink = sink_for(case, grad=True)
+        results = [torch.library.opcheck(forward_op(packed), forward_args(case, handle, packed, q, k, v, sink))]
+        q, k, v = (t.detach() for t in (q, k, v))
+        grad_out = torch.randn(*q.shape[:-1], v.shape[-1], dtype=case.dtype,
+                               generator=torch.Generator().manual_seed(5))
+        op = OPS.varlen_attention_backward.default if packed else OPS.dense_attention_backward.default
+        plain_sink = None if sink is None else sink.detach()
+        results.append(torch.library.opcheck(op, backward_args(case, handle, packed, grad_out, q, k, v, plain_sink)))
+    for result in results:
+        assert set(result.values()) == {"SUCCESS"}, result
+    assert {c.entry for c in fake.calls} <= AITER_OPS and fake.calls, {c.entry for c in fake.calls}
+
+
+@pytest.mark.parametrize("layout,case", AITER_LAYOUTS, ids=lambda x: str(x))
+def test_aiter_pair_gradients_equal_the_public_entrys_autograd(layout, case):
+    """Through the ops, the forward runs AITER's kernel-level forward once and the backward its
+    kernel-level backward once (no forward again); gradients equal ``flash_attn_func``'s own."""
+    packed = layout == "thd"
+    with fake_primus_turbo(arch="gfx942") as fake:
+        out, got, expected_out, expected, kernel = op_and_eager_grads(aiter_handle(case, packed), case, packed, fake)
+    prefix = "attention_aiter_varlen_" if packed else "attention_aiter_"
+    assert kernel == [prefix + "forward_impl", prefix + "backward_impl"], kernel
+    torch.testing.assert_close(out, expected_out, rtol=2e-2, atol=2e-2)
+    for name, g, e in zip(("dq", "dk", "dv", "dsink"), got, expected):
+        assert g.abs().sum() > 0, f"{name} is zero: the comparison would prove nothing"
+        torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, name=name: f"{name}: {m}")

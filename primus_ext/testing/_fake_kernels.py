@@ -1,0 +1,199 @@
+"""The fake's kernel-level AITER ops: ``torch.ops.primus_turbo.attention_aiter_*_impl``.
+
+Real Primus-Turbo registers these ``torch.library`` ops under the ``primus_turbo``
+namespace and builds ``flash_attn_func`` / ``flash_attn_varlen_func`` on them (dispatch
+facts §2).  The fake registers the same four ops with the same argument names, on the
+first `fake_primus_turbo` block of a process, and they behave like the real ones:
+
+* the forward returns ``(out, softmax_lse, S_dmask, rng_state)``; ``out`` is allocated in
+  the layout ``qkv_format`` names, ``softmax_lse`` is fp32 ``[B, Hq, Sq]`` (``[Hq, T]``
+  varlen);
+* the backward returns None and writes ``dq``/``dk``/``dv`` in place (declared
+  mutations) and ``dsink``/``dbias`` in place **without declaring them**, as the real
+  op does, so only a caller that owns those buffers is safe;
+* head dims must already be padded to a multiple of 8 (the public entries pad first);
+* with an arch set, the AITER rows of the dispatch model apply: what AITER does not
+  take or refuses raises, and its known silent defect (the sink backward ignoring a
+  window's right bound) is reproduced.
+
+Each call is recorded in the active fake's call log (``backend="AITER"``).  Outside a
+``with fake_primus_turbo()`` block the ops raise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..attention.pattern import pattern_from_flash_args
+from ..backends.dispatch import AITER_DENSE, AITER_VARLEN, DENSE, VARLEN, CallFeatures, Route, default_scale
+from . import _fake_math
+from ._fake_dispatch import _FAULT_OF_DEFECT, dtype_name, raise_refusal
+
+NAMES = ("attention_aiter_forward_impl", "attention_aiter_backward_impl", "attention_aiter_varlen_forward_impl",
+         "attention_aiter_varlen_backward_impl")
+
+_ACTIVE: list[Any] = []  # the FakeTurbo of the innermost `with` block
+_REGISTERED: list[bool] = []
+
+
+def activate(fake: Any) -> None:
+    _register()
+    _ACTIVE.append(fake)
+
+
+def deactivate(fake: Any) -> None:
+    _ACTIVE.remove(fake)
+
+
+def _fake(name: str, args: dict[str, Any]) -> Any:
+    if not _ACTIVE:
+        raise RuntimeError(f"primus_turbo::{name}: the fake Primus-Turbo is not installed")
+    fake = _ACTIVE[-1]
+    fake.record(name, args, "AITER")
+    return fake
+
+
+def _aiter(fake: Any, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: tuple[int, int],
+           sink: Optional[Tensor], bias: Optional[Tensor], alibi: Optional[Tensor], deterministic: bool,
+           scale: float) -> frozenset[str]:
+    """AITER's own checks on the fake's arch; the faults of its known defects."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-1] % 8:
+            raise RuntimeError(f"AITER kernel: {name} head dim {t.shape[-1]} is not padded to a multiple of 8")
+    arch = fake.options.arch
+    if arch is None:
+        return frozenset()
+    backend = AITER_DENSE if entry == DENSE else AITER_VARLEN
+    features = CallFeatures(arch=arch, entry=entry, dtype=dtype_name(q), head_dim=int(q.shape[-1]),
+                            head_dim_v=int(v.shape[-1]), heads=int(q.shape[-2]), kv_heads=int(k.shape[-2]),
+                            causal=causal, window=window, sink=sink is not None, bias=bias is not None,
+                            alibi=alibi is not None, deterministic=deterministic,
+                            default_scale=default_scale(scale, int(q.shape[-1])))
+    failed = [c for c in backend.takes if not c.ok(features)]
+    refused = [c for c in backend.refuses if not c.ok(features)]
+    if failed:
+        raise ValueError(f"AttnFwdAiterBackend cannot handle the given inputs: {failed[0].text} "
+                         f"(fake Primus-Turbo on {arch})")
+    raise_refusal(Route(features, backend.name, failure=refused[0].text if refused else "",
+                        blocking=tuple(refused)))
+    return frozenset(_FAULT_OF_DEFECT[c.text] for c in backend.defects if not c.ok(features))
+
+
+def _alloc_like_format(shape: tuple[int, ...], fmt: str, like: Tensor) -> Tensor:
+    """An empty bshd-shaped tensor stored as ``fmt`` says, as the real op allocates ``out``."""
+    b, s, h, d = shape
+    if fmt not in ("bshd", "sbhd", "bhsd"):
+        raise ValueError(f"AITER kernel: unknown qkv_format {fmt!r}")
+    if fmt == "sbhd":
+        return like.new_empty(s, b, h, d).permute(1, 0, 2, 3)
+    if fmt == "bhsd":
+        return like.new_empty(b, h, s, d).permute(0, 2, 1, 3)
+    return like.new_empty(b, s, h, d)
+
+
+def _register() -> None:
+    if _REGISTERED:
+        return
+    _REGISTERED.append(True)
+
+    @torch.library.custom_op("primus_turbo::attention_aiter_forward_impl", mutates_args=())
+    def forward_impl(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float, causal: bool,
+                     window_size_left: int, window_size_right: int, bias: Optional[Tensor],
+                     alibi_slopes: Optional[Tensor], return_lse: bool, return_softmax: bool,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                     sink: Optional[Tensor] = None,
+                     qkv_format: Optional[str] = "bshd") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        fake = _fake("attention_aiter_forward_impl", dict(locals()))
+        if dropout_p:
+            raise NotImplementedError("fake attention_aiter_forward_impl: dropout is not modelled")
+        window = (window_size_left, window_size_right)
+        faults = _aiter(fake, DENSE, q, k, v, causal, window, sink, bias, alibi_slopes, False, softmax_scale)
+        stored = _alloc_like_format((*q.shape[:3], v.shape[3]), qkv_format or "bshd", q)
+        out, lse = _fake_math.kernel_forward(
+            q, k, v, window=pattern_from_flash_args(causal, window),
+            scale=softmax_scale, alibi_slopes=alibi_slopes, bias=bias, sink=sink, faults=faults)
+        stored.copy_(out)
+        return stored, lse, q.new_empty(0), torch.empty(2, dtype=torch.int64, device=q.device)
+
+    @torch.library.custom_op("primus_turbo::attention_aiter_backward_impl", mutates_args=("dq", "dk", "dv"))
+    def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                      dq: Tensor, dk: Tensor, dv: Tensor, dropout_p: float, softmax_scale: float, causal: bool,
+                      window_size_left: int, window_size_right: int, bias: Optional[Tensor],
+                      alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor],
+                      is_v3_atomic_fp32: bool, how_v3_bf16_cvt: int, dbias: Optional[Tensor] = None,
+                      dsink: Optional[Tensor] = None, sink: Optional[Tensor] = None,
+                      qkv_format: Optional[str] = "bshd") -> None:
+        fake = _fake("attention_aiter_backward_impl", dict(locals()))
+        window = (window_size_left, window_size_right)
+        faults = _aiter(fake, DENSE, q, k, v, causal, window, sink, bias, alibi_slopes, deterministic, softmax_scale)
+        g = _fake_math.kernel_backward(dout, q, k, v, out, softmax_lse, window=pattern_from_flash_args(causal, window),
+                                       scale=softmax_scale, alibi_slopes=alibi_slopes, bias=bias, sink=sink,
+                                       faults=faults)
+        dq.copy_(g[0])
+        dk.copy_(g[1])
+        dv.copy_(g[2])
+        if dsink is not None and g[3] is not None:
+            dsink.copy_(g[3])  # written in place, not declared: as the real op
+        if dbias is not None and g[4] is not None:
+            dbias.copy_(g[4])
+
+    @torch.library.custom_op("primus_turbo::attention_aiter_varlen_forward_impl", mutates_args=())
+    def varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
+                            causal: bool, window_size_left: int, window_size_right: int, bias: Optional[Tensor],
+                            alibi_slopes: Optional[Tensor], return_lse: bool,
+                            return_softmax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        fake = _fake("attention_aiter_varlen_forward_impl", dict(locals()))
+        if dropout_p or bias is not None:
+            raise NotImplementedError("fake attention_aiter_varlen_forward_impl: dropout and bias are not modelled")
+        window = (window_size_left, window_size_right)
+        faults = _aiter(fake, VARLEN, q, k, v, causal, window, None, None, alibi_slopes, False, softmax_scale)
+        outs, lses = [], []
+        for (q0, q1), (k0, k1) in _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+            out, lse = _fake_math.kernel_forward(
+                q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], window=pattern_from_flash_args(causal, window),
+                scale=softmax_scale, alibi_slopes=alibi_slopes, bias=None, sink=None, faults=faults,
+                alibi_shift=k0 - q0)
+            outs.append(out[0])
+            lses.append(lse[0])
+        out = torch.cat(outs) if outs else q.new_empty(0, q.shape[1], v.shape[2])
+        lse = torch.cat(lses, dim=1) if lses else q.new_empty(q.shape[1], 0, dtype=torch.float32)
+        return out, lse, q.new_empty(0), torch.empty(2, dtype=torch.int64, device=q.device)
+
+    @torch.library.custom_op("primus_turbo::attention_aiter_varlen_backward_impl", mutates_args=("dq", "dk", "dv"))
+    def varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                             dq: Tensor, dk: Tensor, dv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
+                             causal: bool, window_size_left: int, window_size_right: int,
+                             alibi_slopes: Optional[Tensor], deterministic: bool, rng_state: Optional[Tensor],
+                             is_v3_atomic_fp32: bool, how_v3_bf16_cvt: int) -> None:
+        fake = _fake("attention_aiter_varlen_backward_impl", dict(locals()))
+        window = (window_size_left, window_size_right)
+        faults = _aiter(fake, VARLEN, q, k, v, causal, window, None, None, alibi_slopes, deterministic, softmax_scale)
+        dk.zero_()
+        dv.zero_()
+        for (q0, q1), (k0, k1) in _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+            g = _fake_math.kernel_backward(
+                dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                softmax_lse[None, :, q0:q1], window=pattern_from_flash_args(causal, window), scale=softmax_scale,
+                alibi_slopes=alibi_slopes, bias=None, sink=None, faults=faults, alibi_shift=k0 - q0)
+            dq[q0:q1] = g[0][0]
+            dk[k0:k1] = g[1][0]
+            dv[k0:k1] = g[2][0]
+
+
+def _documents(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, q: Tensor,
+               k: Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Host boundaries of each document pair, checked as the real kernel's wrapper does."""
+    bq, bk = [int(x) for x in cu_q.tolist()], [int(x) for x in cu_k.tolist()]
+    if len(bq) != len(bk) or bq[-1] != q.shape[0] or bk[-1] != k.shape[0]:
+        raise ValueError("AITER varlen kernel: cu_seqlens do not describe q and k")
+    if any(b - a > max_q for a, b in zip(bq, bq[1:])) or any(b - a > max_k for a, b in zip(bk, bk[1:])):
+        raise ValueError("AITER varlen kernel: a document is longer than max_seqlen")
+    return list(zip(zip(bq, bq[1:]), zip(bk, bk[1:])))
+
+
+__all__ = ["NAMES", "activate", "deactivate"]

@@ -1,0 +1,123 @@
+"""A compiled GPT training step runs attention's forward once per layer and micro-batch.
+
+megatron-core's ``GPTModel`` (two layers: one with a causal window, one fully causal,
+both with learned sinks) in bf16 is trained for a few micro-batches on the CPU fake of
+Primus-Turbo with the gfx942 dispatch modelled, eagerly and under ``torch.compile``.
+Every call that reaches the fake is recorded, so the number of attention forward
+kernel calls is counted, not inferred:
+
+* eager: ``flash_attn_func`` once per layer and micro-batch, its native backward;
+* compiled: AITER's kernel-level forward once per layer and micro-batch and its
+  backward once, with no forward in the backward (`primus_ext.backends.turbo_kernels`);
+* the control, with no arch known (so no kernel route to bind): the backward op
+  recomputes the forward through ``flash_attn_func``, twice the forward calls.
+
+Compiled gradients equal eager ones to bf16 rounding.  The reference backend gets the
+same split with its blockwise math (`primus_ext.backends.blockwise`), checked in
+float64 against eager.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from primus_ext.testing import fake_primus_turbo
+
+from ..megatron import gpt
+from .test_compiled_layer import AotEager, megatron_without_tp_group_warning  # noqa: F401
+
+LAYERS, MICRO_BATCHES = 2, 3
+FORWARD_ENTRIES = {"flash_attn_func", "flash_attn_varlen_func", "attention_aiter_forward_impl",
+                   "attention_aiter_varlen_forward_impl"}
+PATHS = {
+    "flex-turbo": dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="turbo"),
+    "direct": dict(use_turbo_flex_attention=False),
+}
+
+
+def model_on(path_keys: dict, arch: Optional[str], dtype: torch.dtype) -> Any:
+    keys = dict(path_keys, use_sink_attention=True, sink_sliding_window=4, sink_window_even_layers_only=True,
+                turbo_arch=arch or "auto")
+    cfg = gpt.config(num_layers=LAYERS, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    cfg.packed_sequences = False  # dense batches only: a sink has no varlen kernel on gfx942 (B33)
+    model = gpt.build_gpt(gpt.settings(**keys), cfg)
+    return model.to(dtype)  # as the demo does: Megatron's Float16Module is a training-loop wrapper
+
+
+def steps(model: Any, fn: Any) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Forward + backward of every micro-batch, gradients accumulated (no optimizer step)."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for tokens in gpt.batches(MICRO_BATCHES):
+        loss = fn(tokens, gpt.positions(tokens), None, labels=tokens).float().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {name: p.grad.float().clone() for name, p in model.named_parameters()}
+
+
+def counted(fake: Any) -> Counter:
+    return Counter(c.entry for c in fake.calls)
+
+
+def run(path: str, arch: Optional[str], compiled: bool) -> tuple[Counter, Any]:
+    with fake_primus_turbo(build="main", arch=arch) as fake:
+        model = model_on(PATHS[path], arch, torch.bfloat16)
+        fn = torch.compile(model, backend="aot_eager") if compiled else model
+        result = steps(model, fn)
+        return counted(fake), result
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_compiled_step_runs_one_attention_forward_per_layer_and_micro_batch(path, megatron_without_tp_group_warning):
+    eager_calls, (eager_losses, eager_grads) = run(path, "gfx942", compiled=False)
+    assert eager_calls == {"flash_attn_func": LAYERS * MICRO_BATCHES}, eager_calls
+
+    torch._dynamo.reset()
+    calls, (losses, grads) = run(path, "gfx942", compiled=True)
+    forwards = sum(n for entry, n in calls.items() if entry in FORWARD_ENTRIES)
+    assert forwards == LAYERS * MICRO_BATCHES, calls
+    assert calls == {"attention_aiter_forward_impl": LAYERS * MICRO_BATCHES,
+                     "attention_aiter_backward_impl": LAYERS * MICRO_BATCHES}, calls
+
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=2e-2, atol=2e-2)
+    for name, g in grads.items():
+        scale = eager_grads[name].abs().max().clamp_min(1e-3)
+        err = (g - eager_grads[name]).abs().max() / scale
+        assert err < 3e-2, f"{path}: grad {name} differs from eager by {err:.3g} of its largest entry"
+
+
+def test_without_a_known_route_the_compiled_backward_recomputes_the_forward(megatron_without_tp_group_warning):
+    """The control: with no arch the kernel backend of a call is unknown, nothing is bound,
+    and the backward op runs ``flash_attn_func`` again (what the pair removes)."""
+    calls, _ = run("flex-turbo", None, compiled=True)
+    assert calls == {"flash_attn_func": 2 * LAYERS * MICRO_BATCHES}, calls
+
+
+def test_reference_compiled_step_splits_forward_and_backward(megatron_without_tp_group_warning):
+    """The reference backend: the compiled backward op uses the blockwise backward from
+    the saved (out, lse), never the forward; gradients equal eager in float64."""
+    from primus_ext.backends import blockwise
+
+    keys = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference")
+    calls: Counter = Counter()
+    original = blockwise.forward
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls["forward"] += 1
+        return original(*args, **kwargs)
+
+    model = model_on(keys, None, torch.float64)
+    eager_losses, eager_grads = steps(model, model)
+    blockwise.forward = counting
+    try:
+        losses, grads = steps(model, torch.compile(model, backend="aot_eager"))
+    finally:
+        blockwise.forward = original
+    assert calls["forward"] == LAYERS * MICRO_BATCHES, calls
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-10, atol=1e-10)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-9, atol=1e-9)

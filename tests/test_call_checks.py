@@ -160,15 +160,21 @@ def _sbhd(h: int, dtype=torch.bfloat16):
     return torch.randn(128, 2, h, 64).to(dtype).transpose(0, 1)
 
 
-@pytest.mark.parametrize("arch, keys, call", [
+UNPLANNED_CALLS = [
     ("gfx942", {}, dict(deterministic=True)),  # AITER asserts on deterministic + sink
     ("gfx942", {}, dict(dtype=torch.float32)),  # no backend takes fp32
     ("gfx950", {"deterministic_mode": True}, dict(layout="bshd")),  # not sbhd: FlyDSL passes, AITER asserts
     ("gfx950", {"deterministic_mode": True}, dict(dropout_p=0.1)),  # dropout leaves FlyDSL for AITER
-])
-def test_a_call_the_plan_did_not_assume_is_routed_and_refused_by_us(arch, keys, call):
+]
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first", "after-the-planned-call"])
+@pytest.mark.parametrize("arch, keys, call", UNPLANNED_CALLS)
+def test_a_call_the_plan_did_not_assume_is_routed_and_refused_by_us(arch, keys, call, warm):
     """Helper review of issue 10: a call with another layout, flag or dtype than the plan assumed
-    used to reach a kernel backend that asserts; each is routed per call on the arch (B33)."""
+    used to reach a kernel backend that asserts; each is routed per call on the arch (B33), also
+    after the planned call (whose memo must not let it through, `call_memo`)."""
+    call = dict(call)
     dtype = call.pop("dtype", torch.bfloat16)
     layout = call.pop("layout", "sbhd")
     layer = facts(num_heads=8, num_kv_heads=1, head_dim=64, seq_length=128, dtype="bf16", packed=False)
@@ -176,6 +182,9 @@ def test_a_call_the_plan_did_not_assume_is_routed_and_refused_by_us(arch, keys, 
         plan = build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch=arch, use_sink_attention=True,
                                    **keys), layer)
         run = TurboFlexAttention(plan)
+        if warm:
+            run(*(_sbhd(h) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8))
+            fake.calls.clear()
         q, k, v = (_sbhd(h, dtype) for h in (8, 1, 1))
         if layout == "bshd":
             q, k, v = (t.contiguous() for t in (q, k, v))

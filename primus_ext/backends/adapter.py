@@ -20,6 +20,7 @@ from torch import Tensor
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
 from .call_checks import check_heads, check_packed, check_qkv, check_window
+from .call_memo import MISS, CallMemo, scalars_key
 from .call_route import CallRoutes
 from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
@@ -80,6 +81,7 @@ class TurboFlexAttention:
         # A proof that used a module global or a captured tensor holds while they are
         # unchanged; the reference evaluates the hooks themselves and needs no check.
         self._assumptions = () if self.backend.name == "reference" else tuple(plan.hook_assumptions)
+        self._fast: Optional[CallMemo] = None  # the last validated call (`call_memo`)
 
     # -- per-call checks -----------------------------------------------------
     def _dense_pattern(self, causal: bool, window_size: Tuple[int, int],
@@ -170,10 +172,23 @@ class TurboFlexAttention:
         max_seqlen_q: Optional[int] = None,
         max_seqlen_kv: Optional[int] = None,
     ) -> Output:
+        fast = self._fast
+        if (fast is not None and bias is None and alibi_slopes is None and not return_attn_probs
+                and not torch.compiler.is_compiling()):
+            if cu_seqlens_q is None and cu_seqlens_kv is None:
+                out = fast.dense(q, k, v, sink, dropout_p, softmax_scale, causal, window_size, deterministic,
+                                 return_lse)
+            else:
+                out = fast.packed(q, k, v, sink, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                  dropout_p, softmax_scale, causal, window_size, deterministic, return_lse)
+            if out is not MISS:
+                return out
         if return_attn_probs:
             raise _refuse(("return_attn_probs",), "attention probabilities are never materialised (B26).",
                           "call with return_attn_probs=False.")
         plan = self.plan
+        key = scalars_key(dropout_p, softmax_scale, causal, window_size, deterministic, return_lse)
+        sink_arg, alibi_arg = sink, alibi_slopes
         check_qkv(q, k, v)
         check_heads(q, k, plan.num_heads, plan.num_kv_heads)
         if self._assumptions:
@@ -187,8 +202,21 @@ class TurboFlexAttention:
                           "passes none; it would run without one (B34).", "pass the layer's sink tensor.")
         deterministic = bool(deterministic or plan.deterministic)
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-            return self._packed(q, k, v, causal, window_size, bias, alibi_slopes, scale, dropout, sink,
-                                deterministic, return_lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+            out = self._packed(q, k, v, causal, window_size, bias, alibi_slopes, scale, dropout, sink,
+                               deterministic, return_lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+            if key is not None and self._memo_allowed(bias, alibi_arg, cu_seqlens_q, cu_seqlens_kv):
+                flag, window = _flash_args(causal, window_size)
+                call = self._target._call(False, (flag, window), sink, self._alibi_slopes(None, q.device), None,
+                                          scale, dropout, deterministic, return_lse)
+                bind = getattr(self.backend, "bind_packed", None)
+                target = self._target
+                run = bind(call) if bind is not None else (
+                    lambda q, k, v, cu_q, cu_kv, mq, mk, s: target.packed(
+                        q, k, v, cu_q, cu_kv, mq, mk, s, call.alibi_slopes, flag, window, scale, dropout,
+                        deterministic, return_lse))
+                self._fast = CallMemo(q, k, v, key, sink_arg, run, packed=True, same_cu=cu_seqlens_q is cu_seqlens_kv,
+                                      max_given=(max_seqlen_q is not None, max_seqlen_kv is not None))
+            return out
         if q.dim() != 4:
             raise _refuse(("qkv_format",), f"dense inputs are bshd [B, S, H, D]; got a {q.dim()}-D query.",
                           "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
@@ -202,8 +230,23 @@ class TurboFlexAttention:
         if self._routes is not None and pattern is not None:
             self._routes.check("varlen" if pattern.documents else "dense", q, k, v, pattern.right == 0,
                                pattern.window, sink, dropout, deterministic, alibi_slopes, bias, scale)
-        return run_dense(self.handle, q, k, v, sink, alibi_slopes, bias, flag, window, scale, dropout,
-                         deterministic, return_lse)
+        out = run_dense(self.handle, q, k, v, sink, alibi_slopes, bias, flag, window, scale, dropout,
+                        deterministic, return_lse)
+        if key is not None and self._memo_allowed(bias, alibi_arg):
+            call = self._target._dense_call(q, sink, alibi_slopes, None, flag, window, scale, dropout, deterministic,
+                                            return_lse)
+            bind = getattr(self.backend, "bind_dense", None)
+            target = self._target
+            run = bind(call) if bind is not None else (
+                lambda q, k, v, s: target.dense(q, k, v, s, call.alibi_slopes, None, flag, window, scale, dropout,
+                                                deterministic, return_lse))
+            self._fast = CallMemo(q, k, v, key, sink_arg, run)
+        return out
+
+    def _memo_allowed(self, bias: Any, alibi: Any, *boundaries: Any) -> bool:
+        """Whether an equal call may skip the checks next time (see `call_memo`)."""
+        return (bias is None and alibi is None and not self._assumptions and not torch.compiler.is_compiling()
+                and all(type(cu) is Tensor and cu.dtype is torch.int32 for cu in boundaries))
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
                 bias: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: Optional[float], dropout: float,

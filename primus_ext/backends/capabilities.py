@@ -11,6 +11,8 @@ import inspect
 import weakref
 from typing import Any, Callable, Optional
 
+from torch import Tensor
+
 from ..errors import Reason, UnsupportedConfigError
 
 
@@ -40,6 +42,31 @@ def entry_accepts(entry: Callable[..., Any], name: str) -> bool:
     if found is None:
         found = known[name] = _read_signature(entry, name)
     return found
+
+
+_DEFAULTS: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def without_defaults(entry: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` minus those equal to ``entry``'s own defaults: the same call, bound faster
+    (each keyword costs the call ~0.1 us).  Compared by type and value, so ``0`` never
+    stands for ``False`` or ``0.0``."""
+    try:
+        defaults = _DEFAULTS.get(entry)
+        if defaults is None:
+            params = inspect.signature(entry).parameters
+            defaults = _DEFAULTS[entry] = {n: p.default for n, p in params.items()
+                                           if p.default is not inspect.Parameter.empty}
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    missing = object()
+
+    def is_default(name: str, value: Any) -> bool:
+        default = defaults.get(name, missing)
+        return default is value or (type(default) is type(value) and not isinstance(value, Tensor)
+                                    and default == value)
+
+    return {name: value for name, value in kwargs.items() if not is_default(name, value)}
 
 
 def entry_name(entry: Optional[Callable[..., Any]]) -> str:
@@ -97,4 +124,5 @@ __all__ = [
     "entry_name",
     "sink_kwargs_for",
     "sink_reason",
+    "without_defaults",
 ]

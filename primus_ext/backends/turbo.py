@@ -19,6 +19,7 @@ takes a sink only for documents of equal length, which no plan can know.)
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable, Optional
 
@@ -29,7 +30,7 @@ from ..attention.pattern import Pattern
 from ..errors import Reason, UnsupportedInputError
 from .base import BackendCapabilities, KernelCall, Output, same_tensor
 from .call_route import CallRoutes
-from .capabilities import entry_accepts, entry_name, sink_kwargs_for
+from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
 from .ops import CallArgs
 from .turbo_kernels import AiterPair, discover
 
@@ -90,27 +91,28 @@ class TurboBackend:
 
     # -- dense ---------------------------------------------------------------
     def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
+        return self.bind_dense(call)(q, k, v, call.sink)
+
+    def bind_dense(self, call: KernelCall) -> Callable[[Tensor, Tensor, Tensor, Optional[Tensor]], Output]:
+        """``run(q, k, v, sink)`` for this call, its kernel keywords prepared once (the adapter
+        keeps it for equal calls)."""
         pattern = call.pattern
         assert pattern is not None, "the plan never sends a custom mask to the turbo backend"
         if pattern.boundaries is not None:
-            return self._documents_dense(q, k, v, call)
+            return lambda q, k, v, sink: self._documents_dense(
+                q, k, v, call if sink is call.sink else dataclasses.replace(call, sink=sink))
         # Normalised always (causal=False with (-1, 0) is causal): the kernel's dispatcher reads
         # the flags as given, and the plan routed the normalised call; Megatron's own causal /
         # full calls are unchanged by it (B6).
         causal, window = turbo_window_args(pattern)
-        return self.direct(
-            q, k, v,
-            dropout_p=call.dropout_p,
-            softmax_scale=call.scale,
-            causal=causal,
-            window_size=window,
-            bias=call.bias,
-            alibi_slopes=call.alibi_slopes,
-            deterministic=call.deterministic,
-            return_lse=call.return_lse,
-            return_attn_probs=False,
-            **sink_kwargs_for(self.direct, call.sink, where="dense"),
-        )
+        direct = self.direct
+        kwargs = without_defaults(direct, dict(
+            dropout_p=call.dropout_p, softmax_scale=call.scale, causal=causal, window_size=window, bias=call.bias,
+            alibi_slopes=call.alibi_slopes, deterministic=call.deterministic, return_lse=call.return_lse,
+            return_attn_probs=False))
+        if entry_accepts(direct, "sink"):
+            return lambda q, k, v, sink: direct(q, k, v, sink=sink, **kwargs)
+        return lambda q, k, v, sink: direct(q, k, v, **kwargs, **sink_kwargs_for(direct, sink, where="dense"))
 
     def _documents_dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
         """Same documents in every sequence: flatten the batch and run the varlen kernel."""
@@ -140,17 +142,29 @@ class TurboBackend:
     # -- packed --------------------------------------------------------------
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,
                max_seqlen_q: Any, max_seqlen_kv: Any, call: KernelCall) -> Output:
-        assert call.pattern is not None
-        if call.pattern.window != (-1, -1):
-            _check_same_boundaries(cu_seqlens_q, cu_seqlens_kv, call.pattern)
-        causal, window = turbo_window_args(call.pattern)
-        result = self.flash_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+        return self.bind_packed(call)(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, call.sink)
+
+    def bind_packed(self, call: KernelCall) -> Callable[..., Output]:
+        """``run(q, k, v, cu_q, cu_kv, max_q, max_kv, sink)`` for this call (see `bind_dense`)."""
+        pattern = call.pattern
+        assert pattern is not None
+        causal, window = turbo_window_args(pattern)
+        check = pattern.window != (-1, -1)
+        varlen, accepts, lse = self.flash_varlen, entry_accepts(self.flash_varlen, "sink"), call.return_lse
+        kwargs = without_defaults(varlen, dict(
             dropout_p=call.dropout_p, softmax_scale=call.scale, causal=causal, window_size=window,
             alibi_slopes=call.alibi_slopes, deterministic=call.deterministic, return_lse=call.return_lse,
-            return_attn_probs=False, **sink_kwargs_for(self.flash_varlen, call.sink, where="packed"),
-        )
-        return varlen_lse_as_heads_tokens(result) if call.return_lse else result
+            return_attn_probs=False))
+
+        def run(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: Any, max_kv: Any,
+                sink: Optional[Tensor]) -> Output:
+            if check:
+                _check_same_boundaries(cu_q, cu_kv, pattern)
+            extra = {"sink": sink} if accepts else sink_kwargs_for(varlen, sink, where="packed")
+            result = varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, **kwargs, **extra)
+            return varlen_lse_as_heads_tokens(result) if lse else result
+
+        return run
 
 
 def varlen_lse_as_heads_tokens(result: Any) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,131 @@
+"""The adapter's fast path (`primus_ext.backends.call_memo`) changes nothing but the cost.
+
+After a valid call the adapter keeps a runner for equal calls.  Held here:
+
+* every hostile input of the B34 sweep is still refused with our error when it follows a
+  valid call of the same kind (the memo must not let it through);
+* a call the plan did not assume is still routed and refused (B33) after the planned call
+  (``test_call_checks``, ``after-the-planned-call``); a sink of another dtype is cast;
+* the memoised call hands the kernel exactly the arguments the full path handed it, for
+  dense causal, window, sink (a bf16 sink still cast to fp32) and packed calls;
+* a hook proof resting on a module global is re-checked at every call (no memo for it).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from primus_ext.errors import PrimusExtError, UnsupportedInputError
+from primus_ext.plan import build_plan
+from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.testing import fake_primus_turbo
+
+from .helpers import adapter, facts, packed_qkv, qkv, settings
+from .test_call_checks import SWEEP, _sbhd, packed_call
+
+
+def warm_up(run, name: str) -> None:
+    """A valid call of the same kind as the sweep entry ``name``."""
+    if "cu_seqlens" in name or "max_seqlen" in name:
+        packed_call(run)
+    else:
+        run(*qkv())
+    assert run._fast is not None, "the valid call left no memo: the sweep would not test it"
+
+
+@pytest.mark.parametrize("backend", ["reference", "turbo"])
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_a_memoised_adapter_still_refuses_every_hostile_input(name, backend):
+    with fake_primus_turbo(arch=None):
+        run = adapter(settings(turbo_flex_attention_backend=backend), facts(packed=None))
+        warm_up(run, name)
+        with pytest.raises(PrimusExtError) as err:
+            SWEEP[name](run)
+    assert isinstance(err.value, UnsupportedInputError), err.value
+
+
+def test_a_sink_of_another_dtype_after_the_memo_is_cast_like_the_first():
+    layer = facts(num_heads=8, num_kv_heads=1, head_dim=64, seq_length=128, dtype="bf16", packed=False)
+    with fake_primus_turbo(arch="gfx942", build="main") as fake:
+        run = TurboFlexAttention(build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch="gfx942",
+                                                     use_sink_attention=True), layer))
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            run(*(_sbhd(h) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8, dtype=dtype))
+    assert [c.args["sink"].dtype for c in fake.calls] == [torch.float32] * 3
+
+
+CASES = {
+    "causal": (dict(), dict(causal=True)),
+    "window": (dict(), dict(causal=True, window_size=(5, 0))),
+    "sink (bf16)": (dict(use_sink_attention=True), dict(causal=True, sink=torch.zeros(4, dtype=torch.bfloat16))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_memoised_call_passes_the_kernel_the_same_arguments(name):
+    keys, kwargs = CASES[name]
+    with fake_primus_turbo() as fake:
+        run = adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts(packed=False))
+        q, k, v = qkv(dtype=torch.float32)
+        first = run(q, k, v, **kwargs)
+        assert run._fast is not None
+        second = run(q, k, v, **kwargs)
+    slow, fast = fake.calls
+    assert slow.entry == fast.entry and slow.args.keys() == fast.args.keys()
+    for key, value in slow.args.items():
+        other = fast.args[key]
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == other.dtype and torch.equal(value, other), key
+        else:
+            assert value == other, key
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_the_memoised_packed_call_passes_the_kernel_the_same_arguments_and_checks_new_boundaries():
+    with fake_primus_turbo() as fake:
+        run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(packed=True))
+        packed_call(run)
+        assert run._fast is not None
+        packed_call(run)
+        slow, fast = fake.calls
+        assert {k: v for k, v in slow.args.items() if not isinstance(v, torch.Tensor)} == \
+            {k: v for k, v in fast.args.items() if not isinstance(v, torch.Tensor)}
+        bad = torch.tensor([0, 9, 11], dtype=torch.int32)  # a document longer than max_seqlen 7
+        with pytest.raises(UnsupportedInputError):
+            packed_call(run, cu_seqlens_q=bad, cu_seqlens_kv=bad)
+    assert len(fake.calls) == 2
+
+
+def test_a_proof_resting_on_a_global_is_checked_at_every_call(monkeypatch):
+    module = types.ModuleType("memo_hooks")
+    module.WIDTH = 3
+
+    def band(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= module.WIDTH)
+
+    module.band = band
+    monkeypatch.setitem(__import__("sys").modules, "memo_hooks", module)
+    with fake_primus_turbo():
+        run = adapter(settings(turbo_flex_attention_backend="turbo", turbo_flex_attention_mask_mod="memo_hooks:band"),
+                      facts(packed=False))
+        q, k, v = qkv(dtype=torch.float32)
+        run(q, k, v)
+        run(q, k, v)
+        module.WIDTH = 5
+        with pytest.raises(UnsupportedInputError) as err:
+            run(q, k, v)
+    assert "(B31)" in str(err.value)
+
+
+def test_packed_inputs_keep_their_own_memo_checks():
+    """int64 boundaries take the full path (they are cast), and then run exactly."""
+    with fake_primus_turbo():
+        run = adapter(settings(turbo_flex_attention_backend="reference"), facts(packed=True))
+        q, k, v = packed_qkv(11)
+        cu = torch.tensor([0, 4, 11])
+        a = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        b = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)

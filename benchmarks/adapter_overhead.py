@@ -11,7 +11,9 @@ tensor; see `benchmarks._stubs`), so the difference is only the code in between:
 The last row compares whole Megatron core-attention forwards (sbhd in, ``[S, B, H*D]``
 out), flex path against direct path, both on the stubs.
 
-Goals: ``flex`` within 1.10x of ``direct`` and less than 3 us added per call.
+Goal (issue 13): at most 2 us added per call on every path.  After the table, the
+fast path of a dense causal call is taken apart (``--breakdown``, on by default): the
+time of each piece it runs, measured alone, so what remains above the goal is named.
 
     python -m benchmarks.adapter_overhead [--repeats 25] [--number 2000] [--profile]
 """
@@ -32,8 +34,7 @@ from . import _common as c
 from ._stubs import dense_inputs, stubbed_turbo
 
 NAME = "adapter_overhead"
-GOAL_RATIO = 1.10
-GOAL_ADDED_US = 3.0
+GOAL_ADDED_US = 2.0
 SEQ, HEADS, KV_HEADS, DIM = 4096, 8, 2, 128
 WINDOW = (1024, 0)
 
@@ -46,6 +47,7 @@ def _settings(**keys: Any) -> Any:
 
 
 def _adapter(packed: bool = False, **keys: Any) -> Any:
+    """A flex adapter on the turbo backend (the caller's ``packed`` layout planned)."""
     from primus_ext.backends.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
 
@@ -118,6 +120,73 @@ def profile_top(fn: Callable[[], Any], calls: int = 20000, top: int = 12) -> str
     return text[text.find("   ncalls"):].rstrip()
 
 
+def first_calls(ops: Any, outputs: Any, fresh: int = 40) -> list[tuple[str, float, float]]:
+    """``(path, first call us, later call us)`` medians over ``fresh`` new adapters per path.
+
+    The first call of a layer builds what its route needs: the plan's binding of the
+    call's causal/window, the arch route, the `KernelCall` and the memo of the fast path;
+    no per-shape table (no BlockMask) on any route.
+    """
+    q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
+    outputs.dense = torch.empty_like(q)
+    tq, tk, tv = q[0], k[0], v[0]
+    outputs.packed = torch.empty_like(tq)
+    cu = torch.tensor([0, 1000, 2500, SEQ], dtype=torch.int32)
+    sink = torch.zeros(HEADS)
+    kw = dict(dropout_p=0.0, softmax_scale=None, causal=True)
+    paths = {
+        "causal": (dict(), lambda run: run(q, k, v, window_size=(-1, -1), **kw)),
+        f"window {WINDOW}": (dict(), lambda run: run(q, k, v, window_size=WINDOW, **kw)),
+        "causal + sink": (dict(use_sink_attention=True), lambda run: run(q, k, v, sink=sink, **kw)),
+        "packed causal (thd)": (dict(packed=True), lambda run: run(tq, tk, tv, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                                  max_seqlen_q=1596, max_seqlen_kv=1596, **kw)),
+    }
+    rows = []
+    for label, (keys, call) in paths.items():
+        firsts, laters = [], []
+        for _ in range(fresh):
+            run = _adapter(**keys)
+            for sample in (firsts, laters):
+                start = time.perf_counter()
+                call(run)
+                sample.append((time.perf_counter() - start) * 1e6)
+        rows.append((label, sorted(firsts)[fresh // 2], sorted(laters)[fresh // 2]))
+    return rows
+
+
+def _per_call(fn: Callable[[], Any], number: int, repeats: int = 7) -> float:
+    """Median microseconds per call of ``fn`` over ``repeats`` samples of ``number`` calls."""
+    return c.interleaved({"x": fn}, repeats=repeats, number=number, scale=1e6)["x"]["median"]
+
+
+def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
+    """The pieces of the adapter's fast path for a dense causal call, each timed alone (us)."""
+    q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
+    outputs.dense = torch.empty_like(q)
+    run = _adapter()
+    kw = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1))
+    run(q, k, v, **kw)
+    memo, flash = run._fast, ops.flash_attn_func
+
+    def signature_like(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), bias=None,
+                       alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False, sink=None,
+                       *, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None):
+        return None
+
+    pieces = [
+        ("whole adapter call", lambda: run(q, k, v, **kw)),
+        ("direct stub call (the baseline)", lambda: flash(q, k, v, **kw)),
+        ("calling a no-op with the adapter's signature", lambda: signature_like(q, k, v, **kw)),
+        ("torch.compiler.is_compiling()", torch.compiler.is_compiling),
+        ("scalar arguments compared", lambda: memo._same_scalars(0.0, None, True, (-1, -1), False, False)),
+        ("q/k/v shapes and q's strides compared", lambda: q.shape == memo.q_shape and k.shape == memo.k_shape
+         and v.shape == memo.v_shape and q.stride() == memo.q_stride),
+        ("q/k/v dtypes and devices, sink compared", lambda: memo._tensors(q, k, v, None)),
+        ("bound kernel runner (keywords prepared) incl. the stub", lambda: memo.run(q, k, v, None)),
+    ]
+    return [(label, _per_call(fn, number)) for label, fn in pieces]
+
+
 def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=25, help="samples per side (min/median over them)")
@@ -139,28 +208,34 @@ def main(argv: Any = None) -> int:
             f, d = timing["flex"], timing["direct"]
             ratio = f["median"] / d["median"]
             added = f["median"] - d["median"]
-            ok = ratio <= GOAL_RATIO and added < GOAL_ADDED_US
             results.append({"case": label, "kernel": kernel, "flex_us": f, "direct_us": d,
-                            "ratio_median": ratio, "ratio_min": f["min"] / d["min"], "added_us_median": added,
-                            "added_us_min": f["min"] - d["min"], "ratio_goal_met": ratio <= GOAL_RATIO,
-                            "added_goal_met": added < GOAL_ADDED_US})
+                            "ratio_median": ratio, "added_us_median": added, "added_us_min": f["min"] - d["min"],
+                            "added_goal_met": added <= GOAL_ADDED_US})
             rows.append([label, f"{f['min']:.2f} / {f['median']:.2f}", f"{d['min']:.2f} / {d['median']:.2f}",
-                         f"{added:.2f}", f"{ratio:.1f}x", c.verdict(added < GOAL_ADDED_US),
-                         c.verdict(ratio <= GOAL_RATIO)])
+                         f"{added:.2f}", f"{ratio:.1f}x", c.verdict(added <= GOAL_ADDED_US)])
             if args.profile:
                 profiles[label] = profile_top(flex)
+        pieces = breakdown(ops, outputs, args.number)
+        firsts = first_calls(ops, outputs)
 
     print(c.table(["path (cache hit)", "flex us min/med", "direct us min/med", "added us", "ratio",
-                   f"< {GOAL_ADDED_US:g} us added", f"<= {GOAL_RATIO:.2f}x"], rows))
+                   f"<= {GOAL_ADDED_US:g} us added"], rows))
     print(f"\n{args.repeats} samples x {args.number} calls per side, interleaved; q/k/v bf16 "
           f"[1, {SEQ}, {HEADS}/{KV_HEADS}, {DIM}]; the stub does no work, so the ratio compares our Python "
           "with a bare Python call and the added microseconds are the figure that matters.")
+    print("\nfirst call of a new layer vs its second call (us, median over 40 new adapters per path):")
+    print(c.table(["path", "first call us", "second call us"],
+                  [[label, f"{a:.1f}", f"{b:.1f}"] for label, a, b in firsts]))
+    print("\nwhere the fast path's time goes, dense causal (each piece timed alone, us per call, median):")
+    print(c.table(["piece", "us"], [[label, f"{us:.2f}"] for label, us in pieces]))
     for label, text in profiles.items():
         print(f"\ncProfile, flex call, {label} (tottime):\n{text}")
     path = c.write_json(NAME, {"benchmark": NAME, "environment": env, "repeats": args.repeats,
                                "calls_per_sample": args.number, "shape": [1, SEQ, HEADS, KV_HEADS, DIM],
-                               "goals": {"ratio": GOAL_RATIO, "added_us": GOAL_ADDED_US},
-                               "results": results, "profiles": profiles})
+                               "goals": {"added_us": GOAL_ADDED_US}, "results": results,
+                               "breakdown_us": dict(pieces),
+                               "first_calls_us": [{"path": p, "first": a, "second": b} for p, a, b in firsts],
+                               "profiles": profiles})
     c.footer(path, started)
     return 0
 

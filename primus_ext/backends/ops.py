@@ -154,7 +154,7 @@ def _run_forward(handle: int, a: CallArgs, return_lse: bool, lse_shape: Sequence
     pair = _pair(handle, a)
     if pair is not None:
         out, lse = pair.forward(a)
-        return _contiguous(out), lse.to(_lse_dtype(a.q)), _rng_snapshot(a.q.device, 0.0)
+        return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), _rng_snapshot(a.q.device, 0.0)
     rng = _rng_snapshot(a.q.device, a.dropout_p)
     t = target(handle)
     with torch.no_grad():
@@ -167,7 +167,7 @@ def _run_forward(handle: int, a: CallArgs, return_lse: bool, lse_shape: Sequence
     out, lse = result if return_lse else (result, None)
     # zeros, not garbage: an output nobody asked for must still be deterministic
     lse = lse.to(_lse_dtype(a.q)) if lse is not None else a.q.new_zeros(lse_shape, dtype=_lse_dtype(a.q))
-    return _contiguous(out), lse, rng
+    return _contiguous(out), _contiguous(lse), rng
 
 
 def _pair_grads(pair: KernelPair, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -60,8 +61,11 @@ class ReferenceBackend:
         """Whether a call runs blockwise (see the module docstring for the others)."""
         return call.score_mod is None and call.bias is None and call.dropout_p == 0.0
 
-    def kernel_pair(self, a: CallArgs, call: KernelCall, _routes: Any = None) -> Optional["BlockwisePair"]:
-        """The blockwise forward and hand-written backward as one kernel pair (compiled steps)."""
+    def kernel_pair(self, a: CallArgs, call: KernelCall, _routes: Any = None) -> Any:
+        """The forward/backward pair of a compiled step: on CPU, SDPA's own flash kernels for
+        what eager sends to SDPA; else the blockwise forward and hand-written backward."""
+        if a.cu_q is None and self._sdpa_allowed(a.q, a.k, call):
+            return SdpaCpuPair(call) if a.q.device.type == "cpu" and call.dropout_p == 0.0 else None
         return BlockwisePair(call, self) if self.blockwise_allowed(call) else None
 
     def packed_layout(self, pattern: Any, cu_q: Tensor, cu_kv: Tensor, total_q: int, total_kv: int,
@@ -142,6 +146,37 @@ class ReferenceBackend:
             out, lse = result
             return out.squeeze(0), lse.squeeze(0)
         return result.squeeze(0)
+
+
+class SdpaCpuPair:
+    """aten's CPU flash-attention forward (out, logsumexp) and its backward: the kernels
+    ``scaled_dot_product_attention`` runs on CPU, split (`primus_ext.backends.ops.KernelPair`)."""
+
+    def __init__(self, call: KernelCall) -> None:
+        self.causal = call.pattern is not None and call.pattern.kind == "causal"
+        self.scale = call.scale
+
+    @staticmethod
+    def _heads(a: CallArgs) -> tuple[Tensor, Tensor, Tensor, int]:
+        group = a.q.shape[2] // a.k.shape[2]
+        k, v = (t.transpose(1, 2) for t in (a.k, a.v))
+        if group > 1:  # the CPU kernel has no GQA: each key/value head serves its group
+            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        return a.q.transpose(1, 2), k, v, group
+
+    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor]:
+        q, k, v, _ = self._heads(a)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, self.causal,
+                                                                               scale=self.scale)
+        return out.transpose(1, 2), lse
+
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Any, ...]:
+        q, k, v, group = self._heads(a)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, self.causal, scale=self.scale)
+        if group > 1:
+            dk, dv = (t.unflatten(1, (-1, group)).sum(2) for t in (dk, dv))
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
 
 
 class BlockwisePair:

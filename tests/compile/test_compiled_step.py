@@ -13,8 +13,8 @@ kernel calls is counted, not inferred:
   recomputes the forward through ``flash_attn_func``, twice the forward calls.
 
 Compiled gradients equal eager ones to bf16 rounding.  The reference backend gets the
-same split with its blockwise math (`primus_ext.backends.blockwise`), checked in
-float64 against eager.
+same split with its blockwise math (`primus_ext.backends.blockwise`), or for plain
+causal attention aten's CPU flash forward/backward pair, checked in float64 against eager.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ PATHS = {
 }
 
 
-def model_on(path_keys: dict, arch: Optional[str], dtype: torch.dtype) -> Any:
-    keys = dict(path_keys, use_sink_attention=True, sink_sliding_window=4, sink_window_even_layers_only=True,
-                turbo_arch=arch or "auto")
+def model_on(path_keys: dict, arch: Optional[str], dtype: torch.dtype, sink: bool = True) -> Any:
+    extra = dict(use_sink_attention=True, sink_sliding_window=4, sink_window_even_layers_only=True) if sink else {}
+    keys = dict(path_keys, turbo_arch=arch or "auto", **extra)
     cfg = gpt.config(num_layers=LAYERS, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     cfg.packed_sequences = False  # dense batches only: a sink has no varlen kernel on gfx942 (B33)
     model = gpt.build_gpt(gpt.settings(**keys), cfg)
@@ -97,26 +97,30 @@ def test_without_a_known_route_the_compiled_backward_recomputes_the_forward(mega
     assert calls == {"flash_attn_func": 2 * LAYERS * MICRO_BATCHES}, calls
 
 
-def test_reference_compiled_step_splits_forward_and_backward(megatron_without_tp_group_warning):
-    """The reference backend: the compiled backward op uses the blockwise backward from
-    the saved (out, lse), never the forward; gradients equal eager in float64."""
-    from primus_ext.backends import blockwise
+@pytest.mark.parametrize("sink", [True, False], ids=["sinks-blockwise", "causal-sdpa"])
+def test_reference_compiled_step_splits_forward_and_backward(sink, megatron_without_tp_group_warning):
+    """The reference backend: the compiled backward op runs the backward kernel from the saved
+    (out, lse), never the forward; with sinks that is the blockwise pair, for plain causal
+    attention (what eager sends to SDPA) aten's CPU flash pair.  Gradients equal eager in
+    float64."""
+    from primus_ext.backends import reference
 
     keys = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference")
+    pair = reference.BlockwisePair if sink else reference.SdpaCpuPair
     calls: Counter = Counter()
-    original = blockwise.forward
+    original = pair.forward
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
+    def counting(self: Any, a: Any) -> Any:
         calls["forward"] += 1
-        return original(*args, **kwargs)
+        return original(self, a)
 
-    model = model_on(keys, None, torch.float64)
+    model = model_on(keys, None, torch.float64, sink=sink)
     eager_losses, eager_grads = steps(model, model)
-    blockwise.forward = counting
+    pair.forward = counting
     try:
         losses, grads = steps(model, torch.compile(model, backend="aot_eager"))
     finally:
-        blockwise.forward = original
+        pair.forward = original
     assert calls["forward"] == LAYERS * MICRO_BATCHES, calls
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-10, atol=1e-10)
     for name, g in grads.items():

@@ -62,6 +62,16 @@ SWEEP: dict[str, Callable[[Callable], Any]] = {
     "window of three ints": lambda run: run(*qkv(), window_size=(1, 0, 2)),
     "window not ints": lambda run: run(*qkv(), window_size="wide"),
     "q not a tensor": lambda run: run([[1.0]], *qkv()[1:]),
+    # found by the hostile review of issue 13 (the fast path), kept for both paths
+    "k on the meta device": lambda run: run(*(lambda q, k, v: (q, k.to("meta"), v))(*qkv())),
+    "bias that does not broadcast": lambda run: run(*qkv(), bias=torch.zeros(3, 16, 16, dtype=torch.float64)),
+    "cu_seqlens empty": lambda run: packed_call(run, cu_seqlens_q=torch.empty(0, dtype=torch.int32),
+                                                cu_seqlens_kv=torch.empty(0, dtype=torch.int32)),
+    "q and kv with different document counts": lambda run: packed_call(
+        run, cu_seqlens_q=_cu(), cu_seqlens_kv=torch.tensor([0, 5, 8, 11], dtype=torch.int32)),
+    "one boundary tensor for q and kv of different token counts": lambda run: (
+        lambda q, kv, cu: run(q, kv[0], kv[1], causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7,
+                              max_seqlen_kv=7))(packed_qkv(11)[0], packed_qkv(14)[1:], _cu()),
 }
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
-from .call_checks import check_heads, check_packed, check_qkv, check_window
+from .call_checks import check_bias, check_heads, check_packed, check_qkv, check_window
 from .call_memo import MISS, CallMemo, scalars_key
 from .call_route import CallRoutes
 from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
@@ -140,6 +140,12 @@ class TurboFlexAttention:
 
     def _alibi_slopes(self, alibi_slopes: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
         planned = self.plan.alibi_slopes
+        if (alibi_slopes is not None and self.backend.name == "turbo" and alibi_slopes.requires_grad
+                and torch.is_grad_enabled()):
+            raise _refuse(("alibi_slopes",), "the alibi_slopes require a gradient, and Primus-Turbo's backward "
+                          "computes none for them: they would silently not train (B34).",
+                          "pass constant slopes (detach them), or set turbo_flex_attention_backend: reference, "
+                          "which differentiates them.")
         if alibi_slopes is not None and planned is not None:
             raise _refuse(("turbo_flex_attention_score_mod",), "alibi_slopes were passed and the score hook "
                           "is ALiBi too; adding both would double the bias.", "pass only one of them.")
@@ -221,6 +227,7 @@ class TurboFlexAttention:
             raise _refuse(("qkv_format",), f"dense inputs are bshd [B, S, H, D]; got a {q.dim()}-D query.",
                           "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
         q_len, kv_len = q.shape[1], k.shape[1]
+        check_bias(bias, q, k, kernel_shape=self.backend.name == "turbo")
         flag, window = _flash_args(causal, window_size)
         self._bind(flag, window)
         pattern = self._dense_pattern(causal, window_size, (flag, window))

@@ -73,6 +73,27 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
                       "not fit: q and k need one head dim, k and v one shape up to the head dim.")
 
 
+def check_bias(bias: Any, q: Tensor, k: Tensor, *, kernel_shape: bool) -> None:
+    """A bias is a floating tensor on q's device that broadcasts to ``[B, Hq, Sq, Skv]``; with
+    ``kernel_shape`` (Primus-Turbo's kernels) exactly one ``[Sq, Skv]`` matrix in q's dtype."""
+    if bias is None:
+        return
+    q_len, kv_len = q.shape[1], k.shape[1]
+    if not isinstance(bias, Tensor) or bias.dtype not in _FLOATS or bias.device != q.device:
+        got = f"{bias.dtype} on {bias.device}" if isinstance(bias, Tensor) else type(bias).__name__
+        raise _refuse(("bias",), f"the bias must be a floating tensor on {q.device}, got {got}.")
+    if kernel_shape:
+        if tuple(bias.shape) != (q_len, kv_len) or bias.dtype != q.dtype:
+            raise _refuse(("bias",), f"Primus-Turbo's kernels take one [{q_len}, {kv_len}] bias in {q.dtype}, "
+                          f"got {tuple(bias.shape)} in {bias.dtype}.",
+                          "pass one [Sq, Skv] bias in q's dtype, or set turbo_flex_attention_backend: reference.")
+        return
+    full = (q.shape[0], q.shape[2], q_len, kv_len)
+    if bias.dim() > 4 or any(b not in (1, f) for b, f in zip(reversed(bias.shape), reversed(full))):
+        raise _refuse(("bias",), f"the bias of shape {tuple(bias.shape)} does not broadcast to [B, Hq, Sq, Skv] "
+                      f"= {list(full)}.")
+
+
 def check_window(window_size: Any) -> Tuple[int, int]:
     """``window_size`` as two ints, each -1 (unbounded) or >= 0."""
     try:
@@ -128,6 +149,10 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     kernel (and `turbo`'s same-boundaries check) still sees one tensor.
     """
     same = cu_q is cu_kv
+    if same and k.shape[0] != q.shape[0]:
+        raise _refuse(("cu_seqlens_q", "cu_seqlens_kv"), f"one boundary tensor was given for q and kv, but q has "
+                      f"{q.shape[0]} tokens and k {k.shape[0]}; one set of boundaries cannot end at both.",
+                      "pass each side's own boundaries.")
     cu_q = _boundaries("cu_seqlens_q", cu_q, q.device)
     cu_kv = cu_q if same else _boundaries("cu_seqlens_kv", cu_kv, q.device)
     if cu_q.numel() != cu_kv.numel():
@@ -135,9 +160,9 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
                       f"cu_seqlens_kv {cu_kv.numel() - 1}; q and kv need the same documents.")
     max_q = _max_seqlen("max_seqlen_q", max_q, q.shape[0])
     max_kv = _max_seqlen("max_seqlen_kv", max_kv, k.shape[0])
-    _assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
+    assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
     if not same:
-        _assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
+        assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
     return cu_q, cu_kv, max_q, max_kv
 
 
@@ -146,8 +171,13 @@ _PROVEN: list = []
 the same tensor, so the value check runs once per step, not once per layer and call."""
 
 
-def _assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
-    if torch.compiler.is_compiling() or isinstance(longest, Tensor):
+def assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
+    """The values of ``cu`` (start 0, no decrease, end at ``tokens``, no document over ``longest``),
+    checked on the device once per tensor.  Under ``torch.compile`` nothing is traced: the
+    varlen op checks its boundaries itself when it runs (`ops.varlen_attention`)."""
+    if torch.compiler.is_compiling():
+        return
+    if isinstance(longest, Tensor):
         _check_boundaries(name, cu, tokens, longest)
         return
     for ref, version, n, bound in _PROVEN:
@@ -163,16 +193,12 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     first = torch.arange(cu.numel(), device=cu.device) == 0
     lengths = torch.where(first, torch.zeros_like(cu), cu - cu.roll(1))
     ok = (cu[0] == 0) & (cu[-1] == tokens) & (lengths >= 0).all() & (lengths.max() <= longest)
-    if torch.compiler.is_compiling():  # the values may be symbolic: a traced graph keeps a constant text
-        why = (f"{name} must start at 0, never decrease, end at the token count, and have no document longer "
-               "than max_seqlen (B34)")
-    else:
-        why = (f"{name} must start at 0, never decrease, end at the token count ({tokens}), and have no document "
-               f"longer than max_seqlen ({longest if not isinstance(longest, Tensor) else 'the tensor given'}) (B34)")
+    why = (f"{name} must start at 0, never decrease, end at the token count ({tokens}), and have no document "
+           f"longer than max_seqlen ({longest if not isinstance(longest, Tensor) else 'the tensor given'}) (B34)")
     assert_on_device(ok, why, lambda: _refuse(
         (name, "max_seqlen_q" if name.endswith("_q") else "max_seqlen_kv"), why + ".",
         "build the boundaries as the cumulative document lengths, and max_seqlen as the longest document "
         "(or leave it None)."))
 
 
-__all__ = ["assert_on_device", "check_heads", "check_packed", "check_qkv", "check_window"]
+__all__ = ["assert_on_device", "check_bias", "check_heads", "check_packed", "check_qkv", "check_window"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .call_checks import _assert_boundaries
+from .call_checks import assert_boundaries
 
 Runner = Callable[..., Any]
 
@@ -34,7 +34,7 @@ class CallMemo:
                  packed: bool = False, same_cu: bool = False, max_given: tuple = ()) -> None:
         tail = slice(1, None) if packed else slice(None)
         self.q_shape, self.k_shape, self.v_shape = q.shape[tail], k.shape[tail], v.shape[tail]
-        self.dtype, self.device = q.dtype, q.get_device()
+        self.dtype, self.device = q.dtype, q.device
         self.q_stride = None if packed else q.stride()
         self.scalars = scalars
         self.sink_shape = None if sink is None else sink.shape
@@ -44,13 +44,14 @@ class CallMemo:
 
     def _tensors(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor]) -> bool:
         """dtype, device and sink of q, k, v as remembered (shapes are the caller's part)."""
+        # ``device`` itself, not ``get_device()``: that is -1 for the CPU and for meta alike.
         dtype, device = self.dtype, self.device
         if not (q.dtype is dtype and k.dtype is dtype and v.dtype is dtype
-                and q.get_device() == device and k.get_device() == device and v.get_device() == device):
+                and q.device == device and k.device == device and v.device == device):
             return False
         if sink is None:
             return self.sink_shape is None
-        return sink.dtype is self.sink_dtype and sink.shape == self.sink_shape and sink.get_device() == device
+        return sink.dtype is self.sink_dtype and sink.shape == self.sink_shape and sink.device == device
 
     def _same_scalars(self, dropout_p: Any, scale: Any, causal: Any, window_size: Any, deterministic: Any,
                       return_lse: Any) -> bool:
@@ -90,15 +91,20 @@ class CallMemo:
             return _MISS
         if (cu_q is cu_kv) is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
             return _MISS
-        if not (_boundaries_like(cu_q, self.device) and (cu_q is cu_kv or _boundaries_like(cu_kv, self.device))):
+        if not _boundaries_like(cu_q, self.device):
+            return _MISS
+        if cu_q is cu_kv:
+            if k.shape[0] != q.shape[0]:  # one boundary tensor cannot describe two token counts
+                return _MISS
+        elif not (_boundaries_like(cu_kv, self.device) and cu_kv.shape == cu_q.shape):
             return _MISS
         max_q = q.shape[0] if max_q is None else max_q
         max_kv = k.shape[0] if max_kv is None else max_kv
         if not (_positive_int(max_q) and _positive_int(max_kv)):
             return _MISS
-        _assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
+        assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
         if cu_kv is not cu_q:
-            _assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
+            assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
         return self.run(q, k, v, cu_q, cu_kv, max_q, max_kv, sink.float() if self.sink_cast else sink)  # type: ignore[union-attr]
 
 
@@ -106,8 +112,9 @@ _MISS = object()
 """What `CallMemo.dense` / `CallMemo.packed` return when the call must take the full path."""
 
 
-def _boundaries_like(cu: Any, device: int) -> bool:
-    return type(cu) is Tensor and cu.dtype is torch.int32 and cu.dim() == 1 and cu.get_device() == device
+def _boundaries_like(cu: Any, device: torch.device) -> bool:
+    return (type(cu) is Tensor and cu.dtype is torch.int32 and cu.dim() == 1 and cu.shape[0] >= 2
+            and cu.device == device)
 
 
 def _positive_int(value: Any) -> bool:

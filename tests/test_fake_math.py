@@ -136,13 +136,23 @@ def test_dense_gradients_match_float64_autograd(case, block):
 
 
 def test_gradcheck_of_the_hand_written_backward():
-    """Finite differences for every differentiable input at once: q, k, v, sink, slopes, bias."""
+    """Finite differences for every input the kernels differentiate at once: q, k, v, sink, bias
+    (with ALiBi slopes in the scores, as constants)."""
     q, k, v = tensors((1, 4, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4), seed=5)
     sink, slopes, bias = tensors((2,), (2,), (4, 6), seed=6)
     for window in (Pattern(1, 2), Pattern(-1, 0), Pattern(-1, -1)):
-        def f(q, k, v, sink, slopes, bias, window=window):
-            return fm.attention(q, k, v, window=window, sink=sink, alibi_slopes=slopes, bias=bias, block=2)
-        assert torch.autograd.gradcheck(f, (q, k, v, sink, slopes, bias))
+        def f(q, k, v, sink, bias, window=window):
+            return fm.attention(q, k, v, window=window, sink=sink, alibi_slopes=slopes.detach(), bias=bias, block=2)
+        assert torch.autograd.gradcheck(f, (q, k, v, sink, bias))
+
+
+def test_alibi_slopes_get_no_gradient_as_on_aiter():
+    """AITER's backward returns no ALiBi gradient (dispatch facts §2): neither does the fake."""
+    q, k, v = tensors((1, 4, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4), seed=5)
+    (slopes,) = tensors((2,), seed=6)
+    out = fm.attention(q, k, v, window=Pattern(-1, 0), alibi_slopes=slopes, block=2)
+    (grad,) = torch.autograd.grad(out.sum(), [slopes], allow_unused=True)
+    assert grad is None
 
 
 # (name, q lengths, kv lengths, (left, right), sink, alibi)

@@ -158,3 +158,20 @@ def test_turbo_and_reference_agree_through_make_backend():
         fast = TurboFlexAttention(plan, make_backend("turbo"))(q, k, v, causal=True, window_size=(5, 0))
     slow = adapter(settings(sink_sliding_window=5))(q, k, v, causal=True, window_size=(5, 0))
     torch.testing.assert_close(fast, slow, **TOL)
+
+
+def test_trainable_alibi_slopes_are_refused_on_turbo_and_trained_on_reference():
+    """AITER's backward returns no ALiBi gradient: slopes that require one would silently not
+    train on Turbo, so they are refused there; the reference differentiates them."""
+    from primus_ext.errors import UnsupportedInputError
+
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    with fake_primus_turbo() as fake:
+        q, k, v = qkv(dtype=torch.float32)
+        with pytest.raises(UnsupportedInputError, match="alibi_slopes"):
+            adapter(settings(turbo_flex_attention_backend="turbo"))(q, k, v, causal=True, alibi_slopes=slopes)
+        assert fake.calls == []
+        adapter(settings(turbo_flex_attention_backend="turbo"))(q, k, v, causal=True, alibi_slopes=slopes.detach())
+        out = adapter(settings())(q, k, v, causal=True, alibi_slopes=slopes)
+    (grad,) = torch.autograd.grad(out.sum(), [slopes])
+    assert grad.abs().sum() > 0

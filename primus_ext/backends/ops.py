@@ -36,6 +36,8 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from .call_checks import assert_boundaries
+
 NAMESPACE = "primus_ext"
 
 
@@ -78,9 +80,9 @@ class KernelPair(Protocol):
         """``(out, lse)`` in the op's layouts."""
         ...
 
-    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor,
-                 lse: Tensor) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-        """``(dq, dk, dv, dsink, dbias)`` from the forward's ``out`` and ``lse``."""
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """``(dq, dk, dv, dsink, dalibi, dbias)`` from the forward's ``out`` and ``lse``."""
         ...
 
 
@@ -172,9 +174,9 @@ def _run_forward(handle: int, a: CallArgs, return_lse: bool, lse_shape: Sequence
 
 def _pair_grads(pair: KernelPair, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor,
                 dense: bool) -> tuple[Tensor, ...]:
-    dq, dk, dv, dsink, dbias = pair.backward(a, grad_out, out, lse)
-    grads = [dq, dk, dv, dsink] + ([dbias] if dense else [])
-    like = [a.q, a.k, a.v, a.sink] + ([a.bias] if dense else [])
+    dq, dk, dv, dsink, dalibi, dbias = pair.backward(a, grad_out, out, lse)
+    grads = [dq, dk, dv, dsink, dalibi] + ([dbias] if dense else [])
+    like = [a.q, a.k, a.v, a.sink, a.alibi] + ([a.bias] if dense else [])
     return tuple(_fit(g, t, a.q) for g, t in zip(grads, like))
 
 
@@ -249,16 +251,16 @@ def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                              sink: Optional[Tensor], alibi_slopes: Optional[Tensor], bias: Optional[Tensor],
                              rng_state: Tensor, handle: int, causal: bool, window_left: int, window_right: int,
                              scale: Optional[float], dropout_p: float,
-                             deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
                  (window_left, window_right), scale, dropout_p, deterministic)
     pair = _pair(handle, a)
     if pair is not None:
         return _pair_grads(pair, a, grad_out, out, lse, dense=True)  # type: ignore[return-value]
-    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(bias)]
+    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(alibi_slopes), _leaf(bias)]
     with _autograd_inside_op(), _rng_restored(rng_state, q.device):
-        again = target(handle).dense(*leaves[:4], alibi_slopes, leaves[4], causal, (window_left, window_right),
-                                     scale, dropout_p, deterministic, False)
+        again = target(handle).dense(*leaves, causal, (window_left, window_right), scale, dropout_p, deterministic,
+                                     False)
         return tuple(_grads(again, leaves, grad_out, q))  # type: ignore[return-value]
 
 
@@ -268,7 +270,7 @@ def _(grad_out, q, k, v, out, lse, sink, alibi_slopes, bias, rng_state, handle, 
     def like(t: Optional[Tensor]) -> Tensor:
         return torch.empty_like(t) if t is not None else q.new_empty(0)
 
-    return like(q), like(k), like(v), like(sink), like(bias)
+    return like(q), like(k), like(v), like(sink), like(alibi_slopes), like(bias)
 
 
 def _dense_setup(ctx, inputs, output) -> None:
@@ -280,9 +282,9 @@ def _dense_setup(ctx, inputs, output) -> None:
 
 def _dense_backward(ctx, grad_out, _grad_lse, _grad_rng):
     q, k, v, out, lse, sink, alibi, bias, rng = ctx.saved_tensors
-    dq, dk, dv, dsink, dbias = torch.ops.primus_ext.dense_attention_backward(
+    dq, dk, dv, dsink, dalibi, dbias = torch.ops.primus_ext.dense_attention_backward(
         grad_out, q, k, v, out, lse, sink, alibi, bias, rng, *ctx.scalars)
-    return (dq, dk, dv, _none_if_empty(dsink), None, _none_if_empty(dbias)) + (None,) * 8
+    return (dq, dk, dv, _none_if_empty(dsink), _none_if_empty(dalibi), _none_if_empty(dbias)) + (None,) * 8
 
 
 dense_attention.register_autograd(_dense_backward, setup_context=_dense_setup)
@@ -295,6 +297,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
                      scale: Optional[float], dropout_p: float, deterministic: bool,
                      return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    # The boundaries' values are checked here, eagerly, not traced: a refusal is then our error
+    # on CPU, as in eager (on a GPU it is a device-side assert either way).
+    assert_boundaries("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    assert_boundaries("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], max_seqlen_kv)
     a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
                  causal, (window_left, window_right), scale, dropout_p, deterministic)
     return _run_forward(handle, a, return_lse, (q.shape[1], q.shape[0]))
@@ -316,17 +322,17 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               alibi_slopes: Optional[Tensor], rng_state: Tensor, handle: int, max_seqlen_q: int,
                               max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
                               scale: Optional[float], dropout_p: float,
-                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
                  causal, (window_left, window_right), scale, dropout_p, deterministic)
     pair = _pair(handle, a)
     if pair is not None:
         return _pair_grads(pair, a, grad_out, out, lse, dense=False)  # type: ignore[return-value]
-    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink)]
+    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(alibi_slopes)]
     with _autograd_inside_op(), _rng_restored(rng_state, q.device):
         again = target(handle).packed(*leaves[:3], cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                      leaves[3], alibi_slopes, causal, (window_left, window_right), scale,
-                                      dropout_p, deterministic, False)
+                                      *leaves[3:], causal, (window_left, window_right), scale, dropout_p,
+                                      deterministic, False)
         return tuple(_grads(again, leaves, grad_out, q))  # type: ignore[return-value]
 
 
@@ -334,7 +340,8 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
 def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, rng_state, handle,
       max_seqlen_q, max_seqlen_kv, causal, window_left, window_right, scale, dropout_p, deterministic):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(sink) if sink is not None else q.new_empty(0))
+            torch.empty_like(sink) if sink is not None else q.new_empty(0),
+            torch.empty_like(alibi_slopes) if alibi_slopes is not None else q.new_empty(0))
 
 
 def _varlen_setup(ctx, inputs, output) -> None:
@@ -346,9 +353,9 @@ def _varlen_setup(ctx, inputs, output) -> None:
 
 def _varlen_backward(ctx, grad_out, _grad_lse, _grad_rng):
     q, k, v, out, lse, cu_q, cu_kv, sink, alibi, rng = ctx.saved_tensors
-    dq, dk, dv, dsink = torch.ops.primus_ext.varlen_attention_backward(
+    dq, dk, dv, dsink, dalibi = torch.ops.primus_ext.varlen_attention_backward(
         grad_out, q, k, v, out, lse, cu_q, cu_kv, sink, alibi, rng, *ctx.scalars)
-    return (dq, dk, dv, None, None, _none_if_empty(dsink)) + (None,) * 11
+    return (dq, dk, dv, None, None, _none_if_empty(dsink), _none_if_empty(dalibi)) + (None,) * 10
 
 
 varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup)

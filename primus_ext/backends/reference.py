@@ -65,7 +65,7 @@ class ReferenceBackend:
         """The forward/backward pair of a compiled step: on CPU, SDPA's own flash kernels for
         what eager sends to SDPA; else the blockwise forward and hand-written backward."""
         if a.cu_q is None and self._sdpa_allowed(a.q, a.k, call):
-            return SdpaCpuPair(call) if a.q.device.type == "cpu" and call.dropout_p == 0.0 else None
+            return SdpaCpuPair(call) if SdpaCpuPair.takes(a, call) else None
         return BlockwisePair(call, self) if self.blockwise_allowed(call) else None
 
     def packed_layout(self, pattern: Any, cu_q: Tensor, cu_kv: Tensor, total_q: int, total_kv: int,
@@ -157,6 +157,14 @@ class SdpaCpuPair:
         self.scale = call.scale
 
     @staticmethod
+    def takes(a: CallArgs, call: KernelCall) -> bool:
+        """CPU, no dropout, one head dim for q/k and v (the kernel's own limits); and for GQA in
+        half precision none, since the group's gradient sum would round where eager's does not."""
+        group = a.q.shape[2] // a.k.shape[2]
+        return (a.q.device.type == "cpu" and call.dropout_p == 0.0 and a.q.shape[-1] == a.v.shape[-1]
+                and (group == 1 or a.q.dtype in (torch.float32, torch.float64)))
+
+    @staticmethod
     def _heads(a: CallArgs) -> tuple[Tensor, Tensor, Tensor, int]:
         group = a.q.shape[2] // a.k.shape[2]
         k, v = (t.transpose(1, 2) for t in (a.k, a.v))
@@ -176,7 +184,7 @@ class SdpaCpuPair:
             grad_out.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, self.causal, scale=self.scale)
         if group > 1:
             dk, dv = (t.unflatten(1, (-1, group)).sum(2) for t in (dk, dv))
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None
 
 
 class BlockwisePair:
@@ -201,9 +209,9 @@ class BlockwisePair:
     def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Any, ...]:
         one = a.cu_q is not None
         q, k, v, g, o, l = (t.unsqueeze(0) if one else t for t in (a.q, a.k, a.v, grad_out, out, lse))
-        dq, dk, dv, dsink, _ = blockwise.backward(g, q, k, v, o, l, self._layout(a), scale=a.scale, sink=a.sink,
-                                                  alibi_slopes=a.alibi)
-        return (dq[0], dk[0], dv[0], dsink, None) if one else (dq, dk, dv, dsink, None)
+        dq, dk, dv, dsink, dslopes = blockwise.backward(g, q, k, v, o, l, self._layout(a), scale=a.scale,
+                                                        sink=a.sink, alibi_slopes=a.alibi)
+        return (dq[0], dk[0], dv[0], dsink, dslopes, None) if one else (dq, dk, dv, dsink, dslopes, None)
 
 
 def _finish(result: tuple[Tensor, Tensor], return_lse: bool) -> Output:

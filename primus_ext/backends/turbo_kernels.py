@@ -101,8 +101,8 @@ class AiterPair:
                                                       max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv, **common)
         return out[..., :a.v.shape[-1]], lse
 
-    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor,
-                 lse: Tensor) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], None, Optional[Tensor]]:
         q, k, v = _pad8(a.q), _pad8(a.k), _pad8(a.v)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common = dict(dout=_pad8(grad_out), q=q, k=k, v=v, out=_pad8(out), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
@@ -121,7 +121,7 @@ class AiterPair:
             self.ops[VARLEN_BACKWARD](cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv, max_seqlen_q=a.max_q,
                                       max_seqlen_k=a.max_kv, **common)
         d_qk, d_v = a.q.shape[-1], a.v.shape[-1]
-        return dq[..., :d_qk], dk[..., :d_qk], dv[..., :d_v], dsink, dbias
+        return dq[..., :d_qk], dk[..., :d_qk], dv[..., :d_v], dsink, None, dbias  # AITER: no ALiBi gradient
 
 
 __all__ = ["AiterPair", "BACKWARD", "FORWARD", "HOW_V3_BF16_CVT", "IS_V3_ATOMIC_FP32", "VARLEN_BACKWARD",

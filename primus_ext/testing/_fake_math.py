@@ -213,7 +213,9 @@ class _Blockwise(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out, _d_lse):  # type: ignore[override]
         q, k, v, sink, slopes, bias, out, lse = ctx.saved_tensors
-        needs = ctx.needs_input_grad
+        # No gradient for ALiBi slopes: AITER's backward returns none (dispatch facts §2), and the
+        # fake is never kinder than the real library.
+        needs = ctx.needs_input_grad[:4] + (False,) + ctx.needs_input_grad[5:]
         grads = _backward_bshd(d_out, q, k, v, out.flatten(1, 2), lse, ctx.spec, sink, slopes, bias, needs[3:6])
 
         def back(grad: Optional[Tensor], like: Optional[Tensor], wanted: bool) -> Optional[Tensor]:

@@ -125,3 +125,34 @@ def test_reference_compiled_step_splits_forward_and_backward(sink, megatron_with
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-10, atol=1e-10)
     for name, g in grads.items():
         torch.testing.assert_close(g, eager_grads[name], rtol=1e-9, atol=1e-9)
+
+
+def test_compiled_reference_trains_alibi_slopes_like_eager():
+    """The op's backward returns the slopes' gradient (the blockwise pair computes it)."""
+    from ..helpers import adapter, qkv, settings
+
+    run = adapter(settings())
+    q, k, v = qkv(grad=True)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
+    grads = []
+    for fn in (run, torch.compile(lambda *a, **kw: run(*a, **kw), backend="aot_eager", fullgraph=True)):
+        out = fn(q, k, v, causal=True, window_size=(3, 0), alibi_slopes=slopes)
+        grads.append(torch.autograd.grad(out.pow(2).sum(), [q, slopes]))
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)
+
+
+def test_compiled_packed_refusals_are_ours_on_cpu():
+    """Under torch.compile the varlen op checks the boundaries itself when it runs, so on CPU a
+    bad boundary is refused with the project's error, as in eager."""
+    from primus_ext.errors import UnsupportedInputError
+
+    from ..helpers import adapter, facts, packed_qkv, settings
+
+    run = adapter(settings(), facts(packed=True))
+    fn = torch.compile(lambda q, k, v, cu, m: run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                  max_seqlen_q=m, max_seqlen_kv=m), backend="aot_eager")
+    q, k, v = packed_qkv(11)
+    fn(q, k, v, torch.tensor([0, 4, 11], dtype=torch.int32), 7)
+    with pytest.raises(UnsupportedInputError, match="max_seqlen"):
+        fn(q, k, v, torch.tensor([0, 2, 11], dtype=torch.int32), 7)

@@ -189,7 +189,7 @@ def test_fake_implementations_answer_from_input_shapes_only():
         assert out.shape == (3, 10, 4, 16) and lse.shape == (3, 4, 10) and rng.shape == (0,)
         grads = OPS.dense_attention_backward(out, q, k, v, out, lse, sink, None, None, rng, UNREGISTERED, True, 3,
                                              0, None, 0.0, False)
-        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, sink.shape, (0,)]
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, sink.shape, (0,), (0,)]
 
         tq, tk, tv = torch.empty(40, 4, 8), torch.empty(40, 2, 8), torch.empty(40, 2, 16)
         shapes = set()
@@ -200,7 +200,7 @@ def test_fake_implementations_answer_from_input_shapes_only():
             grads = OPS.varlen_attention_backward(out, tq, tk, tv, out, lse, bounds, bounds, None, None, rng,
                                                   UNREGISTERED, longest, longest, True, -1, -1, None, 0.0, False)
             shapes.add((out.shape, lse.shape, tuple(g.shape for g in grads)))
-        assert shapes == {((40, 4, 16), (4, 40), ((40, 4, 8), (40, 2, 8), (40, 2, 16), (0,)))}
+        assert shapes == {((40, 4, 16), (4, 40), ((40, 4, 8), (40, 2, 8), (40, 2, 16), (0,), (0,)))}
 
 
 # -- gradients ----------------------------------------------------------------------

@@ -160,13 +160,25 @@ def _per_call(fn: Callable[[], Any], number: int, repeats: int = 7) -> float:
 
 
 def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
-    """The pieces of the adapter's fast path for a dense causal call, each timed alone (us)."""
+    """The pieces of the adapter's fast path for a dense and a packed causal call, each timed
+    alone (us)."""
+    from primus_ext.backends.call_checks import assert_boundaries
+    from primus_ext.backends.call_memo import _boundaries_like
+
     q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
     outputs.dense = torch.empty_like(q)
+    tq, tk, tv = q[0], k[0], v[0]
+    outputs.packed = torch.empty_like(tq)
+    cu = torch.tensor([0, 1000, 2500, SEQ], dtype=torch.int32)
+    longest = 1596
     run = _adapter()
     kw = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1))
     run(q, k, v, **kw)
     memo, flash = run._fast, ops.flash_attn_func
+    packed = _adapter(packed=True)
+    pkw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest, **kw)
+    packed(tq, tk, tv, **pkw)
+    pmemo, varlen = packed._fast, ops.flash_attn_varlen_func
 
     def signature_like(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), bias=None,
                        alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False, sink=None,
@@ -183,6 +195,14 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
          and v.shape == memo.v_shape and q.stride() == memo.q_stride),
         ("q/k/v dtypes and devices, sink compared", lambda: memo._tensors(q, k, v, None)),
         ("bound kernel runner (keywords prepared) incl. the stub", lambda: memo.run(q, k, v, None)),
+        ("packed: whole adapter call", lambda: packed(tq, tk, tv, **pkw)),
+        ("packed: direct varlen stub call (the baseline)", lambda: varlen(tq, tk, tv, cu, cu, longest, longest,
+                                                                          **kw)),
+        ("packed: boundary tensor's type, dtype, rank, length, device", lambda: _boundaries_like(cu, pmemo.device)),
+        ("packed: boundary values found proven (memo lookup)", lambda: assert_boundaries("cu_seqlens_q", cu, SEQ,
+                                                                                         longest)),
+        ("packed: bound kernel runner incl. the stub", lambda: pmemo.run(tq, tk, tv, cu, cu, longest, longest,
+                                                                          None)),
     ]
     return [(label, _per_call(fn, number)) for label, fn in pieces]
 
@@ -226,7 +246,7 @@ def main(argv: Any = None) -> int:
     print("\nfirst call of a new layer vs its second call (us, median over 40 new adapters per path):")
     print(c.table(["path", "first call us", "second call us"],
                   [[label, f"{a:.1f}", f"{b:.1f}"] for label, a, b in firsts]))
-    print("\nwhere the fast path's time goes, dense causal (each piece timed alone, us per call, median):")
+    print("\nwhere the fast path's time goes (each piece timed alone, us per call, median):")
     print(c.table(["piece", "us"], [[label, f"{us:.2f}"] for label, us in pieces]))
     for label, text in profiles.items():
         print(f"\ncProfile, flex call, {label} (tottime):\n{text}")

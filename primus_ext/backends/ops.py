@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .call_checks import assert_boundaries
+from .op_rng import rng_restored, rng_size, rng_snapshot
 
 NAMESPACE = "primus_ext"
 
@@ -118,35 +119,6 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-# -- generator state for dropout ---------------------------------------------------
-def _rng_size(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device).numel()
-    return torch.get_rng_state().numel()
-
-
-def _rng_snapshot(device: torch.device, dropout_p: float) -> Tensor:
-    if dropout_p <= 0.0:
-        return torch.empty(0, dtype=torch.uint8, device="cpu")
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-@contextlib.contextmanager
-def _rng_restored(state: Tensor, device: torch.device):
-    if state.numel() == 0:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        if devices:
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
-        yield
-
-
 def _contiguous(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -156,8 +128,8 @@ def _run_forward(handle: int, a: CallArgs, return_lse: bool, lse_shape: Sequence
     pair = _pair(handle, a)
     if pair is not None:
         out, lse = pair.forward(a)
-        return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), _rng_snapshot(a.q.device, 0.0)
-    rng = _rng_snapshot(a.q.device, a.dropout_p)
+        return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), rng_snapshot(a.q.device, 0.0)
+    rng = rng_snapshot(a.q.device, a.dropout_p)
     t = target(handle)
     with torch.no_grad():
         if a.cu_q is None:
@@ -242,7 +214,7 @@ def _(q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_rig
     batch, q_len, heads = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty(batch, q_len, heads, v.shape[-1])
     lse = q.new_empty((batch, heads, q_len), dtype=_lse_dtype(q))
-    rng = torch.empty(_rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
+    rng = torch.empty(rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
     return out, lse, rng
 
 
@@ -258,7 +230,7 @@ def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     if pair is not None:
         return _pair_grads(pair, a, grad_out, out, lse, dense=True)  # type: ignore[return-value]
     leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(alibi_slopes), _leaf(bias)]
-    with _autograd_inside_op(), _rng_restored(rng_state, q.device):
+    with _autograd_inside_op(), rng_restored(rng_state, q.device):
         again = target(handle).dense(*leaves, causal, (window_left, window_right), scale, dropout_p, deterministic,
                                      False)
         return tuple(_grads(again, leaves, grad_out, q))  # type: ignore[return-value]
@@ -312,7 +284,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seql
     tokens, heads = q.shape[0], q.shape[1]
     out = q.new_empty(tokens, heads, v.shape[-1])
     lse = q.new_empty((heads, tokens), dtype=_lse_dtype(q))
-    rng = torch.empty(_rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
+    rng = torch.empty(rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
     return out, lse, rng
 
 
@@ -329,7 +301,7 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     if pair is not None:
         return _pair_grads(pair, a, grad_out, out, lse, dense=False)  # type: ignore[return-value]
     leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(alibi_slopes)]
-    with _autograd_inside_op(), _rng_restored(rng_state, q.device):
+    with _autograd_inside_op(), rng_restored(rng_state, q.device):
         again = target(handle).packed(*leaves[:3], cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                                       *leaves[3:], causal, (window_left, window_right), scale, dropout_p,
                                       deterministic, False)

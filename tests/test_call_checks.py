@@ -69,6 +69,15 @@ SWEEP: dict[str, Callable[[Callable], Any]] = {
                                                 cu_seqlens_kv=torch.empty(0, dtype=torch.int32)),
     "q and kv with different document counts": lambda run: packed_call(
         run, cu_seqlens_q=_cu(), cu_seqlens_kv=torch.tensor([0, 5, 8, 11], dtype=torch.int32)),
+    # found by the second hostile review of issue 13
+    "alibi_slopes as a list": lambda run: run(*qkv(), causal=True, alibi_slopes=[0.1, 0.2, 0.3, 0.4]),
+    "alibi_slopes of the wrong length": lambda run: run(*qkv(), causal=True, alibi_slopes=torch.ones(3)),
+    "dropout_p above 1": lambda run: run(*qkv(), causal=True, dropout_p=1.5),
+    "dropout_p negative": lambda run: run(*qkv(), causal=True, dropout_p=-0.1),
+    "window of floats": lambda run: run(*qkv(), causal=True, window_size=(2.5, 0)),
+    "window infinite": lambda run: run(*qkv(), causal=True, window_size=(float("inf"), 0)),
+    "cu_seqlens int64 wrapping in int32": lambda run: packed_call(
+        run, cu_seqlens_q=torch.tensor([0, 2**32 + 4, 11]), cu_seqlens_kv=torch.tensor([0, 2**32 + 4, 11])),
     "one boundary tensor for q and kv of different token counts": lambda run: (
         lambda q, kv, cu: run(q, kv[0], kv[1], causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7,
                               max_seqlen_kv=7))(packed_qkv(11)[0], packed_qkv(14)[1:], _cu()),

@@ -129,3 +129,26 @@ def test_packed_inputs_keep_their_own_memo_checks():
         a = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu)
         b = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_sink_on_another_device_is_refused_by_us():
+    with fake_primus_turbo():
+        run = adapter(settings(use_sink_attention=True), facts(packed=False))
+        q, k, v = qkv()
+        run(q, k, v, causal=True, sink=torch.zeros(4))
+        with pytest.raises(UnsupportedInputError, match="sink"):
+            run(q, k, v, causal=True, sink=torch.zeros(4, device="meta"))
+
+
+def test_inference_mode_tensors_are_checked_at_every_call():
+    """Inference tensors have no version counter: their values cannot be memoised as proven,
+    so each call checks them (and refuses a bad one), instead of failing inside torch."""
+    run = adapter(settings(), facts(packed=True))
+    with torch.inference_mode():
+        q, k, v = packed_qkv(11)
+        cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+        for _ in range(2):
+            run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+        bad = torch.tensor([0, 2, 11], dtype=torch.int32)
+        with pytest.raises(UnsupportedInputError, match="max_seqlen"):
+            run(q, k, v, causal=True, cu_seqlens_q=bad, cu_seqlens_kv=bad, max_seqlen_q=7, max_seqlen_kv=7)

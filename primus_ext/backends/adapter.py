@@ -19,7 +19,8 @@ from torch import Tensor
 
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
-from .call_checks import check_bias, check_heads, check_packed, check_qkv, check_window
+from .call_checks import (check_alibi, check_bias, check_dropout, check_heads, check_packed, check_qkv,
+                          check_window)
 from .call_memo import MISS, CallMemo, scalars_key
 from .call_route import CallRoutes
 from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
@@ -127,19 +128,26 @@ class TurboFlexAttention:
                           "bottom-right, a mask_mod top-left).",
                           "use equal lengths, or turbo_flex_attention_backend: reference.")
 
-    def _sink(self, sink: Optional[Tensor], heads: int) -> Optional[Tensor]:
+    def _sink(self, sink: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
         if sink is None:
             return None
         if not self.plan.sink:
             raise _refuse(("use_sink_attention",), "a sink tensor was passed but the plan has no sink; it "
                           "would change the softmax the config asked for.", "set use_sink_attention: true.")
-        if sink.dim() != 1 or sink.shape[0] != heads:
+        heads = q.shape[-2]
+        if not isinstance(sink, Tensor) or sink.dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                               torch.float64):
+            got = sink.dtype if isinstance(sink, Tensor) else type(sink).__name__
+            raise _refuse(("use_sink_attention", "sink"), f"the sink must be a floating tensor, got {got}.")
+        if sink.dim() != 1 or sink.shape[0] != heads or sink.device != q.device:
             raise _refuse(("use_sink_attention",), f"the sink must hold one logit per local query head "
-                          f"({heads}), got shape {tuple(sink.shape)}.")
+                          f"({heads}) on {q.device}, got shape {tuple(sink.shape)} on {sink.device}.")
         return fp32_sink(sink)
 
-    def _alibi_slopes(self, alibi_slopes: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-        planned = self.plan.alibi_slopes
+    def _alibi_slopes(self, alibi_slopes: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+        planned, device = self.plan.alibi_slopes, q.device
+        if alibi_slopes is not None:
+            check_alibi(alibi_slopes, q, kernel_dtype=self.backend.name == "turbo")
         if (alibi_slopes is not None and self.backend.name == "turbo" and alibi_slopes.requires_grad
                 and torch.is_grad_enabled()):
             raise _refuse(("alibi_slopes",), "the alibi_slopes require a gradient, and Primus-Turbo's backward "
@@ -200,9 +208,9 @@ class TurboFlexAttention:
         if self._assumptions:
             self._check_assumptions()
         scale = softmax_scale if softmax_scale is not None else plan.scale
-        dropout = float(dropout_p)
+        dropout = check_dropout(dropout_p)
         if sink is not None:
-            sink = self._sink(sink, q.shape[-2])
+            sink = self._sink(sink, q)
         elif plan.sink:
             raise _refuse(("use_sink_attention", "sink"), "the layer was planned with a learned sink but the call "
                           "passes none; it would run without one (B34).", "pass the layer's sink tensor.")
@@ -212,7 +220,7 @@ class TurboFlexAttention:
                                deterministic, return_lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
             if key is not None and self._memo_allowed(bias, alibi_arg, cu_seqlens_q, cu_seqlens_kv):
                 flag, window = _flash_args(causal, window_size)
-                call = self._target._call(False, (flag, window), sink, self._alibi_slopes(None, q.device), None,
+                call = self._target._call(False, (flag, window), sink, self._alibi_slopes(None, q), None,
                                           scale, dropout, deterministic, return_lse)
                 bind = getattr(self.backend, "bind_packed", None)
                 target = self._target
@@ -233,7 +241,7 @@ class TurboFlexAttention:
         pattern = self._dense_pattern(causal, window_size, (flag, window))
         self._check_dense_shape(pattern, q_len, kv_len)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
-            alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
+            alibi_slopes = self._alibi_slopes(alibi_slopes, q)
         if self._routes is not None and pattern is not None:
             self._routes.check("varlen" if pattern.documents else "dense", q, k, v, pattern.right == 0,
                                pattern.window, sink, dropout, deterministic, alibi_slopes, bias, scale)
@@ -275,7 +283,7 @@ class TurboFlexAttention:
         cu_seqlens_q, cu_seqlens_kv, max_q, max_kv = check_packed(q, k, cu_seqlens_q, cu_seqlens_kv,
                                                                   max_seqlen_q, max_seqlen_kv)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
-            alibi_slopes = self._alibi_slopes(alibi_slopes, q.device)
+            alibi_slopes = self._alibi_slopes(alibi_slopes, q)
         flag, window = _flash_args(causal, window_size)
         self._bind(flag, window)
         if self._routes is not None:
@@ -329,10 +337,10 @@ class PlanTarget:
             return None
         if a.cu_q is None:
             call = self._dense_call(a.q, a.sink, a.alibi, a.bias, a.causal, a.window, a.scale, a.dropout_p,
-                                    a.deterministic, False)
+                                    a.deterministic, a.return_lse)
         else:
             call = self._call(False, (a.causal, tuple(a.window)), a.sink, a.alibi, None, a.scale, a.dropout_p,
-                              a.deterministic, False)
+                              a.deterministic, a.return_lse)
         return find(a, call, self.routes)
 
     def _dense_call(self, q: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor], bias: Optional[Tensor],

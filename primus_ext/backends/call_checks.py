@@ -14,7 +14,8 @@ it fails as a device-side assert carrying the same text, asynchronously.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Tuple
+import operator
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -94,13 +95,40 @@ def check_bias(bias: Any, q: Tensor, k: Tensor, *, kernel_shape: bool) -> None:
                       f"= {list(full)}.")
 
 
+def check_alibi(slopes: Any, q: Tensor, *, kernel_dtype: bool) -> None:
+    """ALiBi slopes: one floating value per query head, on q's device; fp32 for Primus-Turbo."""
+    heads = q.shape[-2]
+    if not isinstance(slopes, Tensor) or slopes.dtype not in _FLOATS:
+        got = slopes.dtype if isinstance(slopes, Tensor) else type(slopes).__name__
+        raise _refuse(("alibi_slopes",), f"alibi_slopes must be a floating tensor, got {got}.",
+                      f"pass torch.tensor(slopes, dtype=torch.float32, device=q.device) with {heads} entries.")
+    if tuple(slopes.shape) != (heads,) or slopes.device != q.device:
+        raise _refuse(("alibi_slopes",), f"alibi_slopes must hold one slope per query head ([{heads}]) on "
+                      f"{q.device}, got shape {tuple(slopes.shape)} on {slopes.device}.")
+    if kernel_dtype and slopes.dtype != torch.float32:
+        raise _refuse(("alibi_slopes",), f"Primus-Turbo's kernels take fp32 alibi_slopes, got {slopes.dtype}.",
+                      "pass the slopes in float32.")
+
+
+def check_dropout(dropout_p: Any) -> float:
+    """The dropout probability as a float in [0, 1)."""
+    try:
+        p = float(dropout_p)
+    except (TypeError, ValueError, RuntimeError):
+        p = float("nan")
+    if not 0.0 <= p < 1.0:
+        raise _refuse(("dropout_p",), f"dropout_p must be a probability in [0, 1), got {dropout_p!r}.",
+                      "pass 0.0 for no dropout.")
+    return p
+
+
 def check_window(window_size: Any) -> Tuple[int, int]:
     """``window_size`` as two ints, each -1 (unbounded) or >= 0."""
-    try:
-        left, right = (int(window_size[0]), int(window_size[1]))
+    try:  # operator.index: integers only, so 2.5 is refused rather than truncated to 2
+        left, right = (operator.index(window_size[0]), operator.index(window_size[1]))
         if len(window_size) != 2:
             raise ValueError
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError, RuntimeError):
         raise _refuse(("window_size",), f"window_size must be a pair (left, right) of ints, got {window_size!r}.",
                       "use (-1, -1) for no window, (W, 0) for a causal sliding window.") from None
     if left < -1 or right < -1:
@@ -122,15 +150,22 @@ def _boundaries(name: str, cu: Any, device: torch.device) -> Tensor:
     if cu.device != device:
         raise _refuse((name,), f"{name} is on {cu.device} but the inputs are on {device}.",
                       f"move {name} to the inputs' device.")
-    if cu.dtype == torch.int64:  # torch's default integer type: one small on-device cast, documented
-        cu = cu.to(torch.int32)
     return cu
+
+
+def _int32(cu: Tensor) -> Tensor:
+    """torch's default integer type cast for the kernels: one small on-device cast, documented.
+    Done after the value check, which bounds every entry by the token count, so nothing wraps."""
+    return cu.to(torch.int32) if cu.dtype == torch.int64 else cu
 
 
 def _max_seqlen(name: str, value: Any, tokens: int) -> Any:
     if value is None:
         return tokens  # bounds every document, with no host read of the boundaries
     if isinstance(value, Tensor):
+        if torch.compiler.is_compiling():
+            raise _refuse((name,), f"{name} is a tensor; a compiled graph passes max_seqlen to the kernel op as a "
+                          "Python int.", "pass an int (Megatron's PackedSeqParams holds one), or leave it None.")
         if value.numel() != 1 or value.dtype.is_floating_point:
             raise _refuse((name,), f"{name} must be a positive int, got a tensor of shape {tuple(value.shape)} "
                           f"and dtype {value.dtype}.")
@@ -163,7 +198,17 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
     if not same:
         assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
-    return cu_q, cu_kv, max_q, max_kv
+    cu_q = _int32(cu_q)
+    return cu_q, (cu_q if same else _int32(cu_kv)), max_q, max_kv
+
+
+def tensor_version(t: Tensor) -> Optional[int]:
+    """``t``'s in-place version counter, or None for an inference tensor, which has none (its
+    values are then checked at every call: there is no way to know they did not change)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 _PROVEN: list = []
@@ -180,11 +225,13 @@ def assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     if isinstance(longest, Tensor):
         _check_boundaries(name, cu, tokens, longest)
         return
-    for ref, version, n, bound in _PROVEN:
-        if ref() is cu and version == cu._version and n == tokens and bound <= longest:
+    version = tensor_version(cu)
+    for ref, seen, n, bound in _PROVEN:
+        if ref() is cu and seen == version is not None and n == tokens and bound <= longest:
             return
     _check_boundaries(name, cu, tokens, longest)
-    _PROVEN[:] = [(weakref.ref(cu), cu._version, tokens, longest)] + _PROVEN[:1]
+    if version is not None:
+        _PROVEN[:] = [(weakref.ref(cu), version, tokens, longest)] + _PROVEN[:1]
 
 
 def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
@@ -201,4 +248,4 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
         "(or leave it None)."))
 
 
-__all__ = ["assert_on_device", "check_bias", "check_heads", "check_packed", "check_qkv", "check_window"]
+__all__ = ["assert_on_device", "assert_boundaries", "tensor_version", "check_alibi", "check_bias", "check_dropout", "check_heads", "check_packed", "check_qkv", "check_window"]

@@ -72,6 +72,8 @@ class CallArgs(NamedTuple):
     scale: Optional[float]
     dropout_p: float
     deterministic: bool
+    return_lse: bool = False
+    """Whether the caller asked for lse: the reference picks its math by it (forward and backward alike)."""
 
 
 class KernelPair(Protocol):
@@ -204,7 +206,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ali
                     scale: Optional[float], dropout_p: float, deterministic: bool,
                     return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
-                 (window_left, window_right), scale, dropout_p, deterministic)
+                 (window_left, window_right), scale, dropout_p, deterministic, return_lse)
     return _run_forward(handle, a, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
 
 
@@ -222,23 +224,23 @@ def _(q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_rig
 def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                              sink: Optional[Tensor], alibi_slopes: Optional[Tensor], bias: Optional[Tensor],
                              rng_state: Tensor, handle: int, causal: bool, window_left: int, window_right: int,
-                             scale: Optional[float], dropout_p: float,
-                             deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             scale: Optional[float], dropout_p: float, deterministic: bool,
+                             return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
-                 (window_left, window_right), scale, dropout_p, deterministic)
+                 (window_left, window_right), scale, dropout_p, deterministic, return_lse)
     pair = _pair(handle, a)
     if pair is not None:
         return _pair_grads(pair, a, grad_out, out, lse, dense=True)  # type: ignore[return-value]
     leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(alibi_slopes), _leaf(bias)]
     with _autograd_inside_op(), rng_restored(rng_state, q.device):
         again = target(handle).dense(*leaves, causal, (window_left, window_right), scale, dropout_p, deterministic,
-                                     False)
-        return tuple(_grads(again, leaves, grad_out, q))  # type: ignore[return-value]
+                                     return_lse)
+        return tuple(_grads(again[0] if return_lse else again, leaves, grad_out, q))  # type: ignore[return-value]
 
 
 @dense_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, sink, alibi_slopes, bias, rng_state, handle, causal, window_left, window_right,
-      scale, dropout_p, deterministic):
+      scale, dropout_p, deterministic, return_lse):
     def like(t: Optional[Tensor]) -> Tensor:
         return torch.empty_like(t) if t is not None else q.new_empty(0)
 
@@ -249,7 +251,7 @@ def _dense_setup(ctx, inputs, output) -> None:
     q, k, v, sink, alibi, bias, *scalars = inputs
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(q, k, v, output[0], output[1], sink, alibi, bias, output[2])
-    ctx.scalars = scalars[:-1]  # everything but return_lse
+    ctx.scalars = scalars
 
 
 def _dense_backward(ctx, grad_out, _grad_lse, _grad_rng):
@@ -274,7 +276,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     assert_boundaries("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     assert_boundaries("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], max_seqlen_kv)
     a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
-                 causal, (window_left, window_right), scale, dropout_p, deterministic)
+                 causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
     return _run_forward(handle, a, return_lse, (q.shape[1], q.shape[0]))
 
 
@@ -293,10 +295,10 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor, sink: Optional[Tensor],
                               alibi_slopes: Optional[Tensor], rng_state: Tensor, handle: int, max_seqlen_q: int,
                               max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
-                              scale: Optional[float], dropout_p: float,
-                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                              scale: Optional[float], dropout_p: float, deterministic: bool,
+                              return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
-                 causal, (window_left, window_right), scale, dropout_p, deterministic)
+                 causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
     pair = _pair(handle, a)
     if pair is not None:
         return _pair_grads(pair, a, grad_out, out, lse, dense=False)  # type: ignore[return-value]
@@ -304,13 +306,13 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
     with _autograd_inside_op(), rng_restored(rng_state, q.device):
         again = target(handle).packed(*leaves[:3], cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                                       *leaves[3:], causal, (window_left, window_right), scale, dropout_p,
-                                      deterministic, False)
-        return tuple(_grads(again, leaves, grad_out, q))  # type: ignore[return-value]
+                                      deterministic, return_lse)
+        return tuple(_grads(again[0] if return_lse else again, leaves, grad_out, q))  # type: ignore[return-value]
 
 
 @varlen_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, rng_state, handle,
-      max_seqlen_q, max_seqlen_kv, causal, window_left, window_right, scale, dropout_p, deterministic):
+      max_seqlen_q, max_seqlen_kv, causal, window_left, window_right, scale, dropout_p, deterministic, return_lse):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(sink) if sink is not None else q.new_empty(0),
             torch.empty_like(alibi_slopes) if alibi_slopes is not None else q.new_empty(0))
@@ -320,7 +322,7 @@ def _varlen_setup(ctx, inputs, output) -> None:
     q, k, v, cu_q, cu_kv, sink, alibi, *scalars = inputs
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv, sink, alibi, output[2])
-    ctx.scalars = scalars[:-1]
+    ctx.scalars = scalars
 
 
 def _varlen_backward(ctx, grad_out, _grad_lse, _grad_rng):

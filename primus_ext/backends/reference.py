@@ -158,32 +158,21 @@ class SdpaCpuPair:
 
     @staticmethod
     def takes(a: CallArgs, call: KernelCall) -> bool:
-        """CPU, no dropout, one head dim for q/k and v (the kernel's own limits); and for GQA in
-        half precision none, since the group's gradient sum would round where eager's does not."""
-        group = a.q.shape[2] // a.k.shape[2]
+        """CPU, no dropout, one head dim for q/k and v (the kernel's own limits), and no GQA: eager
+        SDPA sums a group's key/value gradients in its own order, which a split cannot repeat."""
         return (a.q.device.type == "cpu" and call.dropout_p == 0.0 and a.q.shape[-1] == a.v.shape[-1]
-                and (group == 1 or a.q.dtype in (torch.float32, torch.float64)))
-
-    @staticmethod
-    def _heads(a: CallArgs) -> tuple[Tensor, Tensor, Tensor, int]:
-        group = a.q.shape[2] // a.k.shape[2]
-        k, v = (t.transpose(1, 2) for t in (a.k, a.v))
-        if group > 1:  # the CPU kernel has no GQA: each key/value head serves its group
-            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-        return a.q.transpose(1, 2), k, v, group
+                and a.q.shape[2] == a.k.shape[2])
 
     def forward(self, a: CallArgs) -> tuple[Tensor, Tensor]:
-        q, k, v, _ = self._heads(a)
+        q, k, v = (t.transpose(1, 2) for t in (a.q, a.k, a.v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, self.causal,
                                                                                scale=self.scale)
         return out.transpose(1, 2), lse
 
     def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Any, ...]:
-        q, k, v, group = self._heads(a)
+        q, k, v = (t.transpose(1, 2) for t in (a.q, a.k, a.v))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, self.causal, scale=self.scale)
-        if group > 1:
-            dk, dv = (t.unflatten(1, (-1, group)).sum(2) for t in (dk, dv))
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None
 
 

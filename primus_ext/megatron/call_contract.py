@@ -21,7 +21,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.call_checks import assert_on_device
+from ..backends.call_checks import assert_on_device, tensor_version
 from ..errors import Reason, UnsupportedInputError
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -75,11 +75,11 @@ class MaskCheck:
         if torch.compiler.is_compiling():  # no memo inside a graph: one fused comparison per call
             assert_on_device((mask == expected()).all(), why, refusal)
             return
-        seen = self._seen
-        if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        seen, version = self._seen, tensor_version(mask)
+        if seen is not None and seen[0]() is mask and seen[1] == version is not None:
             return
         assert_on_device((mask == expected()).all(), why, refusal)
-        self._seen = (weakref.ref(mask), mask._version)
+        self._seen = (weakref.ref(mask), version)
 
 
 __all__ = ["MaskCheck", "QKV_FORMATS", "qkv_format", "refuse"]

@@ -202,9 +202,11 @@ class _Blockwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, slopes, bias, spec):  # type: ignore[override]
         out, lse = _forward_bshd(q, k, v, spec, sink, slopes, bias)
-        ctx.save_for_backward(q, k, v, sink, slopes, bias, out, lse)
-        ctx.spec = spec
         result = out.flatten(1, 2).to(q.dtype)
+        # The backward reads the output as the kernel stored it (rounded to q's dtype), as
+        # flash kernels do: the fake must not be more precise than the real one.
+        ctx.save_for_backward(q, k, v, sink, slopes, bias, result, lse)
+        ctx.spec = spec
         lse32 = lse.flatten(1, 2).float()
         ctx.mark_non_differentiable(lse32)
         return result, lse32
@@ -216,7 +218,7 @@ class _Blockwise(torch.autograd.Function):
         # No gradient for ALiBi slopes: AITER's backward returns none (dispatch facts §2), and the
         # fake is never kinder than the real library.
         needs = ctx.needs_input_grad[:4] + (False,) + ctx.needs_input_grad[5:]
-        grads = _backward_bshd(d_out, q, k, v, out.flatten(1, 2), lse, ctx.spec, sink, slopes, bias, needs[3:6])
+        grads = _backward_bshd(d_out, q, k, v, out, lse, ctx.spec, sink, slopes, bias, needs[3:6])
 
         def back(grad: Optional[Tensor], like: Optional[Tensor], wanted: bool) -> Optional[Tensor]:
             return grad.to(like.dtype) if wanted and grad is not None and like is not None else None

@@ -108,7 +108,7 @@ def forward_args(case: Case, handle: int, packed: bool, q, k, v, sink, dropout_p
 def backward_args(case: Case, handle: int, packed: bool, grad_out, q, k, v, sink) -> tuple:
     """The backward op's arguments, with the ``out`` and ``lse`` of a real forward op call."""
     out, lse, _ = forward_op(packed)(*forward_args(case, handle, packed, q, k, v, sink, lse=False))
-    tail = (case.causal, *case.window, case.scale, 0.0, False)
+    tail = (case.causal, *case.window, case.scale, 0.0, False, False)
     if packed:
         return (grad_out, q, k, v, out, lse, cu(), cu(), sink, None, NO_RNG, handle, LONGEST, LONGEST) + tail
     return (grad_out, q, k, v, out, lse, sink, None, None, NO_RNG, handle) + tail
@@ -188,7 +188,7 @@ def test_fake_implementations_answer_from_input_shapes_only():
         # lse is always there: a kernel pair's backward needs it even when the caller does not
         assert out.shape == (3, 10, 4, 16) and lse.shape == (3, 4, 10) and rng.shape == (0,)
         grads = OPS.dense_attention_backward(out, q, k, v, out, lse, sink, None, None, rng, UNREGISTERED, True, 3,
-                                             0, None, 0.0, False)
+                                             0, None, 0.0, False, False)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, sink.shape, (0,), (0,)]
 
         tq, tk, tv = torch.empty(40, 4, 8), torch.empty(40, 2, 8), torch.empty(40, 2, 16)
@@ -198,7 +198,8 @@ def test_fake_implementations_answer_from_input_shapes_only():
             out, lse, rng = OPS.varlen_attention(tq, tk, tv, bounds, bounds, None, None, UNREGISTERED, longest,
                                                  longest, True, -1, -1, None, 0.0, False, True)
             grads = OPS.varlen_attention_backward(out, tq, tk, tv, out, lse, bounds, bounds, None, None, rng,
-                                                  UNREGISTERED, longest, longest, True, -1, -1, None, 0.0, False)
+                                                  UNREGISTERED, longest, longest, True, -1, -1, None, 0.0, False,
+                                                  False)
             shapes.add((out.shape, lse.shape, tuple(g.shape for g in grads)))
         assert shapes == {((40, 4, 16), (4, 40), ((40, 4, 8), (40, 2, 8), (40, 2, 16), (0,), (0,)))}
 

@@ -151,3 +151,17 @@ def test_a_planned_sink_missing_at_the_call_is_refused(path):
         layer(q, k, v, None)  # the module passes its own sink
     assert all(c.args["sink"] is not None for c in fake.calls)
 
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_masks_made_in_inference_mode_are_checked_every_call(path):
+    """Inference tensors have no version counter, so the mask proven for one call cannot be
+    known unchanged at the next: it is checked each time, and a document mask still refused."""
+    with fake_primus_turbo(), torch.inference_mode():
+        q, k, v = qkv_sbhd()
+        layer = module(path)
+        mask = megatron_causal_mask(2, 16)
+        for _ in range(2):
+            layer(q, k, v, mask)
+        with pytest.raises(UnsupportedInputError):
+            layer(q, k, v, document_mask(2, 16, 5))

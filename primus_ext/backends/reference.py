@@ -38,7 +38,7 @@ class ReferenceBackend:
             runs_any_mask=True,
             softcap=True,
             dense_entry="torch (exact)",
-            packed_entry="torch (exact, document mask)",
+            packed_entry="torch (exact, per document)",
             direct_entry="torch (exact)",
         )
 

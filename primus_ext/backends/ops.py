@@ -125,33 +125,47 @@ def _contiguous(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _run_forward(handle: int, a: CallArgs, return_lse: bool, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+def _run_forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
     """The forward ops' body: the kernel pair's forward, or the target's eager call."""
     pair = _pair(handle, a)
     if pair is not None:
         out, lse = pair.forward(a)
         return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), rng_snapshot(a.q.device, 0.0)
     rng = rng_snapshot(a.q.device, a.dropout_p)
-    t = target(handle)
     with torch.no_grad():
-        if a.cu_q is None:
-            result = t.dense(a.q, a.k, a.v, a.sink, a.alibi, a.bias, a.causal, a.window, a.scale, a.dropout_p,
-                             a.deterministic, return_lse)
-        else:
-            result = t.packed(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv, a.sink, a.alibi, a.causal,
-                              a.window, a.scale, a.dropout_p, a.deterministic, return_lse)
-    out, lse = result if return_lse else (result, None)
+        result = _target_call(handle, a, a.q, a.k, a.v, a.sink, a.alibi, a.bias)
+    out, lse = result if a.return_lse else (result, None)
     # zeros, not garbage: an output nobody asked for must still be deterministic
     lse = lse.to(_lse_dtype(a.q)) if lse is not None else a.q.new_zeros(lse_shape, dtype=_lse_dtype(a.q))
     return _contiguous(out), _contiguous(lse), rng
 
 
-def _pair_grads(pair: KernelPair, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor,
-                dense: bool) -> tuple[Tensor, ...]:
-    dq, dk, dv, dsink, dalibi, dbias = pair.backward(a, grad_out, out, lse)
-    grads = [dq, dk, dv, dsink, dalibi] + ([dbias] if dense else [])
+def _target_call(handle: int, a: CallArgs, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor],
+                 alibi: Optional[Tensor], bias: Optional[Tensor]) -> Any:
+    """The target's own eager call of ``a`` with these tensors (leaves, for a recompute)."""
+    t = target(handle)
+    if a.cu_q is None:
+        return t.dense(q, k, v, sink, alibi, bias, a.causal, a.window, a.scale, a.dropout_p, a.deterministic,
+                       a.return_lse)
+    return t.packed(q, k, v, a.cu_q, a.cu_kv, a.max_q, a.max_kv, sink, alibi, a.causal, a.window, a.scale,
+                    a.dropout_p, a.deterministic, a.return_lse)
+
+
+def _run_backward(handle: int, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor,
+                  rng_state: Tensor) -> tuple[Tensor, ...]:
+    """The backward ops' body: ``(dq, dk, dv, dsink, dalibi[, dbias])`` from the kernel pair's
+    backward, or by differentiating a recompute of the forward (dropout mask replayed)."""
+    dense = a.cu_q is None
     like = [a.q, a.k, a.v, a.sink, a.alibi] + ([a.bias] if dense else [])
-    return tuple(_fit(g, t, a.q) for g, t in zip(grads, like))
+    pair = _pair(handle, a)
+    if pair is not None:
+        dq, dk, dv, dsink, dalibi, dbias = pair.backward(a, grad_out, out, lse)
+        grads = [dq, dk, dv, dsink, dalibi] + ([dbias] if dense else [])
+        return tuple(_fit(g, t, a.q) for g, t in zip(grads, like))
+    leaves = [_leaf(t) for t in like]
+    with _autograd_inside_op(), rng_restored(rng_state, a.q.device):
+        again = _target_call(handle, a, *leaves[:5], leaves[5] if dense else None)
+        return tuple(_grads(again[0] if a.return_lse else again, leaves, grad_out, a.q))
 
 
 def _fit(g: Optional[Tensor], leaf: Optional[Tensor], q: Tensor) -> Tensor:
@@ -207,7 +221,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ali
                     return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
                  (window_left, window_right), scale, dropout_p, deterministic, return_lse)
-    return _run_forward(handle, a, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
+    return _run_forward(handle, a, (q.shape[0], q.shape[2], q.shape[1]))
 
 
 @dense_attention.register_fake
@@ -228,14 +242,7 @@ def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                              return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
                  (window_left, window_right), scale, dropout_p, deterministic, return_lse)
-    pair = _pair(handle, a)
-    if pair is not None:
-        return _pair_grads(pair, a, grad_out, out, lse, dense=True)  # type: ignore[return-value]
-    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(alibi_slopes), _leaf(bias)]
-    with _autograd_inside_op(), rng_restored(rng_state, q.device):
-        again = target(handle).dense(*leaves, causal, (window_left, window_right), scale, dropout_p, deterministic,
-                                     return_lse)
-        return tuple(_grads(again[0] if return_lse else again, leaves, grad_out, q))  # type: ignore[return-value]
+    return _run_backward(handle, a, grad_out, out, lse, rng_state)  # type: ignore[return-value]
 
 
 @dense_attention_backward.register_fake
@@ -277,7 +284,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     assert_boundaries("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], max_seqlen_kv)
     a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
                  causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
-    return _run_forward(handle, a, return_lse, (q.shape[1], q.shape[0]))
+    return _run_forward(handle, a, (q.shape[1], q.shape[0]))
 
 
 @varlen_attention.register_fake
@@ -299,15 +306,7 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
                  causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
-    pair = _pair(handle, a)
-    if pair is not None:
-        return _pair_grads(pair, a, grad_out, out, lse, dense=False)  # type: ignore[return-value]
-    leaves = [_leaf(q), _leaf(k), _leaf(v), _leaf(sink), _leaf(alibi_slopes)]
-    with _autograd_inside_op(), rng_restored(rng_state, q.device):
-        again = target(handle).packed(*leaves[:3], cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                      *leaves[3:], causal, (window_left, window_right), scale, dropout_p,
-                                      deterministic, return_lse)
-        return tuple(_grads(again[0] if return_lse else again, leaves, grad_out, q))  # type: ignore[return-value]
+    return _run_backward(handle, a, grad_out, out, lse, rng_state)  # type: ignore[return-value]
 
 
 @varlen_attention_backward.register_fake

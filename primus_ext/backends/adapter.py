@@ -12,7 +12,7 @@ nothing the layout does not need.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from torch import Tensor
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
 from .call_checks import (check_alibi, check_bias, check_dropout, check_heads, check_packed, check_qkv,
-                          check_window)
+                          check_sink, check_window)
 from .call_memo import MISS, CallMemo, scalars_key
 from .call_route import CallRoutes
 from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
@@ -134,14 +134,7 @@ class TurboFlexAttention:
         if not self.plan.sink:
             raise _refuse(("use_sink_attention",), "a sink tensor was passed but the plan has no sink; it "
                           "would change the softmax the config asked for.", "set use_sink_attention: true.")
-        heads = q.shape[-2]
-        if not isinstance(sink, Tensor) or sink.dtype not in (torch.float16, torch.bfloat16, torch.float32,
-                                                               torch.float64):
-            got = sink.dtype if isinstance(sink, Tensor) else type(sink).__name__
-            raise _refuse(("use_sink_attention", "sink"), f"the sink must be a floating tensor, got {got}.")
-        if sink.dim() != 1 or sink.shape[0] != heads or sink.device != q.device:
-            raise _refuse(("use_sink_attention",), f"the sink must hold one logit per local query head "
-                          f"({heads}) on {q.device}, got shape {tuple(sink.shape)} on {sink.device}.")
+        check_sink(sink, q)
         return fp32_sink(sink)
 
     def _alibi_slopes(self, alibi_slopes: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
@@ -216,20 +209,11 @@ class TurboFlexAttention:
                           "passes none; it would run without one (B34).", "pass the layer's sink tensor.")
         deterministic = bool(deterministic or plan.deterministic)
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-            out = self._packed(q, k, v, causal, window_size, bias, alibi_slopes, scale, dropout, sink,
-                               deterministic, return_lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
-            if key is not None and self._memo_allowed(bias, alibi_arg, cu_seqlens_q, cu_seqlens_kv):
-                flag, window = _flash_args(causal, window_size)
-                call = self._target._call(False, (flag, window), sink, self._alibi_slopes(None, q), None,
-                                          scale, dropout, deterministic, return_lse)
-                bind = getattr(self.backend, "bind_packed", None)
-                target = self._target
-                run = bind(call) if bind is not None else (
-                    lambda q, k, v, cu_q, cu_kv, mq, mk, s: target.packed(
-                        q, k, v, cu_q, cu_kv, mq, mk, s, call.alibi_slopes, flag, window, scale, dropout,
-                        deterministic, return_lse))
-                self._fast = CallMemo(q, k, v, key, sink_arg, run, packed=True, same_cu=cu_seqlens_q is cu_seqlens_kv,
-                                      max_given=(max_seqlen_q is not None, max_seqlen_kv is not None))
+            out, flag, window, alibi_slopes = self._packed(
+                q, k, v, causal, window_size, bias, alibi_slopes, scale, dropout, sink, deterministic, return_lse,
+                cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+            self._remember(key, q, k, v, sink_arg, alibi_arg, bias, sink, alibi_slopes, flag, window, scale, dropout,
+                           deterministic, return_lse, (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
             return out
         if q.dim() != 4:
             raise _refuse(("qkv_format",), f"dense inputs are bshd [B, S, H, D]; got a {q.dim()}-D query.",
@@ -247,27 +231,38 @@ class TurboFlexAttention:
                                pattern.window, sink, dropout, deterministic, alibi_slopes, bias, scale)
         out = run_dense(self.handle, q, k, v, sink, alibi_slopes, bias, flag, window, scale, dropout,
                         deterministic, return_lse)
-        if key is not None and self._memo_allowed(bias, alibi_arg):
-            call = self._target._dense_call(q, sink, alibi_slopes, None, flag, window, scale, dropout, deterministic,
-                                            return_lse)
-            bind = getattr(self.backend, "bind_dense", None)
-            target = self._target
-            run = bind(call) if bind is not None else (
-                lambda q, k, v, s: target.dense(q, k, v, s, call.alibi_slopes, None, flag, window, scale, dropout,
-                                                deterministic, return_lse))
-            self._fast = CallMemo(q, k, v, key, sink_arg, run)
+        self._remember(key, q, k, v, sink_arg, alibi_arg, bias, sink, alibi_slopes, flag, window, scale, dropout,
+                       deterministic, return_lse)
         return out
 
-    def _memo_allowed(self, bias: Any, alibi: Any, *boundaries: Any) -> bool:
-        """Whether an equal call may skip the checks next time (see `call_memo`)."""
-        return (bias is None and alibi is None and not self._assumptions and not torch.compiler.is_compiling()
-                and all(type(cu) is Tensor and cu.dtype is torch.int32 for cu in boundaries))
+    def _remember(self, key: Optional[tuple], q: Tensor, k: Tensor, v: Tensor, sink_arg: Any, alibi_arg: Any,
+                  bias: Any, sink: Optional[Tensor], alibi: Optional[Tensor], flag: bool, window: Tuple[int, int],
+                  scale: Optional[float], dropout: float, deterministic: bool, return_lse: bool,
+                  packed: Optional[tuple] = None) -> None:
+        """Keep this validated call for the fast path (`call_memo`), where an equal call may skip
+        the checks: plain scalar arguments, no bias, no explicit slopes, no hook assumptions,
+        int32 boundaries, eager.  ``packed`` is ``(cu_q, cu_kv, max_q, max_kv)`` as passed."""
+        boundaries = packed[:2] if packed is not None else ()
+        if (key is None or bias is not None or alibi_arg is not None or self._assumptions
+                or torch.compiler.is_compiling()
+                or not all(type(cu) is Tensor and cu.dtype is torch.int32 for cu in boundaries)):
+            return
+        run = self._target.runner(packed is None, q, sink, alibi, flag, window, scale, dropout, deterministic,
+                                  return_lse)
+        if packed is None:
+            self._fast = CallMemo(q, k, v, key, sink_arg, run)
+            return
+        cu_q, cu_kv, max_q, max_kv = packed
+        self._fast = CallMemo(q, k, v, key, sink_arg, run, packed=True, same_cu=cu_q is cu_kv,
+                              max_given=(max_q is not None, max_kv is not None))
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
                 bias: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: Optional[float], dropout: float,
                 sink: Optional[Tensor], deterministic: bool, return_lse: bool,
                 cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int]) -> Output:
+                max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int]
+                ) -> Tuple[Output, bool, Tuple[int, int], Optional[Tensor]]:
+        """The packed call's output, with the normalised ``(causal, window)`` and slopes it ran with."""
         plan = self.plan
         if plan.mask_mod is not None or plan.score_mod is not None or bias is not None:
             dropped = [name for name, value in (("turbo_flex_attention_mask_mod", plan.mask_mod),
@@ -290,8 +285,9 @@ class TurboFlexAttention:
             call = _flash_pattern(flag, window)
             self._routes.check("varlen", q, k, v, call.right == 0, call.window, sink, dropout, deterministic,
                                alibi_slopes, None, scale)
-        return run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, sink, alibi_slopes,
-                          flag, window, scale, dropout, deterministic, return_lse)
+        out = run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, sink, alibi_slopes, flag,
+                         window, scale, dropout, deterministic, return_lse)
+        return out, flag, window, alibi_slopes
 
 
 _CALLS_MAX = 64
@@ -327,35 +323,53 @@ class PlanTarget:
     def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
               dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
-        call = self._dense_call(q, sink, alibi, bias, causal, window, scale, dropout_p, deterministic, return_lse)
+        call = self.kernel_call(True, q, sink, alibi, bias, causal, window, scale, dropout_p, deterministic,
+                                return_lse)
         return self.backend.dense(q, k, v, call)
+
+    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
+               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: Tuple[int, int],
+               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
+        call = self.kernel_call(False, q, sink, alibi, None, causal, window, scale, dropout_p, deterministic,
+                                return_lse)
+        return self.backend.packed(q, k, v, cu_q, cu_kv, max_q, max_kv, call)
 
     def pair(self, a: CallArgs) -> Optional[KernelPair]:
         """The backend's kernel-level pair for this call, if it has one (compiled steps)."""
         find = getattr(self.backend, "kernel_pair", None)
         if find is None:
             return None
-        if a.cu_q is None:
-            call = self._dense_call(a.q, a.sink, a.alibi, a.bias, a.causal, a.window, a.scale, a.dropout_p,
-                                    a.deterministic, a.return_lse)
-        else:
-            call = self._call(False, (a.causal, tuple(a.window)), a.sink, a.alibi, None, a.scale, a.dropout_p,
-                              a.deterministic, a.return_lse)
+        call = self.kernel_call(a.cu_q is None, a.q, a.sink, a.alibi, a.bias, a.causal, a.window, a.scale,
+                                a.dropout_p, a.deterministic, a.return_lse)
         return find(a, call, self.routes)
 
-    def _dense_call(self, q: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor], bias: Optional[Tensor],
-                    causal: bool, window: Tuple[int, int], scale: Optional[float], dropout_p: float,
-                    deterministic: bool, return_lse: bool) -> KernelCall:
-        flash = (causal, tuple(window)) if self.plan.mask_mod is None else None
-        length = q.shape[1] if self.per_length and flash is None else None
-        return self._call(True, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse, length)
+    def runner(self, dense: bool, q: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool,
+               window: Tuple[int, int], scale: Optional[float], dropout_p: float, deterministic: bool,
+               return_lse: bool) -> Callable[..., Output]:
+        """This call again with only its tensors to give (the adapter's fast path): the backend's
+        bound kernel entry (``run(q, k, v, sink)``, packed ``run(q, k, v, cu_q, cu_kv, max_q, max_kv,
+        sink)``), or this target's own call with the other arguments fixed."""
+        call = self.kernel_call(dense, q, sink, alibi, None, causal, window, scale, dropout_p, deterministic,
+                                return_lse)
+        bind = getattr(self.backend, "bind_dense" if dense else "bind_packed", None)
+        if bind is not None:
+            return bind(call)
+        fixed = (causal, window, scale, dropout_p, deterministic, return_lse)
+        if dense:
+            return lambda q, k, v, s: self.dense(q, k, v, s, call.alibi_slopes, None, *fixed)
+        return lambda q, k, v, cu_q, cu_kv, mq, mk, s: self.packed(q, k, v, cu_q, cu_kv, mq, mk, s,
+                                                                   call.alibi_slopes, *fixed)
 
-    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
-               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: Tuple[int, int],
-               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Output:
-        call = self._call(False, (causal, tuple(window)), sink, alibi, None, scale, dropout_p, deterministic,
-                          return_lse)
-        return self.backend.packed(q, k, v, cu_q, cu_kv, max_q, max_kv, call)
+    def kernel_call(self, dense: bool, q: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
+                    bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
+                    dropout_p: float, deterministic: bool, return_lse: bool) -> KernelCall:
+        """The `KernelCall` of a dense or packed call with these arguments (memoised, see `_call`)."""
+        flash: Any = (causal, tuple(window))
+        length = None
+        if dense and self.plan.mask_mod is not None:  # the layer's hook is the mask, not the flags
+            flash = None
+            length = q.shape[1] if self.per_length else None
+        return self._call(dense, flash, sink, alibi, bias, scale, dropout_p, deterministic, return_lse, length)
 
     def _call(self, dense: bool, flash: Any, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], scale: Optional[float], dropout_p: float, deterministic: bool,

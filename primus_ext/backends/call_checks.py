@@ -95,16 +95,26 @@ def check_bias(bias: Any, q: Tensor, k: Tensor, *, kernel_shape: bool) -> None:
                       f"= {list(full)}.")
 
 
+def _per_head(t: Any, q: Tensor, name: str, settings: Tuple[str, ...], alternative: str = "") -> None:
+    """``t`` is a floating tensor of one value per query head, on q's device."""
+    heads = q.shape[-2]
+    if not isinstance(t, Tensor) or t.dtype not in _FLOATS:
+        got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise _refuse(settings, f"{name} must be a floating tensor, got {got}.", alternative)
+    if tuple(t.shape) != (heads,) or t.device != q.device:
+        raise _refuse(settings, f"{name} must hold one value per local query head ([{heads}]) on {q.device}, got "
+                      f"shape {tuple(t.shape)} on {t.device}.", alternative)
+
+
+def check_sink(sink: Any, q: Tensor) -> None:
+    """A sink: one floating logit per query head, on q's device."""
+    _per_head(sink, q, "the sink", ("use_sink_attention", "sink"))
+
+
 def check_alibi(slopes: Any, q: Tensor, *, kernel_dtype: bool) -> None:
     """ALiBi slopes: one floating value per query head, on q's device; fp32 for Primus-Turbo."""
-    heads = q.shape[-2]
-    if not isinstance(slopes, Tensor) or slopes.dtype not in _FLOATS:
-        got = slopes.dtype if isinstance(slopes, Tensor) else type(slopes).__name__
-        raise _refuse(("alibi_slopes",), f"alibi_slopes must be a floating tensor, got {got}.",
-                      f"pass torch.tensor(slopes, dtype=torch.float32, device=q.device) with {heads} entries.")
-    if tuple(slopes.shape) != (heads,) or slopes.device != q.device:
-        raise _refuse(("alibi_slopes",), f"alibi_slopes must hold one slope per query head ([{heads}]) on "
-                      f"{q.device}, got shape {tuple(slopes.shape)} on {slopes.device}.")
+    _per_head(slopes, q, "alibi_slopes", ("alibi_slopes",),
+              f"pass torch.tensor(slopes, dtype=torch.float32, device=q.device) with {q.shape[-2]} entries.")
     if kernel_dtype and slopes.dtype != torch.float32:
         raise _refuse(("alibi_slopes",), f"Primus-Turbo's kernels take fp32 alibi_slopes, got {slopes.dtype}.",
                       "pass the slopes in float32.")
@@ -248,4 +258,5 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
         "(or leave it None)."))
 
 
-__all__ = ["assert_on_device", "assert_boundaries", "tensor_version", "check_alibi", "check_bias", "check_dropout", "check_heads", "check_packed", "check_qkv", "check_window"]
+__all__ = ["assert_boundaries", "assert_on_device", "check_alibi", "check_bias", "check_dropout", "check_heads",
+           "check_packed", "check_qkv", "check_sink", "check_window", "tensor_version"]

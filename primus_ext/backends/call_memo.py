@@ -72,9 +72,9 @@ class CallMemo:
                     and q.shape == self.q_shape and k.shape == self.k_shape and v.shape == self.v_shape
                     and q.stride() == self.q_stride and self._tensors(q, k, v, sink))
         except (AttributeError, TypeError):  # not tensors: the full path says what is wrong
-            return _MISS
+            return MISS
         if not same:
-            return _MISS
+            return MISS
         return self.run(q, k, v, sink.float() if self.sink_cast else sink)  # type: ignore[union-attr]
 
     def packed(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], cu_q: Any, cu_kv: Any, max_q: Any,
@@ -86,29 +86,29 @@ class CallMemo:
                     and q.shape[1:] == self.q_shape and k.shape[1:] == self.k_shape and v.shape[1:] == self.v_shape
                     and k.shape[0] == v.shape[0] and self._tensors(q, k, v, sink))
         except (AttributeError, TypeError):
-            return _MISS
+            return MISS
         if not same:
-            return _MISS
+            return MISS
         if (cu_q is cu_kv) is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
-            return _MISS
+            return MISS
         if not _boundaries_like(cu_q, self.device):
-            return _MISS
+            return MISS
         if cu_q is cu_kv:
             if k.shape[0] != q.shape[0]:  # one boundary tensor cannot describe two token counts
-                return _MISS
+                return MISS
         elif not (_boundaries_like(cu_kv, self.device) and cu_kv.shape == cu_q.shape):
-            return _MISS
+            return MISS
         max_q = q.shape[0] if max_q is None else max_q
         max_kv = k.shape[0] if max_kv is None else max_kv
         if not (_positive_int(max_q) and _positive_int(max_kv)):
-            return _MISS
+            return MISS
         assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
         if cu_kv is not cu_q:
             assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
         return self.run(q, k, v, cu_q, cu_kv, max_q, max_kv, sink.float() if self.sink_cast else sink)  # type: ignore[union-attr]
 
 
-_MISS = object()
+MISS = object()
 """What `CallMemo.dense` / `CallMemo.packed` return when the call must take the full path."""
 
 
@@ -134,7 +134,5 @@ def scalars_key(dropout_p: Any, scale: Any, causal: Any, window_size: Any, deter
         return None
     return (dropout_p, scale, causal, window_size, deterministic, return_lse)
 
-
-MISS = _MISS
 
 __all__ = ["CallMemo", "MISS", "Runner", "scalars_key"]

@@ -43,7 +43,7 @@ from .base import fp32_sink
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, sink_kwargs_for
 from .ops import CallArgs
-from .turbo_kernels import AiterPair, discover
+from .turbo_kernels import AiterPair, aiter_pair, discover
 
 CP_GROUP_KWARGS = ("ulysses_group", "ring_group")
 
@@ -178,13 +178,8 @@ class DirectTarget:
         self.routes = CallRoutes(arch) if plain and arch else None
 
     def pair(self, a: CallArgs) -> Optional[AiterPair]:
-        if self.kernels is None or self.routes is None:
-            return None
-        entry = "dense" if a.cu_q is None else "varlen"
-        if self.routes.backend(entry, a.q, a.k, a.v, a.causal, a.window, a.sink, a.dropout_p, a.deterministic,
-                               a.alibi, a.bias, a.scale) != "AITER":
-            return None
-        return AiterPair(self.kernels, a.causal, a.window)
+        # The direct path passes Megatron's own causal / window to the entry: the same here.
+        return aiter_pair(self.kernels, self.routes, a, a.causal, a.window)
 
     def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],

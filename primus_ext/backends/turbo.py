@@ -32,7 +32,7 @@ from .base import BackendCapabilities, KernelCall, Output, same_tensor
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
 from .ops import CallArgs
-from .turbo_kernels import AiterPair, discover
+from .turbo_kernels import AiterPair, aiter_pair, discover
 
 
 def load_ops() -> Any:
@@ -78,16 +78,13 @@ class TurboBackend:
         """AITER's kernel-level pair for a call the dispatch model sends to AITER on the plan's
         arch, so that compiled and eager steps run the same kernels (`turbo_kernels`)."""
         pattern = call.pattern
-        if self.kernels is None or routes is None or pattern is None or pattern.boundaries is not None:
+        if pattern is None or pattern.boundaries is not None:
             return None  # documents flattened onto the varlen kernel keep the recompute
         causal, window = turbo_window_args(pattern)
-        entry = "dense" if a.cu_q is None else "varlen"
-        if routes.backend(entry, a.q, a.k, a.v, causal, window, a.sink, a.dropout_p, a.deterministic, a.alibi,
-                          a.bias, a.scale) != "AITER":
-            return None
-        if a.cu_q is not None and pattern.window != (-1, -1):
+        pair = aiter_pair(self.kernels, routes, a, causal, window)
+        if pair is not None and a.cu_q is not None and pattern.window != (-1, -1):
             _check_same_boundaries(a.cu_q, a.cu_kv, pattern)
-        return AiterPair(self.kernels, causal, window)
+        return pair
 
     # -- dense ---------------------------------------------------------------
     def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .call_route import CallRoutes
 from .ops import CallArgs
 
 FORWARD, BACKWARD = "attention_aiter_forward_impl", "attention_aiter_backward_impl"
@@ -124,5 +125,18 @@ class AiterPair:
         return dq[..., :d_qk], dk[..., :d_qk], dv[..., :d_v], dsink, None, dbias  # AITER: no ALiBi gradient
 
 
-__all__ = ["AiterPair", "BACKWARD", "FORWARD", "HOW_V3_BF16_CVT", "IS_V3_ATOMIC_FP32", "VARLEN_BACKWARD",
+def aiter_pair(kernels: Optional[dict[str, Any]], routes: Optional[CallRoutes], a: CallArgs, causal: bool,
+               window: tuple[int, int]) -> Optional["AiterPair"]:
+    """AITER's pair for a call the public entry would give ``(causal, window)``, when the ops are
+    there and the dispatch model routes the call to AITER on the arch (the kernels eager runs)."""
+    if kernels is None or routes is None:
+        return None
+    entry = "dense" if a.cu_q is None else "varlen"
+    if routes.backend(entry, a.q, a.k, a.v, causal, window, a.sink, a.dropout_p, a.deterministic, a.alibi, a.bias,
+                      a.scale) != "AITER":
+        return None
+    return AiterPair(kernels, causal, window)
+
+
+__all__ = ["AiterPair", "aiter_pair", "BACKWARD", "FORWARD", "HOW_V3_BF16_CVT", "IS_V3_ATOMIC_FP32", "VARLEN_BACKWARD",
            "VARLEN_FORWARD", "discover", "qkv_format"]

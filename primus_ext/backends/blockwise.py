@@ -136,14 +136,19 @@ def _blocks(layout: Layout, batch_heads: int) -> Iterator[tuple[int, int, list[_
             yield a, b, tiles
 
 
+def _positions(t: _Tile, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A tile's global query positions ``[n, 1]`` and key positions ``[1, m]``."""
+    return (torch.arange(t.q0, t.q1, device=device).view(-1, 1),
+            torch.arange(t.k0, t.k1, device=device).view(1, -1))
+
+
 def _scores(qb: Tensor, kb: Tensor, t: _Tile, layout: Layout, scale: float, slopes: Optional[Tensor]) -> Tensor:
     """Masked scores of one tile, ``[B, Hkv, G, n, m]``."""
     s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
     if slopes is None and not t.masked:
         return s
     dev = qb.device
-    qi = torch.arange(t.q0, t.q1, device=dev).view(-1, 1)
-    ki = torch.arange(t.k0, t.k1, device=dev).view(1, -1)
+    qi, ki = _positions(t, dev)
     if slopes is not None:
         s = s + slopes * (ki - qi).to(s.dtype)
     if t.masked:
@@ -165,25 +170,48 @@ def _grouped(t: Tensor, hkv: int, work: torch.dtype) -> Tensor:
     return t.transpose(1, 2).to(work).unflatten(1, (hkv, -1))
 
 
+@dataclass(frozen=True)
+class _Problem:
+    """What forward and backward both derive from the inputs: the working dtype, the scale,
+    q/k/v grouped by key/value head, per-head extras as ``[1, Hkv, G, 1, 1]``."""
+
+    work: torch.dtype
+    scale: float
+    hkv: int
+    batch_heads: int
+    qg: Tensor
+    kg: Tensor
+    vg: Tensor
+    sink_g: Optional[Tensor]
+    slopes_g: Optional[Tensor]
+
+
+def _problem(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], sink: Optional[Tensor],
+             alibi_slopes: Optional[Tensor]) -> _Problem:
+    batch, _, hq, head_dim = q.shape
+    hkv = k.shape[2]
+    work = torch.promote_types(q.dtype, torch.float32)
+    per_head = lambda t: None if t is None else t.detach().to(work).view(1, hkv, -1, 1, 1)  # noqa: E731
+    return _Problem(work, head_dim ** -0.5 if scale is None else float(scale), hkv, batch * hq,
+                    _grouped(q, hkv, work), _grouped(k, hkv, work), _grouped(v, hkv, work), per_head(sink),
+                    per_head(alibi_slopes))
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, layout: Layout, *, scale: Optional[float] = None,
             sink: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """bshd attention: ``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq])``.
 
     ``lse`` stays in the working precision (fp32, float64 for float64 inputs), so that a
-    float64 backward from it is exact to float64.  A row with nothing allowed gives zeros and ``lse = -inf`` (the sink's logit with a sink).
+    float64 backward from it is exact to float64.  A row with nothing allowed gives zeros
+    and ``lse = -inf`` (the sink's logit with a sink).
     """
-    batch, q_len, hq, head_dim = q.shape
-    hkv = k.shape[2]
-    work = torch.promote_types(q.dtype, torch.float32)
-    scale = head_dim ** -0.5 if scale is None else float(scale)
-    qg, kg, vg = _grouped(q, hkv, work), _grouped(k, hkv, work), _grouped(v, hkv, work)
-    sink_g = None if sink is None else sink.detach().to(work).view(1, hkv, -1, 1, 1)
-    slopes_g = None if alibi_slopes is None else alibi_slopes.detach().to(work).view(1, hkv, -1, 1, 1)
+    pb = _problem(q, k, v, scale, sink, alibi_slopes)
+    qg, kg, vg, sink_g, slopes_g, scale = pb.qg, pb.kg, pb.vg, pb.sink_g, pb.slopes_g, pb.scale
     out = qg.new_zeros(*qg.shape[:-1], v.shape[-1])
     lse = qg.new_full(qg.shape[:-1], -_INF)
     if sink_g is not None:
         lse.copy_(sink_g.squeeze(-1).expand_as(lse))
-    for a, b, tiles in _blocks(layout, batch * hq):
+    for a, b, tiles in _blocks(layout, pb.batch_heads):
         qb = qg[..., a:b, :]
         stats = (*qb.shape[:-1], 1)
         m = qb.new_full(stats, -_INF) if sink_g is None else sink_g.expand(stats).clone()
@@ -209,20 +237,16 @@ def backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                                                              Optional[Tensor]]:
     """Gradients ``(dq, dk, dv, dsink, dslopes)`` from the forward's ``out`` and ``lse``,
     each in its input's dtype and layout (``None`` for an absent sink or slopes)."""
-    batch, q_len, hq, head_dim = q.shape
-    hkv = k.shape[2]
-    work = torch.promote_types(q.dtype, torch.float32)
-    scale = head_dim ** -0.5 if scale is None else float(scale)
-    qg, kg, vg = _grouped(q, hkv, work), _grouped(k, hkv, work), _grouped(v, hkv, work)
+    pb = _problem(q, k, v, scale, sink, alibi_slopes)
+    qg, kg, vg, slopes_g, scale, work, hkv = pb.qg, pb.kg, pb.vg, pb.slopes_g, pb.scale, pb.work, pb.hkv
     do = _grouped(d_out, hkv, work)
     delta = (do * _grouped(out, hkv, work)).sum(-1, keepdim=True)
     # +inf for an empty row makes every P of it exp(-inf) = 0
     lse_g = lse.to(work).unflatten(1, (hkv, -1)).unsqueeze(-1)
     lse_g = torch.where(lse_g == -_INF, torch.full_like(lse_g, _INF), lse_g)
-    slopes_g = None if alibi_slopes is None else alibi_slopes.detach().to(work).view(1, hkv, -1, 1, 1)
     dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kg.squeeze(2)), torch.zeros_like(vg.squeeze(2))
-    dslopes = None if alibi_slopes is None else qg.new_zeros(hkv, hq // hkv)
-    for a, b, tiles in _blocks(layout, batch * hq):
+    dslopes = None if alibi_slopes is None else qg.new_zeros(hkv, qg.shape[2])
+    for a, b, tiles in _blocks(layout, pb.batch_heads):
         qb, dob, delta_b, lse_b = qg[..., a:b, :], do[..., a:b, :], delta[..., a:b, :], lse_g[..., a:b, :]
         dq_b = torch.zeros_like(qb)
         for t in tiles:
@@ -233,14 +257,12 @@ def backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             dq_b += torch.matmul(ds, kb)
             dk[..., t.k0:t.k1, :] += torch.matmul(ds.transpose(-1, -2), qb).sum(2)
             if dslopes is not None:
-                dist = (torch.arange(t.k0, t.k1, device=q.device).view(1, -1)
-                        - torch.arange(t.q0, t.q1, device=q.device).view(-1, 1)).to(work)
-                dslopes += (ds * dist).sum((0, 3, 4))
+                qi, ki = _positions(t, q.device)
+                dslopes += (ds * (ki - qi).to(work)).sum((0, 3, 4))
         dq[..., a:b, :] = dq_b * scale
     dsink = None
-    if sink is not None:
-        sink_g = sink.detach().to(work).view(1, hkv, -1, 1, 1)
-        dsink = -(torch.exp(sink_g - lse_g) * delta).sum((0, 3, 4)).flatten().to(sink.dtype)
+    if pb.sink_g is not None:
+        dsink = -(torch.exp(pb.sink_g - lse_g) * delta).sum((0, 3, 4)).flatten().to(sink.dtype)  # type: ignore[union-attr]
     bshd = lambda g, like: g.flatten(1, 2).transpose(1, 2).to(like.dtype)  # noqa: E731
     return (bshd(dq, q), (dk * scale).transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype), dsink,
             None if dslopes is None else dslopes.flatten().to(alibi_slopes.dtype))  # type: ignore[union-attr]

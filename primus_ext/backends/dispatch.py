@@ -12,6 +12,7 @@ defect applies.  The plan refuses at build time whatever would fail or be wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Tuple
@@ -206,6 +207,18 @@ class Route:
                       "; or ".join(dict.fromkeys(ways)) or "change the configuration", "B33")
 
 
+def route_on(features: CallFeatures, backend: KernelBackend) -> Optional[Route]:
+    """``backend``'s answer for this call alone: None when it does not take the call, else the
+    route with what it refuses and which known defect applies (a kernel-level op has no
+    dispatcher in front of it, so only its own backend's rows apply)."""
+    if any(not c.ok(features) for c in backend.takes):
+        return None
+    refused = [c for c in backend.refuses if not c.ok(features)]
+    defects = [c for c in backend.defects if not c.ok(features)]
+    return Route(features, backend.name, failure=refused[0].text if refused else "",
+                 defects=tuple(c.text for c in defects), blocking=tuple(refused + defects))
+
+
 def route(features: CallFeatures) -> Route:
     """Which backend takes this call on its arch, following the dispatch order (§1)."""
     if features.arch not in ARCHES:
@@ -213,17 +226,13 @@ def route(features: CallFeatures) -> Route:
     passed: list[tuple[str, str]] = []
     closest: list[Check] = []  # the failing checks of the backend that came closest to taking it
     for backend in ORDER[features.entry]:
+        taken = route_on(features, backend)
+        if taken is not None:
+            return dataclasses.replace(taken, passed_over=tuple(passed))
         failed = [c for c in backend.takes if not c.ok(features)]
-        if failed:
-            passed.append((backend.name, "; ".join(c.text for c in failed)))
-            if not closest or len(failed) < len(closest):
-                closest = failed
-            continue
-        refused = [c for c in backend.refuses if not c.ok(features)]
-        defects = [c for c in backend.defects if not c.ok(features)]
-        return Route(features, backend.name, passed_over=tuple(passed),
-                     failure=refused[0].text if refused else "", defects=tuple(c.text for c in defects),
-                     blocking=tuple(refused + defects))
+        passed.append((backend.name, "; ".join(c.text for c in failed)))
+        if not closest or len(failed) < len(closest):
+            closest = failed
     return Route(features, None, passed_over=tuple(passed), failure="no compatible backend",
                  blocking=tuple(closest))
 
@@ -233,4 +242,4 @@ def default_scale(scale: Optional[float], head_dim: int) -> bool:
 
 
 __all__ = ["ARCHES", "ARCH_NAMES", "CallFeatures", "Check", "DENSE", "KernelBackend", "ORDER", "Route",
-           "VARLEN", "default_scale", "route"]
+           "VARLEN", "default_scale", "route", "route_on"]

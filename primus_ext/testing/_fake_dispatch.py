@@ -100,21 +100,26 @@ class Dispatcher:
 
     def _run(self, features: CallFeatures) -> frozenset[str]:
         found = route(features)
-        raise_refusal(found)
-        faults = set()
-        for defect in found.defects:
-            if defect not in _FAULT_OF_DEFECT:
-                raise NotImplementedError(f"fake Primus-Turbo cannot reproduce the known defect of "
-                                          f"{found.backend}: {defect}")
-            faults.add(_FAULT_OF_DEFECT[defect])
+        faults = faults_of(found)
         assert found.backend is not None
         self.last = found.backend
         self.on_backend(found.backend)
-        return frozenset(faults)
+        return faults
 
 
 def describe(features: CallFeatures) -> str:
     return ", ".join(f"{f.name}={getattr(features, f.name)!r}" for f in fields(features) if f.name != "entry")
+
+
+def faults_of(found: Route) -> frozenset[str]:
+    """Raise what real Primus-Turbo raises for ``found`` (`raise_refusal`); else the `._fake_math`
+    faults reproducing its backend's known silent defects for the call."""
+    raise_refusal(found)
+    unknown = [d for d in found.defects if d not in _FAULT_OF_DEFECT]
+    if unknown:
+        raise NotImplementedError(f"fake Primus-Turbo cannot reproduce the known defect of {found.backend}: "
+                                  f"{unknown[0]}")
+    return frozenset(_FAULT_OF_DEFECT[d] for d in found.defects)
 
 
 def raise_refusal(found: Route) -> None:
@@ -132,4 +137,5 @@ def raise_refusal(found: Route) -> None:
     raise ValueError(f"{found.backend}: {found.failure} (fake Primus-Turbo on {found.features.arch})")
 
 
-__all__ = ["DISPATCHED", "Dispatcher", "check_arch", "describe", "dtype_name", "equal_lengths", "raise_refusal"]
+__all__ = ["DISPATCHED", "Dispatcher", "check_arch", "describe", "dtype_name", "equal_lengths", "faults_of",
+           "raise_refusal"]

@@ -28,9 +28,10 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import pattern_from_flash_args
-from ..backends.dispatch import AITER_DENSE, AITER_VARLEN, DENSE, VARLEN, CallFeatures, Route, default_scale
+from ..backends.dispatch import AITER_DENSE, AITER_VARLEN, DENSE, VARLEN, CallFeatures, default_scale, route_on
 from . import _fake_math
-from ._fake_dispatch import _FAULT_OF_DEFECT, dtype_name, raise_refusal
+from ._fake_dispatch import dtype_name, faults_of
+from ._fake_entries import _check_cu_seqlens
 
 NAMES = ("attention_aiter_forward_impl", "attention_aiter_backward_impl", "attention_aiter_varlen_forward_impl",
          "attention_aiter_varlen_backward_impl")
@@ -72,14 +73,11 @@ def _aiter(fake: Any, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool,
                             causal=causal, window=window, sink=sink is not None, bias=bias is not None,
                             alibi=alibi is not None, deterministic=deterministic,
                             default_scale=default_scale(scale, int(q.shape[-1])))
-    failed = [c for c in backend.takes if not c.ok(features)]
-    refused = [c for c in backend.refuses if not c.ok(features)]
-    if failed:
-        raise ValueError(f"AttnFwdAiterBackend cannot handle the given inputs: {failed[0].text} "
-                         f"(fake Primus-Turbo on {arch})")
-    raise_refusal(Route(features, backend.name, failure=refused[0].text if refused else "",
-                        blocking=tuple(refused)))
-    return frozenset(_FAULT_OF_DEFECT[c.text] for c in backend.defects if not c.ok(features))
+    found = route_on(features, backend)
+    if found is None:
+        why = "; ".join(c.text for c in backend.takes if not c.ok(features))
+        raise ValueError(f"AttnFwdAiterBackend cannot handle the given inputs: {why} (fake Primus-Turbo on {arch})")
+    return faults_of(found)
 
 
 def _alloc_like_format(shape: tuple[int, ...], fmt: str, like: Tensor) -> Tensor:
@@ -187,12 +185,12 @@ def _register() -> None:
 
 def _documents(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, q: Tensor,
                k: Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """Host boundaries of each document pair, checked as the real kernel's wrapper does."""
-    bq, bk = [int(x) for x in cu_q.tolist()], [int(x) for x in cu_k.tolist()]
-    if len(bq) != len(bk) or bq[-1] != q.shape[0] or bk[-1] != k.shape[0]:
-        raise ValueError("AITER varlen kernel: cu_seqlens do not describe q and k")
-    if any(b - a > max_q for a, b in zip(bq, bq[1:])) or any(b - a > max_k for a, b in zip(bk, bk[1:])):
-        raise ValueError("AITER varlen kernel: a document is longer than max_seqlen")
+    """Host boundaries of each document pair, checked as the varlen entries check them."""
+    name = "attention_aiter_varlen_*_impl"
+    bq = _check_cu_seqlens(name, "q", cu_q, max_q, q.shape[0], q.device)
+    bk = _check_cu_seqlens(name, "k", cu_k, max_k, k.shape[0], q.device)
+    if len(bq) != len(bk):
+        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k describe different batch sizes")
     return list(zip(zip(bq, bq[1:]), zip(bk, bk[1:])))
 
 

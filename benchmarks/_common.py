@@ -138,6 +138,16 @@ def header(name: str, what: str, env: dict[str, Any]) -> None:
     print()
 
 
+def begin(name: str, what: str, threads: Optional[int]) -> tuple[float, dict[str, Any]]:
+    """Start a benchmark run: ``threads`` intra-op threads, the header printed; returns the start
+    time (for `footer`) and the environment (for the JSON)."""
+    started = time.perf_counter()
+    set_threads(threads)
+    env = environment()
+    header(name, what, env)
+    return started, env
+
+
 def footer(path: Path, started: float) -> None:
     print(f"\nwrote {path.relative_to(ROOT)} ({time.perf_counter() - started:.1f} s)")
 

@@ -214,10 +214,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries of each flex call")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    c.set_threads(args.threads)
-    env = c.environment()
-    c.header(NAME, "flex adapter vs direct call of the same no-op kernel stub, cache hit, us/call", env)
+    started, env = c.begin(NAME, "flex adapter vs direct call of the same no-op kernel stub, cache hit, us/call", args.threads)
 
     results, rows, profiles = [], [], {}
     with stubbed_turbo() as (ops, outputs):

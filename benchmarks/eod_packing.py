@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any
 
 import torch
@@ -62,10 +61,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--dense-limit", type=int, default=8192, help="largest S for the dense-mask attention")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    c.set_threads(args.threads)
-    env = c.environment()
-    c.header(NAME, "EOD -> packed THD conversion vs the dense-mask attention it replaces, ms", env)
+    started, env = c.begin(NAME, "EOD -> packed THD conversion vs the dense-mask attention it replaces, ms", args.threads)
     rows, results = [], []
     for seq in args.sizes:
         tokens = _batch(args.rows, seq)

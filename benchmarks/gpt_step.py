@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -157,10 +156,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="training steps per sample")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    c.set_threads(args.threads)
-    env = c.environment()
-    c.header(NAME, "tiny megatron-core GPT training step on CPU, flex path vs direct path, ms/step", env)
+    started, env = c.begin(NAME, "tiny megatron-core GPT training step on CPU, flex path vs direct path, ms/step", args.threads)
     from primus_ext.cli import demo_model as dm
 
     results, rows = [], []

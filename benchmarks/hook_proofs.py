@@ -187,10 +187,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="cold runs per hook and length (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    c.set_threads(args.threads)
-    env = c.environment()
-    c.header(NAME, f"cost of proving user hooks for a {args.layers}-layer model, ms", env)
+    started, env = c.begin(NAME, f"cost of proving user hooks for a {args.layers}-layer model, ms", args.threads)
 
     from primus_ext.testing import fake_primus_turbo
 

@@ -175,13 +175,12 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--no-flex", action="store_true", help="skip the compiled flex_attention rows")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    c.set_threads(args.threads)
     if args.memory_child:
+        c.set_threads(args.threads)
         _memory_child(args.memory_child[0], int(args.memory_child[1]))
         return 0
-    started = time.perf_counter()
-    env = c.environment()
-    c.header(NAME, "the reference's own paths vs the best torch alternative, forward + backward, ms", env)
+    started, env = c.begin(NAME, "the reference's own paths vs the best torch alternative, forward + backward, ms",
+                           args.threads)
 
     rows, results = [], []
     cases = [(seq, row) for seq in args.sizes for row in dense_rows(seq)]

@@ -152,3 +152,13 @@ def test_inference_mode_tensors_are_checked_at_every_call():
         bad = torch.tensor([0, 2, 11], dtype=torch.int32)
         with pytest.raises(UnsupportedInputError, match="max_seqlen"):
             run(q, k, v, causal=True, cu_seqlens_q=bad, cu_seqlens_kv=bad, max_seqlen_q=7, max_seqlen_kv=7)
+
+
+def test_a_window_equal_in_value_but_not_of_ints_is_refused_after_the_memo():
+    """(2.0, 0) == (2, 0) in Python; the fast path must not take it where the full path refuses it."""
+    with fake_primus_turbo():
+        run = adapter(settings(), facts(packed=False))
+        q, k, v = qkv()
+        run(q, k, v, causal=True, window_size=(2, 0))
+        with pytest.raises(UnsupportedInputError, match="window_size"):
+            run(q, k, v, causal=True, window_size=(2.0, 0))

@@ -56,10 +56,12 @@ class CallMemo:
     def _same_scalars(self, dropout_p: Any, scale: Any, causal: Any, window_size: Any, deterministic: Any,
                       return_lse: Any) -> bool:
         # Identity for the flags and type checks first: a tensor argument never reaches an
-        # ``==`` that would read it on the host.
+        # ``==`` that would read it on the host, and (2.0, 0) equal to (2, 0) is still not
+        # taken for it (the full path refuses a bound that is not an int).
         s = self.scalars
         return (causal is s[2] and deterministic is s[4] and return_lse is s[5]
-                and (window_size is s[3] or (type(window_size) is tuple and window_size == s[3]))
+                and (window_size is s[3] or (type(window_size) is tuple and window_size == s[3]
+                                             and all(type(x) is int for x in window_size)))
                 and type(dropout_p) is type(s[0]) and dropout_p == s[0]
                 and (scale is s[1] or (type(scale) is float and scale == s[1])))
 

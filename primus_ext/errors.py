@@ -6,9 +6,45 @@ alternative.  Build-time refusals collect *every* failing reason and raise once.
 
 from __future__ import annotations
 
+import reprlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+
+SHORT_REPR_LIMIT = 200
+"""Most characters `short_repr` gives for one quoted value."""
+
+
+class _BoundedRepr(reprlib.Repr):
+    """`reprlib.Repr` that also bounds subclasses of the builtin containers and other
+    mappings: for those reprlib would fall back to a full ``repr``."""
+
+    def repr1(self, x: Any, level: int) -> str:
+        for base in (dict, list, tuple, set, frozenset):
+            if isinstance(x, base) and type(x) is not base:
+                return getattr(self, f"repr_{base.__name__}")(x, level)
+        if isinstance(x, Mapping) and not isinstance(x, dict):
+            return self.repr_dict(x, level)
+        return super().repr1(x, level)
+
+
+def short_repr(value: Any, limit: int = SHORT_REPR_LIMIT) -> str:
+    """``repr(value)`` in at most ``limit`` characters, for quoting a user's value in a message.
+
+    Containers are shown to four levels and a few items per level (`reprlib`), so the
+    time and size do not grow with the value: a YAML alias bomb or a heavily shared
+    kwargs dict would otherwise turn a refusal into gigabytes of text.
+    """
+    shower = _BoundedRepr()
+    shower.maxlevel = 4
+    shower.maxstring = shower.maxother = shower.maxlong = limit
+    try:
+        text = shower.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. an int too long to print; the type still says something
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
 
 
 class PrimusExtError(Exception):
@@ -100,4 +136,4 @@ class UnsupportedInputError(_ReasonedError):
     headline = "primus_ext refused this attention call"
 
 
-__all__ = ["PrimusExtError", "Reason", "UnsupportedConfigError", "UnsupportedInputError"]
+__all__ = ["PrimusExtError", "Reason", "UnsupportedConfigError", "UnsupportedInputError", "short_repr"]

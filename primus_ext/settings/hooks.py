@@ -10,8 +10,10 @@ B32: a config only *names* a hook; it cannot run programs.  Probing calls the na
 object, so ``"subprocess:run"`` with ``_kwargs {args: ..., shell: true}`` would run a
 shell command.  Hence only a plain Python function (``def``/``lambda``) defined outside
 the standard library, or an object registered by `primus_ext.attention.library`, is
-ever called; a standard-library module is not even imported.  A factory is called with
-``<setting>_kwargs`` only if it opted in with ``@primus_ext.hook_factory``.
+ever called; a standard-library or ``__main__`` module (a program's command line) is not
+even imported.  A factory is called with ``<setting>_kwargs`` only if it opted in with
+``@primus_ext.hook_factory``.  Whatever an import, a factory or the probe raises
+(``SystemExit`` too) becomes a refusal naming the setting, quoting values bounded.
 
 Convention shared with `TurboAttentionSettings`: ``kwargs=None`` means the attribute is
 the hook itself; a mapping (even ``{}``) means it is a factory called with ``**kwargs``
@@ -35,7 +37,7 @@ from torch import Tensor
 
 from ..attention.library import is_hook_factory, is_library_mask
 from ..attention.pattern import index_grid
-from ..errors import Reason, UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError, short_repr
 from .settings import HOOK_PATTERN, TurboAttentionSettings
 
 HookKind = Literal["mask_mod", "score_mod"]
@@ -116,8 +118,15 @@ class _Refused(Exception):
         self.reason = reason
 
 
+_EXC_TEXT_LIMIT = 300
+
+
 def _describe_exc(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """``Type: message`` in bounded size and time: an exception may carry the user's kwargs."""
+    plain = all(isinstance(arg, (str, int, float)) for arg in exc.args)  # str(exc) is then cheap
+    text = str(exc) if plain else short_repr(exc.args[0] if len(exc.args) == 1 else exc.args)
+    cut = text if len(text) <= _EXC_TEXT_LIMIT else text[:_EXC_TEXT_LIMIT - 3] + "..."
+    return f"{type(exc).__name__}: {cut}"
 
 
 class _Resolver:
@@ -132,7 +141,7 @@ class _Resolver:
 
     def refuse(self, reason: str, alternative: str, *, with_kwargs: bool = False, code: str = "") -> _Refused:
         keys = (self.setting, self.kwargs_key) if with_kwargs else (self.setting,)
-        return _Refused(Reason(settings=keys, reason=f"{self.setting} = {self.spec!r}: {reason}",
+        return _Refused(Reason(settings=keys, reason=f"{self.setting} = {short_repr(self.spec)}: {reason}",
                                alternative=alternative, code=code))
 
     def run(self) -> Callable[..., Tensor]:
@@ -141,6 +150,11 @@ class _Resolver:
             raise self.refuse(f"`{module_name}` is a standard-library, builtins or torch module; a config may "
                               "only name a hook from your own code or from primus_ext, so it was not "
                               "imported (B32).", f"{self.own_function()}.", code=TRUST_CODE)
+        if "__main__" in module_name.split("."):  # refused before import: it would run the program
+            raise self.refuse(f"`{module_name}` is a `__main__` module: importing it runs that package's command "
+                              "line with this process's arguments, so it was not imported (B32).",
+                              "name the function in a regular module of the package (\"my_pkg.hooks:"
+                              f"my_{self.kind}\"), not in its `__main__`.", code=TRUST_CODE)
         target = self.follow(self.import_module(module_name), module_name, attr_path)
         self.check_named(target, attr_path)
         hook = self.call_factory(target, attr_path) if self.kwargs is not None else self.as_hook(target, attr_path)
@@ -202,7 +216,9 @@ class _Resolver:
             raise self.refuse(f"importing `{module_name}` failed: {_describe_exc(exc)}",
                               f"install the missing dependency `{missing}` or fix the import "
                               f"in `{module_name}`.") from exc
-        except Exception as exc:  # noqa: BLE001 - any import-time error is the user's to see
+        except KeyboardInterrupt:
+            raise  # the user stopping the run is not a config error
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: an import must not end the build
             raise self.refuse(f"importing `{module_name}` failed: {_describe_exc(exc)}",
                               f"fix the error raised while importing `{module_name}`.") from exc
 
@@ -232,8 +248,11 @@ class _Resolver:
                               with_kwargs=True, code=TRUST_CODE)
         try:
             hook = factory(**dict(self.kwargs or {}))
-        except Exception as exc:  # noqa: BLE001 - the factory's own error is the message
-            raise self.refuse(f"calling the factory with {self.kwargs_key} = {dict(self.kwargs or {})!r} "
+        except KeyboardInterrupt:
+            raise  # the user stopping the run is not a config error
+        except BaseException as exc:  # noqa: BLE001 - the factory's own error (SystemExit too) is the message
+            given = short_repr(dict(self.kwargs or {}))
+            raise self.refuse(f"calling the factory with {self.kwargs_key} = {given} "
                               f"failed: {_describe_exc(exc)}",
                               f"give {self.kwargs_key} the keyword arguments the factory accepts, "
                               f"or set it to null if `{self.spec}` is itself the {self.kind}.",
@@ -282,7 +301,9 @@ class _Resolver:
         try:
             with torch.no_grad():
                 out = hook(*args)
-        except Exception as exc:  # noqa: BLE001 - report the hook's own failure
+        except KeyboardInterrupt:
+            raise  # the user stopping the run is not a config error
+        except BaseException as exc:  # noqa: BLE001 - report the hook's own failure, SystemExit too
             raise self.refuse(f"raised {_describe_exc(exc)} when probed on a "
                               f"{'x'.join(map(str, PROBE_SHAPE))} (B, H, Sq, Skv) index grid.",
                               "a hook must work on broadcasting index tensors with tensor ops only "

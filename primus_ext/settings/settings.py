@@ -136,7 +136,9 @@ class TurboAttentionSettings:
 
     def __hash__(self) -> int:
         # The kwargs are dicts (unhashable); hash a frozen rendering so settings can key caches.
-        return hash(tuple((k, _freeze(v)) for k, v in self.to_dict().items()))
+        # One memo for every field: a sub-object shared by many references is frozen once.
+        memo: dict[int, Any] = {}
+        return hash(tuple((name, _freeze(getattr(self, name), memo)) for name in SETTING_KEYS))
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -214,11 +216,13 @@ def spec_refs(key: str) -> str:
 
 # -------------------------------------------------------------------- validation
 def _type_name(value: Any) -> str:
+    from ..errors import short_repr  # bounded: the value may be an arbitrarily large YAML tree
+
     if isinstance(value, str):
-        return f"the string {value!r}"
+        return f"the string {short_repr(value)}"
     if value is None:
         return "null"
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {short_repr(value)}"
 
 
 def _check_bool(key: str, value: Any) -> Optional[Reason]:
@@ -363,12 +367,28 @@ def lookalike_reasons(keys: list[str]) -> list[Reason]:
     return [_unknown_reason(k, _suggest(k)) for k in keys if looks_like_ours(k)]
 
 
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
+def _freeze(value: Any, memo: Optional[dict[int, Any]] = None) -> Any:
+    """A hashable stand-in for ``value``, equal for equal values, for `TurboAttentionSettings.__hash__`.
+
+    A container stands in as the hash of its items' stand-ins, not as nested tuples:
+    tuples do not cache their hash, so a sub-object shared by many references would be
+    hashed again for each.  ``memo`` (``id -> stand-in``) freezes each distinct container
+    once, so the cost is linear in the number of distinct objects, shared or not.
+    """
+    if not isinstance(value, (Mapping, list, tuple, set, frozenset)):
+        return value
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = "<recursive>"  # the stand-in of a container reached again from inside itself
+    if isinstance(value, Mapping):  # order-free, as dict equality is
+        frozen = hash(("mapping", frozenset((k, _freeze(v, memo)) for k, v in value.items())))
+    elif isinstance(value, (set, frozenset)):
+        frozen = hash(("set", frozenset(value)))
+    else:
+        frozen = hash(("sequence", tuple(_freeze(v, memo) for v in value)))
+    memo[id(value)] = frozen
+    return frozen
 
 
 __all__ = [

@@ -13,8 +13,10 @@ primus_ext adds around the kernel: the adapter, the routing, Megatron's layout c
 One forward call is counted after a warm-up call (hooks verified).
 
 Goals: 0 host syncs of ours on the flex dense and packed paths; 0 copies of ours on
-the bshd dense path where the device takes strided input (CPU, gfx950); exactly 3
-(q, k, v made contiguous) in gfx942 mode.
+the bshd dense path where the device takes strided input (CPU, gfx950 on AITER); exactly 3
+(q, k, v made contiguous) in gfx942 mode; exactly 1 in gfx950 FlyDSL mode with
+megatron-core's own tensors (the value, a split view of the fused QKV; q and k come
+contiguous out of RoPE).
 
     python -m benchmarks.copies_and_syncs
 """
@@ -88,7 +90,7 @@ def adapter(backend: str, *, packed: bool = False, sink: bool = False) -> Any:
     return run
 
 
-def core(backend: Optional[str], *, contiguous: bool = False) -> Any:
+def core(backend: Optional[str], *, storage: str = "as-given") -> Any:
     """A Megatron core attention; ``backend=None`` is the direct path."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -101,7 +103,7 @@ def core(backend: Optional[str], *, contiguous: bool = False) -> Any:
     module = TurboAttentionCore(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
                                 cp_comm_type=None, pg_collection=None, settings=_settings(**keys))
-    module.contiguous = contiguous  # what needs_contiguous_bshd() decides on a gfx942 at construction
+    module.storage = storage  # what the plan decides for a gfx942 / gfx950 at construction (AttentionPlan.storage)
     if module.adapter is not None:
         _kernel_backend(module.adapter.backend)
     return module
@@ -153,15 +155,21 @@ def scenarios() -> list[tuple[str, str, Optional[str], Callable[[], Callable[[],
     def thd(backend: str) -> Callable[[], Callable[[], Any]]:
         return lambda: (lambda run: lambda: run(tq, tk, tv, causal=True, **thd_kw))(adapter(backend, packed=True))
 
-    def megatron(backend: Optional[str], contiguous: bool = False, layout: str = "sbhd"):
+    def megatron(backend: Optional[str], storage: str = "as-given", layout: str = "sbhd"):
         def build() -> Callable[[], Any]:
-            module = core(backend, contiguous=contiguous)
+            module = core(backend, storage=storage)
             if layout == "thd":
                 params = packed_params(x)
                 return lambda: module.forward(tq.unsqueeze(1), tk.unsqueeze(1), tv.unsqueeze(1), None,
                                               packed_seq_params=params)
+            if layout == "split":  # megatron-core's own tensors: RoPE'd q and k, value a split view
+                return lambda: module.forward(sq, sk, split_v, None)
             return lambda: module.forward(sq, sk, sv, None)
         return build
+
+    # value as megatron-core 0.16.1 hands it over: a torch.split view of the fused QKV projection
+    fused = torch.cat([sq.reshape(S, B, HKV, -1), sk, sv], dim=-1)
+    split_v = fused.split([HQ // HKV * D, D, D], dim=-1)[2]
 
     fake, stub = "fake", "stub"
     return [
@@ -181,9 +189,16 @@ def scenarios() -> list[tuple[str, str, Optional[str], Callable[[], Callable[[],
         ("Megatron thd core, direct", "stub turbo: flash_attn_varlen_func", stub, megatron(None, layout="thd")),
         ("Megatron thd core, flex", "fake turbo: flash_attn_varlen_func", fake, megatron("turbo", layout="thd")),
         ("Megatron thd core, direct", "fake turbo: flash_attn_varlen_func", fake, megatron(None, layout="thd")),
-        ("gfx942 mode, Megatron sbhd core, flex", "reference (SDPA)", None, megatron("reference", True)),
-        ("gfx942 mode, Megatron sbhd core, flex", "stub turbo: flash_attn_func", stub, megatron("turbo", True)),
-        ("gfx942 mode, Megatron sbhd core, direct", "stub turbo: flash_attn_func", stub, megatron(None, True)),
+        ("gfx942 mode, Megatron sbhd core, flex", "stub turbo: flash_attn_func", stub,
+         megatron("turbo", "contiguous-bshd")),
+        ("gfx942 mode, Megatron sbhd core, direct", "stub turbo: flash_attn_func", stub,
+         megatron(None, "contiguous-bshd")),
+        ("gfx950 FlyDSL mode, Megatron sbhd core (split value), flex", "stub turbo: flash_attn_func", stub,
+         megatron("turbo", "contiguous-sbhd", "split")),
+        ("gfx950 FlyDSL mode, Megatron sbhd core (split value), direct", "stub turbo: flash_attn_func", stub,
+         megatron(None, "contiguous-sbhd", "split")),
+        ("gfx950 AITER mode, Megatron sbhd core (split value), direct", "stub turbo: flash_attn_func", stub,
+         megatron(None, "as-given", "split")),
     ]
 
 
@@ -196,6 +211,8 @@ def goal(path: str, kernel: str, counts: Any) -> tuple[Optional[bool], str]:
     """Which goal a row is held to, and whether it is met."""
     if path.startswith("gfx942"):
         return counts.copies == 3 and counts.syncs == 0, "3 copies (q, k, v), 0 syncs"
+    if path.startswith("gfx950 FlyDSL"):
+        return counts.copies == 1 and counts.syncs == 0, "1 copy (the split value), 0 syncs"
     if "bf16 sink" in path:
         return counts.copies == 1 and counts.syncs == 0, "1 copy (sink to fp32, B12), 0 syncs"
     if "core" in path and kernel.startswith("fake"):

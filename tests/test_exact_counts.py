@@ -221,7 +221,7 @@ def core(flex: bool, backend: str = "turbo", contiguous: bool = False):
     module = TurboAttentionCore(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
                                 cp_comm_type=None, pg_collection=None, settings=settings(**keys))
-    module.contiguous = contiguous  # set at construction from the device: gfx942 -> True
+    module.storage = "contiguous-bshd" if contiguous else "as-given"  # what the plan decides on a gfx942
     if module.adapter is not None and backend == "reference":
         reference_is_kernel(module.adapter)
     return module

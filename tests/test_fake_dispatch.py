@@ -286,6 +286,7 @@ def test_context_parallel_rows_are_refused_exactly_where_the_usp_entries_assert(
     expected = {"B30-cp"} if dropout else set()
     expected |= {"cp-heads"} if hq % 2 or hkv % 2 else set()
     expected |= {"B13-direct"} if sink else set()
+    expected |= {"cp-causal"}  # a causal layer: Megatron's load-balanced split (upstream_facts.md §4)
     with fake_primus_turbo(arch=arch):
         for flex in (False, True):
             keys = dict(use_turbo_flex_attention=flex, turbo_flex_attention_backend="turbo", turbo_arch=arch,

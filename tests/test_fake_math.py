@@ -47,16 +47,30 @@ def window_mask(q_len: int, kv_len: int, left: int, right: int, shift: int) -> t
     return torch.tensor(cells, dtype=torch.bool).view(q_len, kv_len)
 
 
-def dense_reference(q, k, v, allowed, *, scale=None, sink=None, slopes=None, bias=None, alibi_shift=0):
-    """float64 attention by autograd: the sink is an extra logit column whose probability is dropped."""
+def ck_alibi(i: int, j: int, sq: int, skv: int, left: int, right: int) -> int:
+    """CK fmha's ALiBi coefficient of one cell (ROCm/composable_kernel block_position_encoding.hpp):
+    ``VERTICAL`` (+j) for a plain causal mask, else ``FROM_BOTTOM_RIGHT``, symmetric."""
+    if left < 0 and right == 0:
+        return j
+    return -abs(i + max(skv - sq, 0) - j - max(sq - skv, 0))
+
+
+def ck_alibi_grid(sq: int, skv: int, left: int, right: int) -> torch.Tensor:
+    """`ck_alibi` of every cell, ``[Sq, Skv]`` float64, written out cell by cell."""
+    cells = [ck_alibi(i, j, sq, skv, left, right) for i in range(sq) for j in range(skv)]
+    return torch.tensor(cells, dtype=F64).view(sq, skv)
+
+
+def dense_reference(q, k, v, allowed, *, scale=None, sink=None, slopes=None, bias=None, window=(-1, -1)):
+    """float64 attention by autograd: the sink is an extra logit column whose probability is dropped;
+    ALiBi is CK's for the mask ``window`` (`ck_alibi`)."""
     batch, q_len, hq, d = q.shape
     kv_len, hkv = k.shape[1], k.shape[2]
     head_of = torch.tensor([h * hkv // hq for h in range(hq)])
     kk, vv = k.index_select(2, head_of), v.index_select(2, head_of)
     s = torch.einsum("bihd,bjhd->bhij", q, kk) * (d ** -0.5 if scale is None else scale)
     if slopes is not None:
-        dist = (torch.arange(kv_len).view(1, kv_len) - torch.arange(q_len).view(q_len, 1) + alibi_shift).to(F64)
-        s = s + slopes.view(1, -1, 1, 1) * dist
+        s = s + slopes.view(1, -1, 1, 1) * ck_alibi_grid(q_len, kv_len, *window)
     if bias is not None:
         s = s + bias
     s = s.masked_fill(~allowed, -math.inf)
@@ -106,16 +120,23 @@ def test_dense_forward_matches_the_per_cell_oracle(case):
     out, lse = fm.attention(q, k, v, window=window, return_lse=True, block=4, **kw)
     shift = skv - sq
     inner = oracle.window(window.left, window.right)
-    bias = kw["bias"]
+    bias, slopes = kw["bias"], kw["alibi_slopes"]
+
+    def extras(s, b, h, i, j):
+        s = s + (bias.detach()[i, j] if bias is not None else 0.0)
+        if slopes is not None:
+            s = s + float(slopes[h]) * ck_alibi(int(i), int(j), sq, skv, window.left, window.right)
+        return s
+
     want = oracle.attention(
         q, k, v, lambda b, h, i, j: inner(b, h, i + shift, j), scale=kw["scale"],
         sink=None if kw["sink"] is None else kw["sink"].tolist(),
-        alibi=None if kw["alibi_slopes"] is None else kw["alibi_slopes"].tolist(),
-        score_mod=None if bias is None else (lambda s, b, h, i, j: s + bias.detach()[i, j]))
+        score_mod=extras if bias is not None or slopes is not None else None)
     torch.testing.assert_close(out, want, **OUT_TOL)
     mask = fuzz_oracle.flash_mask(sq, skv, causal=False, window=window.window, align="bottom_right")
-    _, want_lse = fuzz_oracle.attention(q, k, v, mask, scale=kw["scale"], sink=kw["sink"],
-                                        alibi=kw["alibi_slopes"], bias=bias)
+    ck = None if slopes is None else slopes.view(1, -1, 1, 1) * ck_alibi_grid(sq, skv, window.left, window.right)
+    total = None if bias is None and ck is None else (bias if ck is None else ck if bias is None else bias + ck)
+    _, want_lse = fuzz_oracle.attention(q, k, v, mask, scale=kw["scale"], sink=kw["sink"], bias=total)
     assert lse.dtype == torch.float32 and lse.shape == (2, q.shape[2], sq)
     torch.testing.assert_close(lse, want_lse.float())  # fp32 lse of float64 math
 
@@ -127,7 +148,7 @@ def test_dense_gradients_match_float64_autograd(case, block):
     out = fm.attention(q, k, v, window=window, block=block, **kw)
     allowed = window_mask(q.shape[1], k.shape[1], window.left, window.right, k.shape[1] - q.shape[1])
     want, _ = dense_reference(q, k, v, allowed, scale=kw["scale"], sink=kw["sink"],
-                              slopes=kw["alibi_slopes"], bias=kw["bias"])
+                              slopes=kw["alibi_slopes"], bias=kw["bias"], window=window.window)
     torch.testing.assert_close(out, want, **OUT_TOL)
     leaves = (q, k, v, kw["sink"], kw["bias"])
     for got, expected in zip(grads(out, leaves), grads(want, leaves)):
@@ -182,23 +203,28 @@ def test_packed_documents_match_the_oracles(case):
     q, k, v, bq, bk, window, kw = packed_case(case)
     out, lse = fm.varlen_attention(q, k, v, bq, bk, window=window, return_lse=True, block=3, **kw)
     assert out.shape == (bq[-1], 4, 8) and lse.shape == (4, bq[-1]) and lse.dtype == torch.float32
-    mask = fuzz_oracle.packed_mask(bq, bk, causal=False, window=window.window, align="bottom_right")
-    want, want_lse = fuzz_oracle.packed_attention(q, k, v, mask, sink=kw["sink"], alibi=kw["alibi_slopes"])
-    torch.testing.assert_close(out, want, **OUT_TOL)
-    torch.testing.assert_close(lse, want_lse.float())  # fp32 lse of float64 math
+    if kw["alibi_slopes"] is None:  # CK's ALiBi positions are each document's own: checked per piece below
+        mask = fuzz_oracle.packed_mask(bq, bk, causal=False, window=window.window, align="bottom_right")
+        want, want_lse = fuzz_oracle.packed_attention(q, k, v, mask, sink=kw["sink"])
+        torch.testing.assert_close(out, want, **OUT_TOL)
+        torch.testing.assert_close(lse, want_lse.float())  # fp32 lse of float64 math
     if bq == bk and kw["alibi_slopes"] is None:  # the per-cell oracle attends each document alone
         sink = None if kw["sink"] is None else kw["sink"].tolist()
         torch.testing.assert_close(
             out, oracle.packed_attention(q, k, v, bq, window.left, window.right, sink=sink), **OUT_TOL)
     # gradients: each document pair on its own, in the dense float64 reference
-    pieces = []
+    pieces, piece_lses = [], []
     for q0, q1, k0, k1 in zip(bq, bq[1:], bk, bk[1:]):
         allowed = window_mask(q1 - q0, k1 - k0, window.left, window.right, (k1 - k0) - (q1 - q0))
-        piece, _ = dense_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], allowed, sink=kw["sink"],
-                                   slopes=kw["alibi_slopes"], alibi_shift=k0 - q0)
+        piece, piece_lse = dense_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], allowed, sink=kw["sink"],
+                                           slopes=kw["alibi_slopes"], window=window.window)
         pieces.append(piece[0])
+        piece_lses.append(piece_lse[0])
     ref = torch.cat(pieces)
     torch.testing.assert_close(out, ref, **OUT_TOL)
+    ref_lse = torch.cat(piece_lses, dim=1)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite].float())
     leaves = (q, k, v, kw["sink"])
     for got, expected in zip(grads(out, leaves), grads(ref, leaves)):
         torch.testing.assert_close(got, expected, **GRAD_TOL)

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
-from .call_checks import (check_alibi, check_bias, check_dropout, check_heads, check_packed, check_qkv,
-                          check_sink, check_window)
+from .call_checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
+                          check_packing, check_qkv, check_sink, check_window)
 from .call_memo import MISS, CallMemo, scalars_key
 from .call_route import CallRoutes
 from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
@@ -208,7 +208,9 @@ class TurboFlexAttention:
             raise _refuse(("use_sink_attention", "sink"), "the layer was planned with a learned sink but the call "
                           "passes none; it would run without one (B34).", "pass the layer's sink tensor.")
         deterministic = bool(deterministic or plan.deterministic)
-        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        packed_call = cu_seqlens_q is not None or cu_seqlens_kv is not None
+        check_packing(plan.packed, packed_call, plan.eod_documents)
+        if packed_call:
             out, flag, window, alibi_slopes = self._packed(
                 q, k, v, causal, window_size, bias, alibi_slopes, scale, dropout, sink, deterministic, return_lse,
                 cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
@@ -226,6 +228,8 @@ class TurboFlexAttention:
         self._check_dense_shape(pattern, q_len, kv_len)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q)
+            if alibi_slopes is not None and self._routes is not None and pattern is not None:
+                check_kernel_alibi(pattern, sink, return_lse)
         if self._routes is not None and pattern is not None:
             self._routes.check("varlen" if pattern.documents else "dense", q, k, v, pattern.right == 0,
                                pattern.window, sink, dropout, deterministic, alibi_slopes, bias, scale)
@@ -283,6 +287,8 @@ class TurboFlexAttention:
         self._bind(flag, window)
         if self._routes is not None:
             call = _flash_pattern(flag, window)
+            if alibi_slopes is not None:
+                check_kernel_alibi(call, sink, return_lse)
             self._routes.check("varlen", q, k, v, call.right == 0, call.window, sink, dropout, deterministic,
                                alibi_slopes, None, scale)
         out = run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, sink, alibi_slopes, flag,
@@ -303,7 +309,7 @@ class PlanTarget:
     def __init__(self, plan: Any, backend: AttentionBackend) -> None:
         self.plan = plan
         self.backend = backend
-        self.routes = CallRoutes(plan.arch) if backend.name == "turbo" and plan.arch else None
+        self.routes = CallRoutes(plan.arch) if backend.name == "turbo" else None
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
         # The reference evaluates every user hook itself at every call, proven or not, so
@@ -333,6 +339,19 @@ class PlanTarget:
         call = self.kernel_call(False, q, sink, alibi, None, causal, window, scale, dropout_p, deterministic,
                                 return_lse)
         return self.backend.packed(q, k, v, cu_q, cu_kv, max_q, max_kv, call)
+
+    def check(self, a: CallArgs) -> None:
+        """The call's kernel route and storage layout, as the adapter checks an eager call (the
+        forward op runs this inside a compiled graph)."""
+        if self.routes is None:
+            return
+        pattern = self.kernel_call(a.cu_q is None, a.q, a.sink, a.alibi, a.bias, a.causal, a.window, a.scale,
+                                   a.dropout_p, a.deterministic, a.return_lse).pattern
+        if pattern is None:
+            return
+        entry = "varlen" if a.cu_q is not None or pattern.documents else "dense"
+        self.routes.check(entry, a.q, a.k, a.v, pattern.right == 0, pattern.window, a.sink, a.dropout_p,
+                          a.deterministic, a.alibi, a.bias, a.scale)
 
     def pair(self, a: CallArgs) -> Optional[KernelPair]:
         """The backend's kernel-level pair for this call, if it has one (compiled steps)."""

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..attention.pattern import Pattern
 from ..errors import PrimusExtError, Reason, UnsupportedInputError
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -118,6 +119,53 @@ def check_alibi(slopes: Any, q: Tensor, *, kernel_dtype: bool) -> None:
     if kernel_dtype and slopes.dtype != torch.float32:
         raise _refuse(("alibi_slopes",), f"Primus-Turbo's kernels take fp32 alibi_slopes, got {slopes.dtype}.",
                       "pass the slopes in float32.")
+
+
+def check_kernel_alibi(pattern: Pattern, sink: Optional[Tensor], return_lse: bool) -> None:
+    """ALiBi on Primus-Turbo only where its kernels compute ``score + slope * (kv - q)`` (B35).
+
+    AITER's CK kernels add ``-slope * |q - kv|`` for any mask but plain causal (composable_kernel
+    ``block_position_encoding.hpp``), and ``+slope * kv`` for plain causal: equal after the softmax
+    wherever no key lies right of the diagonal, but not in the lse.  With a sink the Triton kernels
+    run, whose ALiBi formula is not modelled.
+    """
+    if pattern.right != 0:
+        raise UnsupportedInputError(Reason(
+            ("alibi_slopes", "causal", "window_size"), f"alibi_slopes with a {pattern.describe()} mask, which reaches "
+            "right of the diagonal: Primus-Turbo's ALiBi kernels add the symmetric -slope * |q - kv| there, the "
+            "project's ALiBi (and the reference backend) slope * (kv - q).",
+            "use ALiBi with a causal mask (right bound 0), or turbo_flex_attention_backend: reference.", "B35"))
+    if sink is not None:
+        raise UnsupportedInputError(Reason(
+            ("alibi_slopes", "use_sink_attention"), "alibi_slopes with a sink: Primus-Turbo then runs AITER's Triton "
+            "kernels, whose ALiBi formula is not modelled.",
+            "drop the sink or the slopes, or use turbo_flex_attention_backend: reference.", "B35-sink"))
+    if return_lse:
+        raise UnsupportedInputError(Reason(
+            ("alibi_slopes", "return_lse"), "return_lse with ALiBi on Primus-Turbo: the causal ALiBi kernel adds "
+            "slope * kv (not slope * (kv - q)), so its lse is off by slope * q per row.",
+            "call with return_lse=False, or use turbo_flex_attention_backend: reference.", "B35"))
+
+
+def check_packing(declared: Optional[bool], packed_call: bool, eod_documents: bool = False) -> None:
+    """A call of the kind the layer declared (``packed_sequences``): the plan checked only those
+    calls' kernels, and a dense call on a layer whose documents come from EOD tokens
+    (``reset_attention_mask``) would attend across them (B25, B34)."""
+    if declared is None or declared is packed_call:
+        return
+    if packed_call:
+        raise UnsupportedInputError(Reason(
+            ("packed_sequences", "cu_seqlens_q"), "a packed (thd) call reached a layer declared packed_sequences: "
+            "false; its packed kernels were never checked for this layer.",
+            "set packed_sequences: true (or leave it out) to train packed batches.", "B34"))
+    lost = (" with reset_attention_mask: its documents come from EOD tokens as cu_seqlens, and a dense call "
+            "would attend across them") if eod_documents else ""
+    raise UnsupportedInputError(Reason(
+        ("packed_sequences", "reset_attention_mask") if eod_documents else ("packed_sequences",),
+        f"a dense call reached a layer declared packed_sequences: true{lost}.",
+        "convert each micro-batch with primus_ext.megatron.pack_eod_micro_batch (packed_seq_params with "
+        "cu_seqlens), or set packed_sequences: false (or leave it out) for dense batches.",
+        "B25" if eod_documents else "B34"))
 
 
 def check_dropout(dropout_p: Any) -> float:
@@ -259,4 +307,5 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
 
 
 __all__ = ["assert_boundaries", "assert_on_device", "check_alibi", "check_bias", "check_dropout", "check_heads",
+           "check_kernel_alibi", "check_packing",
            "check_packed", "check_qkv", "check_sink", "check_window", "tensor_version"]

@@ -27,7 +27,7 @@ Runner = Callable[..., Any]
 class CallMemo:
     """The last validated call of one adapter, and the runner that makes it again."""
 
-    __slots__ = ("q_shape", "k_shape", "v_shape", "dtype", "device", "q_stride", "scalars", "sink_shape",
+    __slots__ = ("q_shape", "k_shape", "v_shape", "dtype", "device", "strides", "scalars", "sink_shape",
                  "sink_dtype", "sink_cast", "same_cu", "max_given", "run")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, scalars: tuple, sink: Optional[Tensor], run: Runner,
@@ -35,7 +35,9 @@ class CallMemo:
         tail = slice(1, None) if packed else slice(None)
         self.q_shape, self.k_shape, self.v_shape = q.shape[tail], k.shape[tail], v.shape[tail]
         self.dtype, self.device = q.dtype, q.device
-        self.q_stride = None if packed else q.stride()
+        # q, k and v each: the kernel route (FlyDSL's contiguous sbhd) and upstream's layout
+        # inference read all three tensors' strides.
+        self.strides = None if packed else (q.stride(), k.stride(), v.stride())
         self.scalars = scalars
         self.sink_shape = None if sink is None else sink.shape
         self.sink_dtype = None if sink is None else sink.dtype
@@ -72,7 +74,7 @@ class CallMemo:
         try:
             same = (self._same_scalars(dropout_p, scale, causal, window_size, deterministic, return_lse)
                     and q.shape == self.q_shape and k.shape == self.k_shape and v.shape == self.v_shape
-                    and q.stride() == self.q_stride and self._tensors(q, k, v, sink))
+                    and (q.stride(), k.stride(), v.stride()) == self.strides and self._tensors(q, k, v, sink))
         except (AttributeError, TypeError):  # not tensors: the full path says what is wrong
             return MISS
         if not same:

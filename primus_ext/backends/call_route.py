@@ -2,7 +2,8 @@
 
 The plan checks the routes of the layer's configured calls.  A caller using the adapter
 as the drop-in ``flash_attn_func`` can still pass what the plan did not assume: another
-storage layout (FlyDSL wants sbhd), ``deterministic=True``, dropout, another dtype or
+storage layout (FlyDSL wants contiguous sbhd, and upstream asserts that q, k and v share one
+layout), ``deterministic=True``, dropout, another dtype or
 head dim.  Such a call could reach a kernel backend that asserts, or one that computes
 it wrongly (AITER's sink backward).  So on a known arch each distinct call shape is routed
 with the same dispatch model, once, and refused with our error when it would fail.
@@ -15,15 +16,18 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import UnsupportedInputError
-from .dispatch import ARCHES, CallFeatures, Route, default_scale, route
+from ..errors import Reason, UnsupportedInputError
+from .dispatch import ARCHES, CallFeatures, LayoutError, Route, default_scale, route, storage_features
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 _MEMO_MAX = 256
 
 
 class CallRoutes:
-    """Memoised `route` of a layer's calls on one arch; raises for a call no backend runs right."""
+    """Memoised `route` of a layer's calls on one arch; raises for a call no backend runs right.
+
+    With the arch unknown only what fails on every arch is checked: a dense call's storage
+    layout, which upstream infers from q, k and v and asserts on before any dispatch."""
 
     def __init__(self, arch: Optional[str]) -> None:
         self.arch = arch if arch in ARCHES else None
@@ -31,7 +35,13 @@ class CallRoutes:
 
     def check(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
               sink: Any, dropout: float, deterministic: bool, alibi: Any, bias: Any, scale: Optional[float]) -> None:
+        # Inside a graph being traced the memo would be a guarded, mutated dict: the custom op runs
+        # this check itself when it executes (`OpTarget.check`), on the real tensors.
+        if torch.compiler.is_compiling():
+            return
         if self.arch is None:
+            if entry == "dense":
+                _storage(q, k, v)
             return
         problem = self._lookup(entry, q, k, v, causal, window, sink, dropout, deterministic, alibi, bias, scale)[1]
         if problem is not None:
@@ -50,9 +60,9 @@ class CallRoutes:
     def _lookup(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
                 sink: Any, dropout: float, deterministic: bool, alibi: Any,
                 bias: Any, scale: Optional[float]) -> tuple[Route, Optional[UnsupportedInputError]]:
-        sbhd = entry != "dense" or q.shape[0] == 1 or q.transpose(0, 1).is_contiguous()
+        sbhd, contiguous = _storage(q, k, v) if entry == "dense" else (True, True)
         key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, sink is not None,
-               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd)
+               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd, contiguous)
         found = self._seen.get(key)
         if found is None:
             if len(self._seen) >= _MEMO_MAX:
@@ -61,16 +71,28 @@ class CallRoutes:
         return found
 
     def _route(self, key: tuple) -> tuple[Route, Optional[UnsupportedInputError]]:
-        entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd = key
+        entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous = key
         found = route(CallFeatures(
             arch=self.arch or "", entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
             head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
             dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
-            default_scale=default_scale(scale, int(d)), equal_documents=None, sbhd_storage=sbhd))
+            default_scale=default_scale(scale, int(d)), equal_documents=None, sbhd_storage=sbhd,
+            contiguous_sbhd=contiguous))
         layout = () if entry != "dense" or sbhd else (
             "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
         reason = found.reason("this call", alternatives=layout)
         return found, (UnsupportedInputError(reason) if reason is not None else None)
+
+
+def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool]:
+    """``(sbhd_storage, contiguous_sbhd)`` of a dense call; a layout upstream asserts on is refused."""
+    try:
+        return storage_features(q, k, v)[1:]
+    except LayoutError as exc:
+        raise UnsupportedInputError(Reason(
+            ("qkv_format",), f"{exc} (a call to flash_attn_func would fail there).",
+            "pass q, k and v in one storage layout, e.g. bshd views of contiguous [S, B, H, D] tensors, "
+            "as Megatron's modules do.", "B34")) from None
 
 
 __all__ = ["CallRoutes"]

@@ -175,7 +175,14 @@ class DirectTarget:
         self.runner = runner
         plain = runner.entries.dense == "flash_attn_func"
         self.kernels = discover() if plain else None
-        self.routes = CallRoutes(arch) if plain and arch else None
+        self.routes = CallRoutes(arch) if plain else None
+
+    def check(self, a: CallArgs) -> None:
+        """Refuse a call the kernels would fail or compute wrongly (its route on the plan's arch,
+        its storage layout on any), as the flex adapter does (B33, B34)."""
+        if self.routes is not None:
+            self.routes.check("dense" if a.cu_q is None else "varlen", a.q, a.k, a.v, a.causal, a.window, a.sink,
+                              a.dropout_p, a.deterministic, None, None, a.scale)
 
     def pair(self, a: CallArgs) -> Optional[AiterPair]:
         # The direct path passes Megatron's own causal / window to the entry: the same here.

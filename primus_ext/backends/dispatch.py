@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from ..errors import Reason
 
@@ -47,7 +47,11 @@ class CallFeatures:
     equal_documents: Optional[bool] = None
     """Varlen: every document has the same length (None: not known, so not assumed)."""
     sbhd_storage: bool = True
-    """Dense: q/k/v are sbhd in memory (Megatron's layout), or bshd with batch 1."""
+    """Dense: q/k/v are sbhd in memory (Megatron's layout), or bshd with batch 1: the order
+    upstream's `infer_qkv_format` reads from the strides, contiguous or not."""
+    contiguous_sbhd: bool = True
+    """Dense: q, k and v are each contiguous in sbhd order (a split view of a fused QKV,
+    megatron-core's key and value, is not)."""
 
     @property
     def group(self) -> int:
@@ -63,6 +67,9 @@ class Check:
     text: str
     settings: Tuple[str, ...] = ()
     alternative: str = ""
+    raises: Tuple[str, str] = ("ValueError", "")
+    """How upstream fails a call this refusal row stops: the exception type (``ValueError`` or
+    ``AssertionError``) and upstream's message; the CPU fake raises the same."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,17 @@ FLYDSL = KernelBackend(
               "FlyDSL varlen needs every document of the same length", ("packed_sequences",),
               "pack documents of equal length"),
     ),
-    fact="primus_turbo_dispatch.md §1, FlyDSL row",
+    # The gate reads the layout order only; the kernel wrapper then asserts contiguity, with
+    # no fallback (attention_impl.py l.147-186, attention_flydsl_impl.py l.37-39, 55-58 at a6a16cd).
+    refuses=(
+        Check(lambda f: f.entry != DENSE or f.contiguous_sbhd,
+              "FlyDSL asserts that q, k and v are contiguous sbhd (\"SBHD tensors must be contiguous\"), and a "
+              "split view of a fused QKV is not", (),
+              "make q, k and v contiguous in [S, B, H, D] order before the call (the Megatron modules do so on "
+              "gfx950 when FlyDSL takes the layer's calls)",
+              raises=("AssertionError", "SBHD tensors must be contiguous")),
+    ),
+    fact="primus_turbo_dispatch.md §1, FlyDSL row; upstream_facts.md §7",
 )
 AITER_DENSE = KernelBackend(
     "AITER", (DENSE,),
@@ -120,7 +137,8 @@ AITER_DENSE = KernelBackend(
               "AITER asserts that deterministic and sink are not enabled together",
               ("deterministic_mode", "use_sink_attention"),
               "set deterministic_mode: false or use_sink_attention: false (on gfx950, FlyDSL takes both "
-              "when its other conditions hold)"),
+              "when its other conditions hold)",
+              raises=("AssertionError", "deterministic and sink cannot be enabled together currently")),
     ),
     defects=(
         Check(lambda f: not (f.sink and f.window[1] > 0),
@@ -149,6 +167,8 @@ HIPKITTENS = KernelBackend(
         Check(lambda f: f.causal and not f.sink, "HipKittens takes causal attention without a sink only"),
         Check(lambda f: f.dropout == 0 and not f.bias and not f.alibi, "HipKittens takes no dropout, bias or ALiBi"),
         Check(lambda f: f.window[1] in (0, -1) and f.head_dim in (64, 128), "HipKittens: right bound 0, D 64/128"),
+        Check(lambda f: f.entry == DENSE and f.sbhd_storage and f.contiguous_sbhd,
+              "HipKittens needs contiguous sbhd q, k and v"),
     ),
     fact="primus_turbo_dispatch.md §1, HipKittens row",
 )
@@ -237,9 +257,46 @@ def route(features: CallFeatures) -> Route:
                  blocking=tuple(closest))
 
 
+def infer_qkv_format(q: Any, k: Any, v: Any) -> str:
+    """The storage order of ``[B, S, H, D]``-shaped q, k, v as upstream's ``_infer_qkv_format``
+    reads it from the strides (``bshd``, ``sbhd`` or ``bhsd``; ties break toward bshd, so
+    batch 1 is bshd); raises `LayoutError` where upstream asserts (attention_utils.py l.28-83)."""
+    formats = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        s0, s1, s2, s3 = t.stride()
+        if s3 != 1:
+            raise LayoutError(f"{name} has a non-contiguous head dim (strides {tuple(t.stride())}); Primus-Turbo "
+                              "asserts stride[-1] == 1")
+        if s0 >= s1 >= s2:
+            formats.append("bshd")
+        elif s1 >= s0 >= s2:
+            formats.append("sbhd")
+        elif s0 >= s2 >= s1:
+            formats.append("bhsd")
+        else:
+            raise LayoutError(f"the layout of {name} (strides {tuple(t.stride())}) is none of bshd, sbhd, bhsd")
+    if len(set(formats)) > 1:
+        raise LayoutError(f"q, k, v are stored as {', '.join(formats)}; Primus-Turbo asserts that all three share "
+                          "one layout")
+    return formats[0]
+
+
+class LayoutError(ValueError):
+    """q, k, v stored in a way upstream's layout inference asserts on (the caller refuses it)."""
+
+
+def storage_features(q: Any, k: Any, v: Any) -> tuple[str, bool, bool]:
+    """``(qkv_format, sbhd_storage, contiguous_sbhd)`` of a dense call's q, k, v, as upstream reads
+    them: FlyDSL's gate takes sbhd order, or bshd with batch 1 (``_sbhd_layout``), and its wrapper
+    then asserts that each sbhd view is contiguous."""
+    fmt = infer_qkv_format(q, k, v)
+    sbhd = fmt == "sbhd" or (fmt == "bshd" and q.shape[0] == 1)
+    return fmt, sbhd, sbhd and all(t.transpose(0, 1).is_contiguous() for t in (q, k, v))
+
+
 def default_scale(scale: Optional[float], head_dim: int) -> bool:
     return scale is None or math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6)
 
 
-__all__ = ["ARCHES", "ARCH_NAMES", "CallFeatures", "Check", "DENSE", "KernelBackend", "ORDER", "Route",
-           "VARLEN", "default_scale", "route", "route_on"]
+__all__ = ["ARCHES", "ARCH_NAMES", "CallFeatures", "Check", "DENSE", "KernelBackend", "LayoutError", "ORDER", "Route",
+           "VARLEN", "default_scale", "infer_qkv_format", "route", "route_on", "storage_features"]

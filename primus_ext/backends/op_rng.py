@@ -8,6 +8,7 @@ replays the recompute under that state and then puts the generator back.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -30,9 +31,9 @@ def rng_snapshot(device: torch.device, dropout_p: float) -> Tensor:
 
 
 @contextlib.contextmanager
-def rng_restored(state: Tensor, device: torch.device):
-    """Run the block under ``state``; the generator is put back afterwards."""
-    if state.numel() == 0:
+def rng_restored(state: Optional[Tensor], device: torch.device):
+    """Run the block under ``state`` (None or empty: nothing to replay); the generator is put back afterwards."""
+    if state is None or state.numel() == 0:
         yield
         return
     devices = [device] if device.type == "cuda" else []

@@ -18,10 +18,12 @@ any device (so the ops work in CPU tests), or Primus-Turbo's entries.
 
 Where the target has a kernel-level pair for the call (`OpTarget.pair`: Primus-Turbo's
 AITER ops, or the reference's blockwise math), the forward op returns that kernel's
-``(out, lse)`` and the backward op hands them back to the kernel-level backward, so
-a compiled step runs attention's forward once.  Otherwise the backward op recomputes
+``(out, lse, rng_state)`` and the backward op hands them back to the kernel-level
+backward, so a compiled step runs attention's forward once.  Otherwise the backward op recomputes
 the forward with autograd; ``rng_state`` is then the generator state captured before
 a forward with dropout, restored for the recompute, so the same dropout mask is used.
+Without dropout it is int64 ``[2]`` in AITER's own format (`kernel_rng`), decided by the
+call's form alone, so the op's fake knows it without asking which kernel runs.
 ``lse`` (``[B, Hq, Sq]`` dense, ``[Hq, T]`` packed, fp32 or float64 for float64
 inputs) is not differentiable.
 """
@@ -44,6 +46,11 @@ NAMESPACE = "primus_ext"
 
 class OpTarget(Protocol):
     """What a handle names: runs one call eagerly, with autograd when asked."""
+
+    def check(self, a: "CallArgs") -> None:
+        """Refuse a call its kernels would fail or compute wrongly (its route on the plan's arch, its
+        storage layout): run by the forward op itself, since a traced graph skips the eager check."""
+        ...
 
     def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
               bias: Optional[Tensor], causal: bool, window: tuple[int, int], scale: Optional[float],
@@ -79,14 +86,23 @@ class CallArgs(NamedTuple):
 class KernelPair(Protocol):
     """A kernel-level forward and its backward for one call, decided from metadata only."""
 
-    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` in the op's layouts."""
+    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor, Tensor]:
+        """``(out, lse, rng_state)`` in the op's layouts; ``rng_state`` as the kernel returns it, with
+        `kernel_rng`'s metadata (AITER's sink path asserts its own CPU int64 ``[2]`` in the backward)."""
         ...
 
-    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        """``(dq, dk, dv, dsink, dalibi, dbias)`` from the forward's ``out`` and ``lse``."""
+        """``(dq, dk, dv, dsink, dalibi, dbias)`` from the forward's ``out``, ``lse`` and ``rng_state``."""
         ...
+
+
+def kernel_rng(a: CallArgs, *, fake: bool = False) -> Tensor:
+    """The forward op's ``rng_state`` of a call without dropout: int64 ``[2]`` as AITER's kernels
+    return it (on the CPU from the dense sink path's Triton forward, on the device from CK), so a
+    kernel pair's own state crosses the graph unchanged; zeros where no kernel gave one."""
+    device = torch.device("cpu") if a.cu_q is None and a.sink is not None else a.q.device
+    return (torch.empty if fake else torch.zeros)(2, dtype=torch.int64, device=device)
 
 
 _TARGETS: dict[int, OpTarget] = {}
@@ -113,8 +129,18 @@ def target(handle: int) -> OpTarget:
 def _pair(handle: int, a: CallArgs) -> Optional[KernelPair]:
     """The target's kernel pair for this call; never with dropout (its rng would have to
     travel through the graph in each kernel's own format)."""
-    find = getattr(_TARGETS[handle], "pair", None)
-    return None if find is None or a.dropout_p > 0.0 else find(a)
+    if a.dropout_p > 0.0:
+        return None
+    find = getattr(_TARGETS.get(handle), "pair", None)
+    return None if find is None else find(a)
+
+
+def _fake_rng(a: CallArgs) -> Tensor:
+    """The forward op's ``rng_state`` output, as metadata (it depends on the call's form alone): the
+    generator state a dropout forward starts from, else `kernel_rng`."""
+    if a.dropout_p > 0:
+        return torch.empty(rng_size(a.q.device), dtype=torch.uint8, device="cpu")
+    return kernel_rng(a, fake=True)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -127,11 +153,12 @@ def _contiguous(t: Tensor) -> Tensor:
 
 def _run_forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
     """The forward ops' body: the kernel pair's forward, or the target's eager call."""
+    target(handle).check(a)
     pair = _pair(handle, a)
     if pair is not None:
-        out, lse = pair.forward(a)
-        return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), rng_snapshot(a.q.device, 0.0)
-    rng = rng_snapshot(a.q.device, a.dropout_p)
+        out, lse, rng = pair.forward(a)
+        return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), rng
+    rng = rng_snapshot(a.q.device, a.dropout_p) if a.dropout_p > 0 else kernel_rng(a)
     with torch.no_grad():
         result = _target_call(handle, a, a.q, a.k, a.v, a.sink, a.alibi, a.bias)
     out, lse = result if a.return_lse else (result, None)
@@ -159,11 +186,11 @@ def _run_backward(handle: int, a: CallArgs, grad_out: Tensor, out: Tensor, lse: 
     like = [a.q, a.k, a.v, a.sink, a.alibi] + ([a.bias] if dense else [])
     pair = _pair(handle, a)
     if pair is not None:
-        dq, dk, dv, dsink, dalibi, dbias = pair.backward(a, grad_out, out, lse)
+        dq, dk, dv, dsink, dalibi, dbias = pair.backward(a, grad_out, out, lse, rng_state)
         grads = [dq, dk, dv, dsink, dalibi] + ([dbias] if dense else [])
         return tuple(_fit(g, t, a.q) for g, t in zip(grads, like))
     leaves = [_leaf(t) for t in like]
-    with _autograd_inside_op(), rng_restored(rng_state, a.q.device):
+    with _autograd_inside_op(), rng_restored(rng_state if a.dropout_p > 0 else None, a.q.device):
         again = _target_call(handle, a, *leaves[:5], leaves[5] if dense else None)
         return tuple(_grads(again[0] if a.return_lse else again, leaves, grad_out, a.q))
 
@@ -230,8 +257,9 @@ def _(q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_rig
     batch, q_len, heads = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty(batch, q_len, heads, v.shape[-1])
     lse = q.new_empty((batch, heads, q_len), dtype=_lse_dtype(q))
-    rng = torch.empty(rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
-    return out, lse, rng
+    a = CallArgs(q, k, v, None, None, q_len, k.shape[1], sink, alibi_slopes, bias, causal,
+                 (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+    return out, lse, _fake_rng(a)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::dense_attention_backward", mutates_args=())
@@ -293,8 +321,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seql
     tokens, heads = q.shape[0], q.shape[1]
     out = q.new_empty(tokens, heads, v.shape[-1])
     lse = q.new_empty((heads, tokens), dtype=_lse_dtype(q))
-    rng = torch.empty(rng_size(q.device) if dropout_p > 0 else 0, dtype=torch.uint8, device="cpu")
-    return out, lse, rng
+    a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
+                 causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+    return out, lse, _fake_rng(a)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=())
@@ -373,5 +402,5 @@ def run_packed(handle: int, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv
 
 FORWARD_OPS = (torch.ops.primus_ext.dense_attention.default, torch.ops.primus_ext.varlen_attention.default)
 
-__all__ = ["CallArgs", "FORWARD_OPS", "KernelPair", "NAMESPACE", "OpTarget", "dense_attention", "register_target", "run_dense",
-           "run_packed", "target", "varlen_attention"]
+__all__ = ["CallArgs", "FORWARD_OPS", "KernelPair", "NAMESPACE", "OpTarget", "dense_attention", "kernel_rng",
+           "register_target", "run_dense", "run_packed", "target", "varlen_attention"]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import blockwise, exact
 from .base import BackendCapabilities, KernelCall, Output, same_tensor
-from .ops import CallArgs
+from .ops import CallArgs, kernel_rng
 
 
 class ReferenceBackend:
@@ -163,13 +163,14 @@ class SdpaCpuPair:
         return (a.q.device.type == "cpu" and call.dropout_p == 0.0 and a.q.shape[-1] == a.v.shape[-1]
                 and a.q.shape[2] == a.k.shape[2])
 
-    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor]:
+    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = (t.transpose(1, 2) for t in (a.q, a.k, a.v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, self.causal,
                                                                                scale=self.scale)
-        return out.transpose(1, 2), lse
+        return out.transpose(1, 2), lse, kernel_rng(a)
 
-    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Any, ...]:
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor
+                 ) -> tuple[Any, ...]:
         q, k, v = (t.transpose(1, 2) for t in (a.q, a.k, a.v))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.transpose(1, 2), q, k, v, out.transpose(1, 2), lse, 0.0, self.causal, scale=self.scale)
@@ -189,13 +190,14 @@ class BlockwisePair:
         return self.backend.packed_layout(self.call.pattern, a.cu_q, a.cu_kv, a.q.shape[0], a.k.shape[0], a.max_q,
                                           a.max_kv)
 
-    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor]:
+    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor, Tensor]:
         one = a.cu_q is not None  # packed: one sequence of T tokens
         q, k, v = (t.unsqueeze(0) if one else t for t in (a.q, a.k, a.v))
         out, lse = blockwise.forward(q, k, v, self._layout(a), scale=a.scale, sink=a.sink, alibi_slopes=a.alibi)
-        return (out[0], lse[0]) if one else (out, lse)
+        return (out[0], lse[0], kernel_rng(a)) if one else (out, lse, kernel_rng(a))
 
-    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Any, ...]:
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor
+                 ) -> tuple[Any, ...]:
         one = a.cu_q is not None
         q, k, v, g, o, l = (t.unsqueeze(0) if one else t for t in (a.q, a.k, a.v, grad_out, out, lse))
         dq, dk, dv, dsink, dslopes = blockwise.backward(g, q, k, v, o, l, self._layout(a), scale=a.scale,

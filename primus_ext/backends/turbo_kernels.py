@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .call_route import CallRoutes
+from .dispatch import infer_qkv_format
 from .ops import CallArgs
 
 FORWARD, BACKWARD = "attention_aiter_forward_impl", "attention_aiter_backward_impl"
@@ -72,11 +73,6 @@ def _pad8(t: Tensor) -> Tensor:
     return F.pad(t, [0, extra]) if extra else t
 
 
-def qkv_format(q: Tensor) -> str:
-    """The storage layout of bshd-shaped q, as the public entry infers it."""
-    return "sbhd" if q.dim() == 4 and q.shape[0] > 1 and q.transpose(0, 1).is_contiguous() else "bshd"
-
-
 class AiterPair:
     """AITER's kernel-level forward and backward for one call (`primus_ext.backends.ops.KernelPair`).
 
@@ -89,35 +85,37 @@ class AiterPair:
     def _scale(self, a: CallArgs) -> float:
         return float(a.scale) if a.scale is not None else a.q.shape[-1] ** -0.5
 
-    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor]:
+    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = _pad8(a.q), _pad8(a.k), _pad8(a.v)
         common = dict(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=self._scale(a), causal=self.causal,
                       window_size_left=self.window[0], window_size_right=self.window[1], bias=a.bias,
                       alibi_slopes=a.alibi, return_lse=True, return_softmax=False)
         if a.cu_q is None:
-            out, lse, _, _ = self.ops[FORWARD](max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], sink=a.sink,
-                                               qkv_format=qkv_format(a.q), **common)
+            out, lse, _, rng = self.ops[FORWARD](max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], sink=a.sink,
+                                                 qkv_format=infer_qkv_format(a.q, a.k, a.v), **common)
         else:
-            out, lse, _, _ = self.ops[VARLEN_FORWARD](cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv,
-                                                      max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv, **common)
-        return out[..., :a.v.shape[-1]], lse
+            out, lse, _, rng = self.ops[VARLEN_FORWARD](cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv,
+                                                        max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv, **common)
+        # rng_state goes to the backward as the kernel gave it: the sink path's Triton backward
+        # asserts a CPU int64 [2] tensor (attention_aiter_impl.py l.290-295).
+        return out[..., :a.v.shape[-1]], lse, rng
 
-    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], None, Optional[Tensor]]:
         q, k, v = _pad8(a.q), _pad8(a.k), _pad8(a.v)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common = dict(dout=_pad8(grad_out), q=q, k=k, v=v, out=_pad8(out), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
                       dropout_p=0.0, softmax_scale=self._scale(a), causal=self.causal,
                       window_size_left=self.window[0], window_size_right=self.window[1], alibi_slopes=a.alibi,
-                      deterministic=a.deterministic, rng_state=None, is_v3_atomic_fp32=IS_V3_ATOMIC_FP32,
+                      deterministic=a.deterministic, rng_state=rng_state, is_v3_atomic_fp32=IS_V3_ATOMIC_FP32,
                       how_v3_bf16_cvt=HOW_V3_BF16_CVT)
         dsink = dbias = None
         if a.cu_q is None:
             # Ours alone: the kernel writes them without declaring it (see the module docstring).
             dsink = torch.zeros(a.sink.shape, dtype=torch.float32, device=a.sink.device) if a.sink is not None else None
             dbias = torch.empty_like(a.bias) if a.bias is not None else None
-            self.ops[BACKWARD](bias=a.bias, dbias=dbias, dsink=dsink, sink=a.sink, qkv_format=qkv_format(a.q),
-                               **common)
+            self.ops[BACKWARD](bias=a.bias, dbias=dbias, dsink=dsink, sink=a.sink,
+                               qkv_format=infer_qkv_format(a.q, a.k, a.v), **common)
         else:
             self.ops[VARLEN_BACKWARD](cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv, max_seqlen_q=a.max_q,
                                       max_seqlen_k=a.max_kv, **common)
@@ -139,4 +137,4 @@ def aiter_pair(kernels: Optional[dict[str, Any]], routes: Optional[CallRoutes], 
 
 
 __all__ = ["AiterPair", "aiter_pair", "BACKWARD", "FORWARD", "HOW_V3_BF16_CVT", "IS_V3_ATOMIC_FP32", "VARLEN_BACKWARD",
-           "VARLEN_FORWARD", "discover", "qkv_format"]
+           "VARLEN_FORWARD", "discover"]

@@ -9,6 +9,9 @@ from ..attention.hook_trace import Assumption
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
 
 
+STORAGE = ("as-given", "contiguous-bshd", "contiguous-sbhd")
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """A frozen, hashable description of one layer's attention.
@@ -51,6 +54,10 @@ class AttentionPlan:
     """The GPU arch the kernel routes were checked for (None: unknown here, not checked)."""
     kernels: Tuple[str, ...] = ()
     """Which Primus-Turbo kernel backend each kind of call reaches on ``arch`` (B33)."""
+    storage: str = "as-given"
+    """How the Megatron modules store dense q/k/v before a Turbo kernel (`STORAGE`): as Megatron
+    gives them (bshd views of sbhd memory, key and value split views), ``contiguous-bshd``
+    (gfx942) or ``contiguous-sbhd`` (gfx950, when FlyDSL takes the layer's dense calls)."""
     hook_assumptions: Tuple[Assumption, ...] = field(default=(), compare=False, repr=False)
     """Values a hook proof relied on (a module global, a captured tensor): re-checked before
     each call that runs the proven pattern instead of the hook."""
@@ -98,4 +105,4 @@ class AttentionPlan:
         return " | ".join(parts)
 
 
-__all__ = ["AttentionPlan"]
+__all__ = ["AttentionPlan", "STORAGE"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-import torch
-
 from ..attention.pattern import Pattern, pattern_from_flash_args
+from ..backends.arch import device_arch, presented
 from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
 from ..errors import Reason
 from .facts import LayerFacts
@@ -23,10 +22,21 @@ def resolve_arch(setting: str) -> Tuple[Optional[str], str]:
     """``(arch, where it came from)``; the arch is None when it cannot be known here."""
     if setting != "auto":
         return setting, f"turbo_arch: {setting}"
-    if getattr(torch.version, "hip", None) and torch.cuda.is_available():
-        name = str(torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName).split(":")[0]
-        return name, f"device gcnArchName {name}"
+    name = device_arch()
+    if name is not None:
+        return name, f"device {'(presented by a test double) ' if presented() else 'gcnArchName '}{name}"
     return None, "no ROCm device and turbo_arch: auto"
+
+
+def arch_reasons(setting: str) -> list[Reason]:
+    """B33: a ``turbo_arch`` naming another arch than the device's would check (and lay out
+    tensors for) kernels other than the ones that run."""
+    device = device_arch()
+    if setting == "auto" or device is None or device == setting:
+        return []
+    return [Reason(("turbo_arch",), f"turbo_arch: {setting}, but this device is {device}; the plan would check "
+                   f"{setting}'s kernel dispatch while {device}'s kernels run.",
+                   f"set turbo_arch: auto (or {device}) on this machine.", "B33")]
 
 
 def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sink: bool,
@@ -94,4 +104,4 @@ def describe_routes(routes: Sequence[Tuple[str, Route]]) -> Tuple[str, ...]:
     return tuple(out)
 
 
-__all__ = ["describe_routes", "layer_routes", "resolve_arch", "route_reasons"]
+__all__ = ["arch_reasons", "describe_routes", "layer_routes", "resolve_arch", "route_reasons"]

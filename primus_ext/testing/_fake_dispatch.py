@@ -4,7 +4,8 @@ With ``fake_primus_turbo(arch="gfx942" | "gfx950")`` the entries ``flash_attn_fu
 ``flash_attn_varlen_func``, ``flex_attention``, ``flex_attention_bshd`` and
 ``flex_attention_varlen`` describe each call as `CallFeatures`, read from the *actual*
 call (q's dtype, the shapes, the normalised window, the sink, dropout, bias, ALiBi,
-``deterministic``, the host boundaries, q's strides) and ask the project's model of the
+``deterministic``, the host boundaries, the storage order and contiguity of q, k and v,
+read from all three as upstream reads them) and ask the project's model of the
 dispatcher (`primus_ext.backends.dispatch.route`, primus_turbo_dispatch.md §1) which
 backend takes it.  Then the fake behaves like real Primus-Turbo:
 
@@ -12,7 +13,7 @@ backend takes it.  Then the fake behaves like real Primus-Turbo:
   FlashAttnDenseDispatcher | FlashAttnVarlenDispatcher with inputs: ...")``;
 * the chosen backend refuses it: what that backend raises (AITER asserts that
   deterministic and sink are not enabled together; its sink head-dim check is a
-  ``ValueError``);
+  ``ValueError``; FlyDSL asserts that q, k and v are contiguous sbhd);
 * the chosen backend has a known silent defect for it (AITER's sink backward ignores the
   window's right bound): the matching fault of `._fake_math` is switched on for that call,
   whatever ``faults`` says, because the real library is silently wrong there and the fake
@@ -34,13 +35,12 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
-from ..backends.dispatch import AITER_DENSE, ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
+from ..backends.dispatch import (AITER_DENSE, ARCHES, DENSE, VARLEN, CallFeatures, LayoutError, Route, default_scale,
+                                 infer_qkv_format, route, storage_features)
 from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 _DISPATCHER = {DENSE: "FlashAttnDenseDispatcher", VARLEN: "FlashAttnVarlenDispatcher"}
-_ASSERTS = tuple(c for c in AITER_DENSE.refuses if "deterministic" in c.text)
-"""Refusals real AITER makes with an ``assert`` (the others are ``ValueError``)."""
 _FAULT_OF_DEFECT = {c.text: SINK_BACKWARD_IGNORES_RIGHT_WINDOW for c in AITER_DENSE.defects}
 """Each known silent defect of the dispatch model -> the `._fake_math` fault reproducing it."""
 
@@ -55,6 +55,15 @@ def dtype_name(t: Tensor) -> str:
 
 def equal_lengths(bounds: Sequence[int]) -> bool:
     return len({y - x for x, y in zip(bounds, bounds[1:])}) <= 1
+
+
+def check_layout(name: str, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Upstream infers one storage layout from all three tensors' strides and asserts on any
+    other (``_infer_qkv_format``, attention_utils.py l.28-83 at a6a16cd), on every arch."""
+    try:
+        infer_qkv_format(q, k, v)
+    except LayoutError as exc:
+        raise AssertionError(f"{name}: {exc}") from None
 
 
 def check_arch(arch: Optional[str]) -> Optional[str]:
@@ -77,8 +86,9 @@ class Dispatcher:
         if pattern.documents:  # a flex documents mask: the flex layer hands it to the varlen kernel
             bounds = pattern.at_length(q.shape[1]).boundaries or (0, q.shape[1])
             return self._run(self._features(VARLEN, a, q, k, v, pattern, scale, equal_documents=equal_lengths(bounds)))
-        sbhd = q.shape[0] == 1 or q.transpose(0, 1).is_contiguous()
-        return self._run(self._features(DENSE, a, q, k, v, pattern, scale, sbhd_storage=sbhd))
+        _, sbhd, contiguous = storage_features(q, k, v)
+        return self._run(self._features(DENSE, a, q, k, v, pattern, scale, sbhd_storage=sbhd,
+                                        contiguous_sbhd=contiguous))
 
     def varlen(self, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
                scale: Optional[float], bounds_q: Sequence[int], bounds_k: Sequence[int]) -> frozenset[str]:
@@ -100,11 +110,10 @@ class Dispatcher:
 
     def _run(self, features: CallFeatures) -> frozenset[str]:
         found = route(features)
-        faults = faults_of(found)
-        assert found.backend is not None
-        self.last = found.backend
-        self.on_backend(found.backend)
-        return faults
+        if found.backend is not None:  # recorded before a refusal: the backend took the call, then failed it
+            self.last = found.backend
+            self.on_backend(found.backend)
+        return faults_of(found)
 
 
 def describe(features: CallFeatures) -> str:
@@ -130,12 +139,10 @@ def raise_refusal(found: Route) -> None:
                          f"{describe(found.features)} (fake Primus-Turbo, {reasons})")
     if not found.failure:
         return
-    refused = found.blocking[0] if found.blocking else None
-    if refused in _ASSERTS:
-        raise AssertionError(f"deterministic and sink cannot be enabled together ({found.backend}, "
-                             f"fake Primus-Turbo on {found.features.arch})")
-    raise ValueError(f"{found.backend}: {found.failure} (fake Primus-Turbo on {found.features.arch})")
+    kind, message = found.blocking[0].raises if found.blocking else ("ValueError", "")
+    error = AssertionError if kind == "AssertionError" else ValueError
+    raise error(f"{message or found.failure} ({found.backend}, fake Primus-Turbo on {found.features.arch})")
 
 
-__all__ = ["DISPATCHED", "Dispatcher", "check_arch", "describe", "dtype_name", "equal_lengths", "faults_of",
+__all__ = ["DISPATCHED", "Dispatcher", "check_arch", "check_layout", "describe", "dtype_name", "equal_lengths", "faults_of",
            "raise_refusal"]

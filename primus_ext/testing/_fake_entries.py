@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..attention.pattern import FULL, pattern_from_flash_args
 from . import _fake_math
+from ._fake_dispatch import check_layout
 from ._fake_masks import MaskClassifier, score_mod_is_identity
 
 if TYPE_CHECKING:
@@ -122,10 +123,13 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
     faults = _fake_math.check_faults(faults)
 
     def body(a: Args, _classify: MaskClassifier) -> Any:
+        if fp8:  # accepted and never passed on to the kernel, as upstream (flash_attn_interface.py l.505-565)
+            a = dict(a, deterministic=False)
         q, k, v = a["q"], a["k"], a["v"]
         _check_dims(name, (q, k, v), 4, "bshd [B, S, H, D]")
         if a.get("qkv_format") not in (None, "bshd"):
             raise NotImplementedError(f"{name}: the fake only models qkv_format='bshd'")
+        check_layout(name, q, k, v)
         _, q_len, hq, d_qk = q.shape
         kv_len, hkv, d_v = k.shape[1], k.shape[2], v.shape[3]
         _check_heads(name, hq, hkv)
@@ -139,6 +143,7 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
         pattern = pattern_from_flash_args(bool(a["causal"]), window)  # type: ignore[arg-type]
         extra = dispatch.dense(a, q, k, v, pattern, a["softmax_scale"]) if dispatch else frozenset()
         _check_sink(name, a.get("sink"), hq, d_qk, d_v)
+        _fake_math.check_alibi_modelled(a["alibi_slopes"], a.get("sink"), name)
         return _fake_math.attention(
             q, k, v, window=pattern, scale=a["softmax_scale"], alibi_slopes=a["alibi_slopes"],
             bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
@@ -166,6 +171,7 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
     pattern = pattern_from_flash_args(causal, window)
     extra = dispatch.varlen(a, q, k, v, pattern, scale, bq, bk) if dispatch else frozenset()
     _check_sink(name, a.get("sink"), hq, d_qk, d_v)
+    _fake_math.check_alibi_modelled(a["alibi_slopes"], a.get("sink"), name)
     # Each segment pair is one problem, its window aligned bottom-right inside the pair;
     # lse comes back as [Hq, T], the flash-attn varlen layout (AITER).
     result = _fake_math.varlen_attention(

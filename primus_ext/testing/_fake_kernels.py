@@ -61,6 +61,7 @@ def _aiter(fake: Any, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool,
            sink: Optional[Tensor], bias: Optional[Tensor], alibi: Optional[Tensor], deterministic: bool,
            scale: float) -> frozenset[str]:
     """AITER's own checks on the fake's arch; the faults of its known defects."""
+    _fake_math.check_alibi_modelled(alibi, sink, "fake attention_aiter_*_impl")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[-1] % 8:
             raise RuntimeError(f"AITER kernel: {name} head dim {t.shape[-1]} is not padded to a multiple of 8")
@@ -78,6 +79,18 @@ def _aiter(fake: Any, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool,
         why = "; ".join(c.text for c in backend.takes if not c.ok(features))
         raise ValueError(f"AttnFwdAiterBackend cannot handle the given inputs: {why} (fake Primus-Turbo on {arch})")
     return faults_of(found)
+
+
+def _rng_state(q: Tensor, sink: Optional[Tensor]) -> Tensor:
+    """The forward's fourth output: with a sink the Triton forward's ``[philox_seed, philox_offset]``
+    on the CPU (attention_aiter_impl.py l.195), else CK's int64 ``[2]`` on the device."""
+    if sink is not None:
+        return torch.tensor([0, 0], dtype=torch.int64, device="cpu")
+    return torch.zeros(2, dtype=torch.int64, device=q.device)
+
+
+def _described(t: Any) -> str:
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else repr(t)
 
 
 def _alloc_like_format(shape: tuple[int, ...], fmt: str, like: Tensor) -> Tensor:
@@ -114,7 +127,7 @@ def _register() -> None:
             q, k, v, window=pattern_from_flash_args(causal, window),
             scale=softmax_scale, alibi_slopes=alibi_slopes, bias=bias, sink=sink, faults=faults)
         stored.copy_(out)
-        return stored, lse, q.new_empty(0), torch.empty(2, dtype=torch.int64, device=q.device)
+        return stored, lse, q.new_empty(0), _rng_state(q, sink)
 
     @torch.library.custom_op("primus_turbo::attention_aiter_backward_impl", mutates_args=("dq", "dk", "dv"))
     def backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
@@ -125,6 +138,11 @@ def _register() -> None:
                       dsink: Optional[Tensor] = None, sink: Optional[Tensor] = None,
                       qkv_format: Optional[str] = "bshd") -> None:
         fake = _fake("attention_aiter_backward_impl", dict(locals()))
+        if sink is not None and not (isinstance(rng_state, Tensor) and rng_state.device.type == "cpu"
+                                     and rng_state.dtype == torch.int64 and tuple(rng_state.shape) == (2,)):
+            # The sink path's Triton backward (attention_aiter_impl.py l.290-295 at a6a16cd).
+            raise AssertionError("Triton backward requires rng_state to be a CPU int64 tensor of shape [2] "
+                                 f"(got {_described(rng_state)}; fake attention_aiter_backward_impl)")
         window = (window_size_left, window_size_right)
         faults = _aiter(fake, DENSE, q, k, v, causal, window, sink, bias, alibi_slopes, deterministic, softmax_scale)
         g = _fake_math.kernel_backward(dout, q, k, v, out, softmax_lse, window=pattern_from_flash_args(causal, window),
@@ -153,13 +171,12 @@ def _register() -> None:
         for (q0, q1), (k0, k1) in _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
             out, lse = _fake_math.kernel_forward(
                 q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], window=pattern_from_flash_args(causal, window),
-                scale=softmax_scale, alibi_slopes=alibi_slopes, bias=None, sink=None, faults=faults,
-                alibi_shift=k0 - q0)
+                scale=softmax_scale, alibi_slopes=alibi_slopes, bias=None, sink=None, faults=faults)
             outs.append(out[0])
             lses.append(lse[0])
         out = torch.cat(outs) if outs else q.new_empty(0, q.shape[1], v.shape[2])
         lse = torch.cat(lses, dim=1) if lses else q.new_empty(q.shape[1], 0, dtype=torch.float32)
-        return out, lse, q.new_empty(0), torch.empty(2, dtype=torch.int64, device=q.device)
+        return out, lse, q.new_empty(0), _rng_state(q, None)
 
     @torch.library.custom_op("primus_turbo::attention_aiter_varlen_backward_impl", mutates_args=("dq", "dk", "dv"))
     def varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
@@ -177,7 +194,7 @@ def _register() -> None:
             g = _fake_math.kernel_backward(
                 dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                 softmax_lse[None, :, q0:q1], window=pattern_from_flash_args(causal, window), scale=softmax_scale,
-                alibi_slopes=alibi_slopes, bias=None, sink=None, faults=faults, alibi_shift=k0 - q0)
+                alibi_slopes=alibi_slopes, bias=None, sink=None, faults=faults)
             dq[q0:q1] = g[0][0]
             dk[k0:k1] = g[1][0]
             dv[k0:k1] = g[2][0]

@@ -19,7 +19,9 @@ The algorithm is the flash-attention one, run on CPU tensors:
 
 Conventions kept from the fake's contract: a window is a flash-convention `Pattern`
 whose query ``i`` sits at key ``i + Skv - Sq`` (bottom-right, per document for thd);
-ALiBi adds ``slope[h] * (kv - q)`` on raw token indices (the packed ones for thd); GQA
+ALiBi is CK's (`_alibi_distance`: ``+slope[h] * kv`` on a plain causal mask, the symmetric
+``-slope[h] * |q - kv|``, bottom-right aligned, on every other; positions inside each
+document for thd); GQA
 query head ``h`` reads key/value head ``h // (Hq // Hkv)``; a row with nothing allowed
 gives zeros (``lse = -inf`` without a sink).  Dropout (``p > 0``) takes a simple path
 instead: whole-row softmax, ``torch.nn.functional.dropout`` on the probabilities and
@@ -54,6 +56,14 @@ FAULTS = frozenset({SINK_BACKWARD_IGNORES_RIGHT_WINDOW})
 _NEG_INF = float("-inf")
 
 
+def check_alibi_modelled(slopes: Optional[Tensor], sink: Optional[Tensor], where: str) -> None:
+    """ALiBi with a sink runs AITER's Triton kernels, whose ALiBi formula is not read: the fake
+    refuses to guess it (a guess could be kinder than the real kernel)."""
+    if slopes is not None and sink is not None:
+        raise NotImplementedError(f"{where}: ALiBi with a sink runs AITER's Triton kernels, whose ALiBi formula "
+                                  "the fake does not model")
+
+
 def check_faults(faults: Iterable[str]) -> frozenset[str]:
     """``faults`` as a frozenset, refusing names the fake does not model."""
     chosen = frozenset(faults)
@@ -70,7 +80,6 @@ class _Spec:
     window: Pattern        # forward mask
     backward_window: Pattern  # mask the backward recomputes with (differs only under a fault)
     q_shift: int           # query i sits at key i + q_shift for the mask
-    alibi_shift: int       # ALiBi distance is (kv - q) + alibi_shift
     scale: float
     block: int
 
@@ -93,6 +102,24 @@ def _positions(q_len: int, j0: int, n: int, device: torch.device) -> tuple[Tenso
             torch.arange(j0, j0 + n, device=device).view(1, n))
 
 
+def _alibi_distance(q_pos: Tensor, kv_pos: Tensor, spec: _Spec) -> Tensor:
+    """What CK's fmha kernels (AITER's ALiBi path) multiply each slope by, from
+    ``block_position_encoding.hpp`` (ROCm/composable_kernel, upstream_facts.md §8):
+
+    * a plain causal mask (left unbounded, right bound 0) is ``AlibiMode::VERTICAL``: ``+kv``,
+      a per-row constant away from ``kv - q`` (equal after the softmax, not in the lse);
+    * any other mask, and no mask, ``FROM_BOTTOM_RIGHT``: ``-|q + max(Skv - Sq, 0) - kv -
+      max(Sq - Skv, 0)|``, symmetric, so keys right of the diagonal are penalised too.
+
+    Positions are those inside the sequence (each document's own, for varlen).
+    """
+    window = spec.window
+    if window.left < 0 and window.right == 0:
+        return kv_pos.expand(q_pos.shape[0], kv_pos.shape[1])
+    shift = spec.q_shift  # Skv - Sq
+    return -(q_pos + max(shift, 0) - kv_pos - max(-shift, 0)).abs()
+
+
 def _scores(qg: Tensor, kb: Tensor, j0: int, spec: _Spec, window: Pattern,
             slopes: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
     """Scores of all queries against keys ``j0 .. j0 + n``: ``[B, Hkv, G, Sq, n]``."""
@@ -100,7 +127,7 @@ def _scores(qg: Tensor, kb: Tensor, j0: int, spec: _Spec, window: Pattern,
     s = torch.matmul(qg, kb.transpose(-1, -2)) * spec.scale
     q_pos, kv_pos = _positions(qg.shape[-2], j0, n, qg.device)
     if slopes is not None:
-        s = s + slopes * (kv_pos - q_pos + spec.alibi_shift).to(s.dtype)
+        s = s + slopes * _alibi_distance(q_pos, kv_pos, spec).to(s.dtype)
     if bias is not None:
         s = s + bias[:, j0:j0 + n]
     if not _unbounded(window):
@@ -164,7 +191,7 @@ def _backward(d_out: Tensor, qg: Tensor, kh: Tensor, vh: Tensor, out: Tensor, ls
             d_bias[:, j0:j0 + n] = d_s.sum((0, 1, 2))
         if d_slopes is not None:
             q_pos, kv_pos = _positions(qg.shape[-2], j0, n, qg.device)
-            dist = (kv_pos - q_pos + spec.alibi_shift).to(d_s.dtype)
+            dist = _alibi_distance(q_pos, kv_pos, spec).to(d_s.dtype)
             d_slopes = d_slopes + (d_s * dist).sum((0, 3, 4))
     d_k = torch.cat(d_ks, dim=2) if d_ks else torch.zeros_like(kh.squeeze(2))  # Skv == 0
     d_v = torch.cat(d_vs, dim=2) if d_vs else torch.zeros_like(vh.squeeze(2))
@@ -253,14 +280,14 @@ def _run(q: Tensor, k: Tensor, v: Tensor, spec: _Spec, sink: Optional[Tensor],
     return _Blockwise.apply(q, k, v, sink, slopes, bias, spec)
 
 
-def _spec(window: Pattern, q_len: int, kv_len: int, alibi_shift: int, scale: Optional[float],
+def _spec(window: Pattern, q_len: int, kv_len: int, scale: Optional[float],
           head_dim: int, block: int, sink: Optional[Tensor], faults: frozenset[str]) -> _Spec:
     backward_window = window
     if SINK_BACKWARD_IGNORES_RIGHT_WINDOW in faults and sink is not None and window.right > 0:
         backward_window = dataclasses.replace(window, right=-1)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
-    return _Spec(window, backward_window, kv_len - q_len, alibi_shift,
+    return _Spec(window, backward_window, kv_len - q_len,
                  head_dim ** -0.5 if scale is None else float(scale), int(block))
 
 
@@ -274,7 +301,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, window: Pattern = FULL, scale:
     Returns ``out [B, Sq, Hq, Dv]`` in q's dtype (a view of a bhsd-dense tensor, as the
     fake always returned it), or ``(out, lse [B, Hq, Sq] fp32)``.
     """
-    spec = _spec(window, q.shape[1], k.shape[1], 0, scale, q.shape[-1], block, sink,
+    spec = _spec(window, q.shape[1], k.shape[1], scale, q.shape[-1], block, sink,
                  check_faults(faults))
     out, lse = _run(q, k, v, spec, sink, alibi_slopes, bias, float(dropout_p))
     out = out.transpose(1, 2)
@@ -296,7 +323,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, bounds_q: Sequence[int], b
     chosen = check_faults(faults)
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
-        spec = _spec(window, q1 - q0, k1 - k0, k0 - q0, scale, q.shape[-1], block, sink, chosen)
+        spec = _spec(window, q1 - q0, k1 - k0, scale, q.shape[-1], block, sink, chosen)
         out, lse = _run(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], spec, sink, alibi_slopes,
                         None, float(dropout_p))
         outs.append(out[0])
@@ -307,10 +334,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, bounds_q: Sequence[int], b
 
 def kernel_forward(q: Tensor, k: Tensor, v: Tensor, *, window: Pattern, scale: Optional[float],
                    alibi_slopes: Optional[Tensor], bias: Optional[Tensor], sink: Optional[Tensor],
-                   faults: Iterable[str] = (), alibi_shift: int = 0) -> tuple[Tensor, Tensor]:
+                   faults: Iterable[str] = ()) -> tuple[Tensor, Tensor]:
     """The kernel-level dense forward: ``(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)``,
     ``window`` bottom-right; no dropout (the ops bound by primus_ext never pass one)."""
-    spec = _spec(window, q.shape[1], k.shape[1], alibi_shift, scale, q.shape[-1], BLOCK_KV, sink, check_faults(faults))
+    spec = _spec(window, q.shape[1], k.shape[1], scale, q.shape[-1], BLOCK_KV, sink, check_faults(faults))
     with torch.no_grad():
         out, lse = _forward_bshd(q, k, v, spec, sink, alibi_slopes, bias)
     return out.flatten(1, 2).transpose(1, 2).to(q.dtype), lse.flatten(1, 2).float()
@@ -318,12 +345,11 @@ def kernel_forward(q: Tensor, k: Tensor, v: Tensor, *, window: Pattern, scale: O
 
 def kernel_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, window: Pattern,
                     scale: Optional[float], alibi_slopes: Optional[Tensor], bias: Optional[Tensor],
-                    sink: Optional[Tensor], faults: Iterable[str] = (),
-                    alibi_shift: int = 0) -> tuple[Tensor, Tensor, Tensor,
-                                                                                 Optional[Tensor], Optional[Tensor]]:
+                    sink: Optional[Tensor], faults: Iterable[str] = ()
+                    ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """The kernel-level dense backward from the forward's ``out`` and ``lse``:
     ``(dq, dk, dv, dsink fp32 or None, dbias or None)``, the known faults applied."""
-    spec = _spec(window, q.shape[1], k.shape[1], alibi_shift, scale, q.shape[-1], BLOCK_KV, sink, check_faults(faults))
+    spec = _spec(window, q.shape[1], k.shape[1], scale, q.shape[-1], BLOCK_KV, sink, check_faults(faults))
     lse_g = lse.unflatten(1, (k.shape[2], -1)).to(torch.promote_types(q.dtype, torch.float32))
     with torch.no_grad():
         d_q, d_k, d_v, d_sink, _, d_bias = _backward_bshd(
@@ -333,5 +359,5 @@ def kernel_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             None if d_bias is None else d_bias.to(bias.dtype))  # type: ignore[union-attr]
 
 
-__all__ = ["BLOCK_KV", "FAULTS", "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_faults",
+__all__ = ["BLOCK_KV", "FAULTS", "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_alibi_modelled", "check_faults",
            "kernel_backward", "kernel_forward", "varlen_attention"]

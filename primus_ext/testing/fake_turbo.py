@@ -32,8 +32,10 @@ show that the project would notice one.
 
 ``arch`` ("gfx942" | "gfx950") models Primus-Turbo's per-arch kernel dispatch
 (`._fake_dispatch`): calls no backend takes raise as on the GPU, and a backend's known
-silent defect is reproduced whether or not ``faults`` asks for it.  Left None, nothing
-about kernel backends is modelled (so float64 inputs keep working).
+silent defect is reproduced whether or not ``faults`` asks for it.  The arch is also
+presented as the device's (`primus_ext.backends.arch`), so ``turbo_arch: auto`` plans
+for it as it would on that GPU.  Left None, nothing about kernel backends is modelled
+(so float64 inputs keep working).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from ..backends.arch import presenting
 from . import _fake_kernels
 from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
@@ -162,8 +165,9 @@ class Call:
     entry: str
     args: dict[str, Any]
     backend: Optional[str] = None
-    """The kernel backend that ran the call (FlyDSL, AITER, HipKittens); None when no arch is
-    set, for entries that are not dispatched (fp8, usp), and for calls that raised first."""
+    """The kernel backend that took the call (FlyDSL, AITER, HipKittens), also when it then
+    refused it; None when no arch is set, for entries that are not dispatched (fp8, usp), for
+    calls no backend takes, and for calls that raised before the dispatch."""
 
 
 class FakeTurbo:
@@ -325,7 +329,8 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     sys.modules.update(fake.install())
     _fake_kernels.activate(fake)
     try:
-        yield fake
+        with presenting(fake.options.arch):  # what `turbo_arch: auto` reads on that device
+            yield fake
     finally:
         _fake_kernels.deactivate(fake)
         for key in [k for k in sys.modules if _owned(k)]:

@@ -64,11 +64,16 @@ def counted(fake: Any) -> Counter:
     return Counter(c.entry for c in fake.calls)
 
 
+RNG_STATES: list = []
+"""The ``rng_state`` each recorded AITER backward call got, from the latest `run`."""
+
+
 def run(path: str, arch: Optional[str], compiled: bool) -> tuple[Counter, Any]:
     with fake_primus_turbo(build="main", arch=arch) as fake:
         model = model_on(PATHS[path], arch, torch.bfloat16)
         fn = torch.compile(model, backend="aot_eager") if compiled else model
         result = steps(model, fn)
+        RNG_STATES[:] = [c.args["rng_state"] for c in fake.calls_to("attention_aiter_backward_impl")]
         return counted(fake), result
 
 
@@ -83,6 +88,10 @@ def test_compiled_step_runs_one_attention_forward_per_layer_and_micro_batch(path
     assert forwards == LAYERS * MICRO_BATCHES, calls
     assert calls == {"attention_aiter_forward_impl": LAYERS * MICRO_BATCHES,
                      "attention_aiter_backward_impl": LAYERS * MICRO_BATCHES}, calls
+    # The sink path's Triton backward asserts the forward's own rng_state: CPU int64 [2]
+    # (upstream_facts.md §1), handed from the forward op to the backward op through the graph.
+    assert RNG_STATES and all(isinstance(r, torch.Tensor) and r.device.type == "cpu" and r.dtype == torch.int64
+                              and tuple(r.shape) == (2,) for r in RNG_STATES), RNG_STATES
 
     # The same kernel math from the same saved (bf16) output, as a flash kernel saves it:
     # compiled equals eager exactly.

@@ -106,12 +106,13 @@ def forward_args(case: Case, handle: int, packed: bool, q, k, v, sink, dropout_p
 
 
 def backward_args(case: Case, handle: int, packed: bool, grad_out, q, k, v, sink) -> tuple:
-    """The backward op's arguments, with the ``out`` and ``lse`` of a real forward op call."""
-    out, lse, _ = forward_op(packed)(*forward_args(case, handle, packed, q, k, v, sink, lse=False))
+    """The backward op's arguments, with the ``out``, ``lse`` and ``rng_state`` of a real forward op
+    call (a kernel pair's backward gets the forward's own rng_state, as in a graph)."""
+    out, lse, rng = forward_op(packed)(*forward_args(case, handle, packed, q, k, v, sink, lse=False))
     tail = (case.causal, *case.window, case.scale, 0.0, False, False)
     if packed:
-        return (grad_out, q, k, v, out, lse, cu(), cu(), sink, None, NO_RNG, handle, LONGEST, LONGEST) + tail
-    return (grad_out, q, k, v, out, lse, sink, None, None, NO_RNG, handle) + tail
+        return (grad_out, q, k, v, out, lse, cu(), cu(), sink, None, rng, handle, LONGEST, LONGEST) + tail
+    return (grad_out, q, k, v, out, lse, sink, None, None, rng, handle) + tail
 
 
 def forward_op(packed: bool):
@@ -185,8 +186,14 @@ def test_fake_implementations_answer_from_input_shapes_only():
         assert (rng.shape, rng.dtype) == ((rng_numel,), torch.uint8)
         out, lse, rng = OPS.dense_attention(q, k, v, None, None, None, UNREGISTERED, True, -1, -1, None, 0.0,
                                             False, False)
-        # lse is always there: a kernel pair's backward needs it even when the caller does not
-        assert out.shape == (3, 10, 4, 16) and lse.shape == (3, 4, 10) and rng.shape == (0,)
+        # lse is always there: a kernel pair's backward needs it even when the caller does not; without
+        # dropout rng_state is AITER's int64 [2], on the device (CK) without a sink ...
+        assert out.shape == (3, 10, 4, 16) and lse.shape == (3, 4, 10)
+        assert (rng.shape, rng.dtype, rng.device) == ((2,), torch.int64, q.device)
+        # ... and on the CPU with one (the Triton sink kernels' [philox_seed, philox_offset])
+        rng_sink = OPS.dense_attention(q, k, v, sink, None, None, UNREGISTERED, True, -1, -1, None, 0.0, False,
+                                       False)[2]
+        assert (rng_sink.shape, rng_sink.dtype, rng_sink.device.type) == ((2,), torch.int64, "cpu")
         grads = OPS.dense_attention_backward(out, q, k, v, out, lse, sink, None, None, rng, UNREGISTERED, True, 3,
                                              0, None, 0.0, False, False)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, sink.shape, (0,), (0,)]

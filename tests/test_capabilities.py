@@ -19,6 +19,7 @@ from primus_ext.testing import fake_primus_turbo
 DOC = Path(__file__).resolve().parent.parent / "docs" / "capabilities.md"
 SEQ = 256
 MASKS = "primus_ext.attention.masks:"
+NO_MASK = {"causal": False, "attn_mask_type": "no_mask"}
 
 
 def table() -> dict[str, list[str]]:
@@ -53,6 +54,13 @@ ROWS = {
                                     "turbo_flex_attention_mask_mod_kwargs": {"chunk_size": 16}}, hook=True),
     "ALiBi as a score hook": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:alibi"}, hook=True),
     "logit softcap": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:softcap"}, hook=True),
+    "ALiBi score hook, full attention": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:alibi"},
+                                            facts=NO_MASK, hook=True),
+    "ALiBi score hook + learned sinks": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:alibi",
+                                             "use_sink_attention": True}, hook=True),
+    "fp8 + deterministic": Row({"enable_turbo_attention_float8": True, "deterministic_mode": True}),
+    "context parallel, non-causal": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a", **NO_MASK}),
+    "two-sided window on a causal layer": Row(facts={"window_size": (4, 4)}),
     "learned sinks": Row({"use_sink_attention": True}),
     "learned sinks + fp8": Row({"use_sink_attention": True, "enable_turbo_attention_float8": True}),
     "fp8": Row({"enable_turbo_attention_float8": True}),

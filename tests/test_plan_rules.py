@@ -92,7 +92,7 @@ def test_direct_path_without_primus_turbo_is_refused():
 def test_direct_entries_follow_fp8_and_context_parallel(fp8, cp, dense, packed):
     with fake_primus_turbo():
         plan = build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=fp8),
-                          facts(context_parallel_size=cp, cp_comm_type="a2a"))
+                          facts(context_parallel_size=cp, cp_comm_type="a2a", causal=False, attn_mask_type="no_mask"))
     assert (plan.dense_entry, plan.packed_entry) == (dense, packed)
 
 
@@ -222,3 +222,29 @@ def test_user_window_wider_than_any_build_length_is_proven_at_its_width(tmp_path
         q, k, v = qkv(s=64)
         torch.testing.assert_close(run(q, k, v), oracle.attention(q, k, v, oracle.window(40, 0)),
                                    atol=1e-10, rtol=1e-10)
+
+
+def test_fp8_with_deterministic_mode_is_refused_because_the_fp8_entries_drop_it():
+    """flash_attn_fp8_func and flash_attn_fp8_usp_func take `deterministic` and never pass it to their
+    kernel (upstream, with file and line in the reason): the backward would not be deterministic."""
+    layer = facts(causal=False, attn_mask_type="no_mask")
+    for cp in (1, 2):
+        with fake_primus_turbo():
+            err = refused(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True,
+                                   deterministic_mode=True), facts(context_parallel_size=cp, cp_comm_type="a2a",
+                                                                   causal=False, attn_mask_type="no_mask"))
+        assert "B24-fp8" in err.codes and "flash_attn_interface.py l.505-565" in str(err)
+    with fake_primus_turbo():  # either switch alone still builds
+        build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True), layer)
+        build_plan(settings(use_turbo_flex_attention=False, deterministic_mode=True), layer)
+
+
+def test_packed_sequences_is_the_layers_packing_on_every_reader():
+    assert build_plan(settings(packed_sequences=True), facts()).packed is True
+    assert build_plan(settings(packed_sequences=False), facts()).packed is False
+    assert build_plan(settings(), facts(packed=True)).packed is True
+    err = refused(settings(packed_sequences=False), facts(packed=True))
+    assert "packed_sequences" in err.settings and "two sources" in str(err)
+    # reset_attention_mask runs as EOD documents once the batches are declared packed (B25)
+    assert build_plan(settings(reset_attention_mask=True, packed_sequences=True), facts()).eod_documents
+    assert "B25" in refused(settings(reset_attention_mask=True), facts()).codes

@@ -16,9 +16,9 @@ from torch import Tensor
 
 from ..backends.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
-from ..backends.call_checks import check_heads, check_packed, check_qkv
+from ..backends.call_checks import check_heads, check_packed, check_packing, check_qkv
 from ..backends.direct import DirectRunner, DirectTarget, choose_direct, context_parallel_groups
-from ..backends.ops import register_target, run_dense, run_packed
+from ..backends.ops import CallArgs, register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
@@ -27,17 +27,6 @@ from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
 from .call_contract import MaskCheck, qkv_format, refuse as _contract_refusal
 from .facts import layer_facts
-
-
-def needs_contiguous_bshd(device: Optional[torch.device] = None) -> bool:
-    """True on gfx942, whose flash backward mishandles the strided sbhd->bshd view.
-
-    Read once at construction so that a compiled region sees a constant.
-    """
-    if torch.version.hip is None or not torch.cuda.is_available():
-        return False
-    arch = getattr(torch.cuda.get_device_properties(device or torch.cuda.current_device()), "gcnArchName", "")
-    return str(arch).startswith("gfx942")
 
 
 def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
@@ -100,7 +89,7 @@ class TurboAttentionCore:
                                     pattern.describe() if pattern is not None else f"the hook {self.plan.mask_hook}")
         if selftest_enabled(self.settings.turbo_selftest):
             refuse_failures(self_test([self.plan]), self.facts.layer_number)
-        self.contiguous = needs_contiguous_bshd()
+        self.storage = self.plan.storage  # a constant per layer, as a compiled region needs
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None
         if self.plan.flex:
@@ -110,7 +99,8 @@ class TurboAttentionCore:
                                     context_parallel=self.facts.context_parallel_size > 1)
             groups_kw = cp_group_kwargs(cp_comm_type, pg_collection, self.facts.context_parallel_size)
             self.runner = DirectRunner(load_ops(), entries, groups_kw)
-            self.handle = register_target(DirectTarget(self.runner, self.plan.arch), owner=self)
+            self.direct = DirectTarget(self.runner, self.plan.arch)
+            self.handle = register_target(self.direct, owner=self)
 
     @property
     def local_heads(self) -> int:
@@ -150,6 +140,12 @@ class TurboAttentionCore:
             ref = getattr(packed_seq_params, plain)
             if pad is None or pad is ref:
                 continue
+            if not isinstance(pad, Tensor) or not isinstance(ref, Tensor):
+                bad = padded if not isinstance(pad, Tensor) else plain
+                kind = type(getattr(packed_seq_params, bad)).__name__
+                raise _contract_refusal((bad,), f"packed_seq_params.{bad} is a {kind}, not a tensor; the boundaries "
+                                        "could not be checked or passed on.",
+                                        "pass int32 tensors, as megatron-core's PackedSeqParams holds them.")
             why = (f"{padded} differ from {plain}; the kernel takes one pair of boundaries, so "
                    "per-sequence padding would be attended as tokens.")
             if pad.shape == ref.shape and torch.compiler.is_compiling():
@@ -170,6 +166,7 @@ class TurboAttentionCore:
         check_heads(query, key, self.facts.num_heads, self.facts.kv_heads)
         fmt = qkv_format(packed_seq_params, self.default_qkv_format)
         packed = self._packing(packed_seq_params, fmt)
+        check_packing(self.plan.packed, packed is not None, self.plan.eod_documents)
         dropout_p = self.dropout if training else 0.0  # B30
         plan = self.plan
         if plan.sink and sink is None:
@@ -192,23 +189,40 @@ class TurboAttentionCore:
             out = self._packed(q, k, v, packed, dropout_p, causal, window, sink)
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
-        q, k, v = (t.transpose(0, 1) for t in (query, key, value)) if fmt == "sbhd" else (query, key, value)
-        if self.contiguous:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if self.adapter is not None:
-            out = self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
-                               deterministic=plan.deterministic)
+        if fmt == "sbhd":
+            if self.storage == "contiguous-sbhd":  # FlyDSL's layout; a no-op for tensors already so
+                query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            q_bshd, k_bshd, v_bshd = (t.transpose(0, 1) for t in (query, key, value))
         else:
-            out = run_dense(self.handle, q, k, v, fp32_sink(sink), None, None, causal, window, plan.scale,
-                            dropout_p, plan.deterministic, False)
-        out = out.transpose(0, 1) if fmt == "sbhd" else out
+            q_bshd, k_bshd, v_bshd = query, key, value
+        if self.storage == "contiguous-bshd":
+            q_bshd, k_bshd, v_bshd = q_bshd.contiguous(), k_bshd.contiguous(), v_bshd.contiguous()
+        if self.adapter is not None:
+            out_bshd = self.adapter(q_bshd, k_bshd, v_bshd, dropout_p=dropout_p, causal=causal, window_size=window,
+                                    sink=sink, deterministic=plan.deterministic)
+        else:
+            sink32 = fp32_sink(sink)
+            self.direct.check(CallArgs(q_bshd, k_bshd, v_bshd, None, None, q_bshd.shape[1], k_bshd.shape[1], sink32,
+                                       None, None, causal, window, plan.scale, dropout_p, plan.deterministic))
+            out_bshd = run_dense(self.handle, q_bshd, k_bshd, v_bshd, sink32, None, None, causal, window, plan.scale,
+                                 dropout_p, plan.deterministic, False)
+        out = out_bshd.transpose(0, 1) if fmt == "sbhd" else out_bshd
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _check_lengths(self, q_len: int, kv_len: int) -> None:
         """Megatron's ``causal`` is top-left, ``causal_bottom_right`` bottom-right; flash kernels
         align bottom-right and a mask_mod top-left, so with q_len != kv_len only the path
         that computes the requested alignment runs."""
-        if q_len == kv_len or not self.plan.causal:
+        if q_len == kv_len:
+            return
+        if not self.plan.causal:
+            if self.plan.flex and self.plan.mask_mod is None and self.plan.window != (-1, -1):
+                raise _contract_refusal(("window_size", "use_turbo_flex_attention"),
+                                        f"window_size={self.plan.window} on a non-causal layer with q_len={q_len} != "
+                                        f"kv_len={kv_len}: megatron-core (and the direct path's flash kernels) align "
+                                        "the window bottom-right, the flex path top-left (FlexAttention's convention).",
+                                        "use_turbo_flex_attention: false, whose flash kernels align it as "
+                                        "megatron-core does, or equal q and kv lengths.")
             return
         bottom_right = getattr(self.attn_mask_type, "name", str(self.attn_mask_type)) == "causal_bottom_right"
         if bottom_right and self.plan.flex:
@@ -235,8 +249,10 @@ class TurboAttentionCore:
                                 deterministic=self.plan.deterministic, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                                 max_seqlen_q=max_q, max_seqlen_kv=max_kv)
         cu_q, cu_kv, max_q, max_kv = check_packed(q, k, cu_q, cu_kv, max_q, max_kv)  # as the adapter does
+        self.direct.check(CallArgs(q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, None, causal, window,
+                                   self.plan.scale, dropout_p, self.plan.deterministic))
         return run_packed(self.handle, q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, causal, window,
                           self.plan.scale, dropout_p, self.plan.deterministic, False)
 
 
-__all__ = ["TurboAttentionCore", "cp_group_kwargs", "needs_contiguous_bshd"]
+__all__ = ["TurboAttentionCore", "cp_group_kwargs"]

@@ -10,7 +10,7 @@ from ..attention.pattern import pattern_from_flash_args
 from ..attention.hook_proof import MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
-from ..backends.dispatch import ARCHES
+from ..backends.dispatch import ARCHES, DENSE
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
@@ -18,7 +18,7 @@ from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
 from .facts import LayerFacts
 from .plan import AttentionPlan
-from .routes import describe_routes, layer_routes, resolve_arch, route_reasons
+from .routes import arch_reasons, describe_routes, layer_routes, resolve_arch, route_reasons
 from .rules import RuleInput, failing_reasons
 
 log = logging.getLogger("primus_ext")
@@ -40,6 +40,20 @@ def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optiona
     if width > 0 and (not settings.sink_window_even_layers_only or facts.layer_number % 2 == 1):
         return (width, 0)
     return None
+
+
+def _declared_packing(settings: TurboAttentionSettings, facts: LayerFacts, reasons: list[Reason]) -> LayerFacts:
+    """``facts`` with ``packed`` from the ``packed_sequences`` setting: one key, read the same way by
+    ``check``, the demo and the modules.  A model config that says otherwise is refused (two sources)."""
+    declared = settings.packed_sequences
+    if declared is None or facts.packed is declared:
+        return facts
+    if facts.packed is not None:
+        reasons.append(Reason(("packed_sequences",), f"packed_sequences is {declared} in the Turbo settings but "
+                              f"{facts.packed} in the model config; two sources for one fact.",
+                              "set it in one place (the Turbo attention settings)."))
+        return facts
+    return dataclasses.replace(facts, packed=declared)
 
 
 def _backend_for(settings: TurboAttentionSettings, backend: Optional[AttentionBackend]):
@@ -76,6 +90,7 @@ def build_plan(
     """
     flex = settings.use_turbo_flex_attention
     reasons: list[Reason] = []
+    facts = _declared_packing(settings, facts, reasons)
     mask_mod = score_mod = None
     mask_proof = score_proof = None
     direct: Optional[DirectEntries] = None
@@ -100,6 +115,7 @@ def build_plan(
     )
     reasons.extend(failing_reasons(ctx))
     arch, _ = resolve_arch(settings.turbo_arch)
+    reasons.extend(arch_reasons(settings.turbo_arch))
     routes = _kernel_routes(ctx, arch, mask_proof, score_proof)
     reasons.extend(route_reasons(routes, facts.packed))
     if routes == () and arch is not None and arch not in ARCHES and (ctx.on_turbo or ctx.on_direct):
@@ -144,6 +160,7 @@ def build_plan(
             score_proof.assumptions if score_proof else ()),
         arch=arch,
         kernels=describe_routes(routes),
+        storage=_storage(ctx, arch, routes),
         bind_call=_call_binder(settings, facts, backend) if flex and mask_mod is None else None,
     )
     if flex:
@@ -165,6 +182,24 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
         alibi=bool(score_proof and score_proof.kind == "alibi"))
 
 
+def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:
+    """`AttentionPlan.storage`, decided once per layer so a compiled region sees a constant.
+
+    On gfx942 AITER's v3 backward mishandles the strided bshd view of sbhd memory and corrupts
+    gradients, so Turbo kernels get contiguous bshd there (primus_turbo_api.md, hardware facts).
+    On gfx950 FlyDSL (and HipKittens) assert contiguous sbhd q, k and v, while megatron-core's
+    value (and key without RoPE) is a split view of the fused QKV (upstream_facts.md §7): one
+    copy per tensor that is not contiguous already.  AITER takes the zero-copy strided view.
+    """
+    if not (ctx.on_turbo or ctx.on_direct):
+        return "as-given"
+    if arch == "gfx942":
+        return "contiguous-bshd"
+    if any(found.features.entry == DENSE and found.backend in ("FlyDSL", "HipKittens") for _, found in routes):
+        return "contiguous-sbhd"
+    return "as-given"
+
+
 def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts,
                  backend: Optional[AttentionBackend]) -> Callable[[bool, Tuple[int, int]], None]:
     """`AttentionPlan.bind_call`: a call's own causal / window planned like the layer's, memoised."""
@@ -175,6 +210,8 @@ def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts,
         key = (causal, window)
         reasons = verdicts.get(key)
         if reasons is None:
+            if causal and window != (-1, -1):
+                window = (window[0], 0)  # flash_attn_func's own meaning: causal caps the right bound (B8)
             call_facts = dataclasses.replace(facts, causal=causal,
                                              window_size=None if window == (-1, -1) else window)
             try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 from ..attention.hook_proof import MaskProof, ScoreProof
+from ..attention.pattern import pattern_from_flash_args
 from ..backends.base import BackendCapabilities
 from ..backends.direct import DirectEntries
 from ..errors import Reason
@@ -85,6 +86,8 @@ class RuleInput:
             "dropout": self.facts.attention_dropout,
             "mask_type": self.facts.attn_mask_type,
             "cp_comm": self.facts.cp_comm_type,
+            "cp_mask": "causal" if self.facts.causal else f"window {self.window}",
+            "alibi_masks": "; ".join(_alibi_right_masks(self)),
             "direct_dense": self.direct.dense if self.direct else None,
             "direct_packed": self.direct.packed if self.direct else None,
         }
@@ -109,6 +112,24 @@ def _documents_hook(c: "RuleInput") -> bool:
     """A mask hook proven to be documents: its dense calls run on the packed (varlen) entry."""
     proof = c.mask_proof
     return c.flex and proof is not None and proof.pattern is not None and proof.pattern.documents
+
+
+def _ordered_mask(c: "RuleInput") -> bool:
+    """The layer's mask depends on token positions (causal, or a window): not permutation-equivariant."""
+    return c.facts.causal or (c.window is not None and c.window != (-1, -1))
+
+
+def _alibi_right_masks(c: "RuleInput") -> list[str]:
+    """The masks of this layer's calls that reach right of the diagonal (where CK's ALiBi is symmetric)."""
+    inside = pattern_from_flash_args(c.facts.causal, c.window or (-1, -1))
+    proof = c.mask_proof
+    dense = proof.pattern if proof is not None and proof.pattern is not None else inside
+    found = []
+    if c.may_dense and dense.right != 0:
+        found.append(f"dense: {dense.describe()}")
+    if c.may_pack and inside.right != 0:
+        found.append(f"packed: {inside.describe()}")
+    return found
 
 
 def _score_kind(ctx: RuleInput) -> str:
@@ -173,6 +194,18 @@ RULES: Tuple[Rule, ...] = (
          lambda c: c.on_direct and c.facts.context_parallel_size > 1
          and (c.facts.num_heads % c.facts.context_parallel_size != 0
               or c.facts.kv_heads % c.facts.context_parallel_size != 0)),
+    # Megatron splits each sequence load-balanced (rank r holds chunks r and 2*CP-1-r of 2*CP,
+    # get_batch_on_this_cp_rank), while the usp all-to-all concatenates the shards in rank order
+    # (upstream_facts.md §4): the keys a causal or windowed row may see are then the wrong ones.
+    # Full attention is permutation-equivariant, so it alone stays right.
+    Rule("cp-causal", ("context_parallel_size", "attn_mask_type", "window_size", "sink_sliding_window"),
+         "context_parallel_size={cp} on the direct path with {cp_mask} attention: Megatron splits each "
+         "sequence load-balanced (rank r holds chunks r and 2*CP-1-r, get_batch_on_this_cp_rank), while "
+         "Primus-Turbo's context-parallel (Ulysses) entry joins the shards in rank order, so every row "
+         "would attend to the wrong keys, silently.",
+         "set context_parallel_size: 1, or use a non-causal layer (attn_mask_type no_mask) without a "
+         "window, which does not depend on the token order.",
+         lambda c: c.on_direct and c.facts.context_parallel_size > 1 and _ordered_mask(c)),
     Rule("B9", ("enable_turbo_attention_float8", "window_size", "sink_sliding_window"),
          "the fp8 attention kernel only takes window_size=(-1, -1); the window {window} of layer "
          "{layer} would be dropped.",
@@ -180,6 +213,13 @@ RULES: Tuple[Rule, ...] = (
          # window_size=(-1, -1) is the one window the fp8 kernel computes: nothing is dropped.
          lambda c: c.on_direct and c.settings.enable_turbo_attention_float8
          and c.window is not None and c.window != (-1, -1)),
+    Rule("B24-fp8", ("deterministic_mode", "enable_turbo_attention_float8"),
+         "deterministic_mode with enable_turbo_attention_float8: flash_attn_fp8_func (and its context-parallel "
+         "twin) accept `deterministic` and never pass it to their kernel (Primus-Turbo "
+         "primus_turbo/pytorch/ops/attention/flash_attn_interface.py l.505-565 and flash_attn_usp_interface.py "
+         "l.823-884 at a6a16cd), so the backward would silently not be deterministic.",
+         "set enable_turbo_attention_float8: false, or deterministic_mode: false.",
+         lambda c: c.on_direct and c.settings.enable_turbo_attention_float8 and c.settings.deterministic_mode),
     Rule("B13-direct", ("use_sink_attention",),
          "a learned sink is configured but the direct entry {direct_dense} has no `sink` "
          "parameter (fp8 and context-parallel entries lack it); the sink would be dropped.",
@@ -197,6 +237,16 @@ RULES: Tuple[Rule, ...] = (
          "at context_parallel_size 1 and without fp8 (selected entry: {direct_dense}).",
          "set context_parallel_size: 1 and enable_turbo_attention_float8: false, or train unpacked.",
          lambda c: c.on_direct and c.direct is not None and c.facts.packed is True and c.direct.packed is None),
+    # megatron-core's unfused attention applies such a window instead of the causal mask, its
+    # fused path ignores the window, TransformerEngine caps it to right bound 0: no one meaning.
+    Rule("B8", ("window_size", "attn_mask_type"),
+         "window_size={window} on a causal layer (attn_mask_type={mask_type}): a causal layer's window needs "
+         "right bound 0, and megatron-core itself gives this one three meanings (its unfused attention applies "
+         "the two-sided window instead of the causal mask, its fused path ignores the window, "
+         "TransformerEngine caps the right bound to 0); it would not be run as written.",
+         "use window_size: [W, 0] for a causal sliding window, or attn_mask_type no_mask for a two-sided band.",
+         lambda c: c.facts.causal and c.facts.window_size is not None and c.window is not None
+         and c.window != (-1, -1) and c.window[1] != 0),
     Rule("B10", ("window_size", "sink_sliding_window"),
          "both window_size and sink_sliding_window set a sliding window; they are two sources "
          "for one quantity with different per-layer rules.",
@@ -262,6 +312,18 @@ RULES: Tuple[Rule, ...] = (
          "set turbo_flex_attention_backend: reference, which evaluates the hook itself at every "
          "call, or use an ALiBi score_mod (score + slope[h] * (kv_idx - q_idx)).",
          lambda c: c.on_turbo and _score_kind(c) == "other"),
+    Rule("B35", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
+         "the ALiBi score hook {score} on a mask reaching right of the diagonal ({alibi_masks}): Primus-Turbo's "
+         "ALiBi kernels (AITER's CK fmha) add the symmetric -slope * |q - kv| off the causal case, while the hook "
+         "adds slope * (kv - q), so every key right of the diagonal would get another bias.",
+         "set turbo_flex_attention_backend: reference, or use ALiBi only on causal layers (windows with right "
+         "bound 0).",
+         lambda c: c.on_turbo and _score_kind(c) == "alibi" and bool(_alibi_right_masks(c))),
+    Rule("B35-sink", ("turbo_flex_attention_score_mod", "use_sink_attention"),
+         "the ALiBi score hook {score} with a learned sink: with a sink Primus-Turbo runs AITER's Triton kernels, "
+         "whose ALiBi formula is not modelled, so the attention they compute is not known to be the hook's.",
+         "set turbo_flex_attention_backend: reference, or drop the sink or the ALiBi hook.",
+         lambda c: c.on_turbo and _score_kind(c) == "alibi" and c.sink),
     Rule("B13", ("use_sink_attention",),
          "a learned sink is configured but the installed dense entry ({dense_entry}) has no "
          "`sink` parameter; the sink would be dropped.",

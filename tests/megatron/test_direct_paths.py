@@ -28,9 +28,9 @@ def test_context_parallel_uses_usp_entry_with_ulysses_over_cp_and_a_ring_of_one(
     reference's section 3), so neither is ever None.
     """
     q, k, v = qkv_sbhd()
-    with fake_primus_turbo() as fake:
+    with fake_primus_turbo() as fake:  # non-causal: causal layers at CP > 1 are refused (cp-causal)
         module = PrimusTurboLocalAttention(gpt.config(context_parallel_size=2, kv_channels=16), 1,
-                                           AttnMaskType.causal, "self", cp_comm_type=comm, settings=DIRECT)
+                                           AttnMaskType.no_mask, "self", cp_comm_type=comm, settings=DIRECT)
         module(q, k, v, None)
         with pytest.raises(UnsupportedInputError, match="packed_seq_params"):
             module(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=PackedSeqParams(
@@ -68,11 +68,11 @@ def test_heads_not_divisible_by_the_context_parallel_size_are_refused(heads, gro
     with fake_primus_turbo():
         if heads % 2 or groups % 2:
             with pytest.raises(UnsupportedConfigError) as err:
-                PrimusTurboLocalAttention(cfg, 1, AttnMaskType.causal, "self", cp_comm_type="p2p", settings=DIRECT)
+                PrimusTurboLocalAttention(cfg, 1, AttnMaskType.no_mask, "self", cp_comm_type="p2p", settings=DIRECT)
             assert "cp-heads" in err.value.codes
             assert {"num_attention_heads", "num_query_groups", "context_parallel_size"} <= set(err.value.settings)
         else:
-            PrimusTurboLocalAttention(cfg, 1, AttnMaskType.causal, "self", cp_comm_type="p2p", settings=DIRECT)
+            PrimusTurboLocalAttention(cfg, 1, AttnMaskType.no_mask, "self", cp_comm_type="p2p", settings=DIRECT)
 
 
 def test_context_parallel_runner_needs_both_groups():

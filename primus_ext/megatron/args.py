@@ -59,6 +59,14 @@ def with_megatron_flags(settings: TurboAttentionSettings, config: Any) -> TurboA
     return settings.replace(**changes) if changes else settings
 
 
+def _optional_bool(text: str) -> Optional[bool]:
+    """``true`` / ``false`` / ``null`` on the command line, as the YAML writes them."""
+    value = {"true": True, "false": False, "null": None, "none": None}.get(text.strip().lower(), text)
+    if isinstance(value, str):
+        raise argparse.ArgumentTypeError(f"expected true, false or null, got {text!r}")
+    return value
+
+
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
@@ -80,6 +88,9 @@ def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.Argume
         help_text = f"{doc} (default: {default})"
         if isinstance(default, bool):
             group.add_argument(_flag(key), dest=key, action="store_true", default=default, help=help_text)
+        elif type_text == "bool | null":
+            group.add_argument(_flag(key), dest=key, type=_optional_bool, default=default,
+                               help=help_text + " true, false or null.")
         elif key.endswith("_kwargs"):
             group.add_argument(_flag(key), dest=key, type=json.loads, default=default, help=help_text + " JSON.")
         elif isinstance(default, int):

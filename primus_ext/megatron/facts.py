@@ -48,6 +48,13 @@ def input_dtype(source: Any) -> Optional[str]:
     return _DTYPE_NAMES.get(str(_get(source, "params_dtype", "fp32")))
 
 
+def _layer_value(value: Any, layer_number: int) -> Any:
+    """A Megatron setting given once or per layer (``cp_comm_type`` may be a list)."""
+    if isinstance(value, (list, tuple)):
+        return value[layer_number - 1] if layer_number - 1 < len(value) else None
+    return value
+
+
 def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
     """`LayerFacts` of one layer from a ``TransformerConfig`` or a YAML mapping.
 
@@ -73,6 +80,7 @@ def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
         context_parallel_size=int(_get(source, "context_parallel_size", 1)),
         position_embedding_type=str(_get(source, "position_embedding_type", "learned_absolute")),
         softmax_type=str(_get(source, "softmax_type", "vanilla")),
+        cp_comm_type=_layer_value(_get(source, "cp_comm_type"), layer_number),
         packed=_get(source, "packed_sequences"),
         dtype=input_dtype(source),
     )

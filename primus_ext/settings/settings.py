@@ -121,8 +121,13 @@ class TurboAttentionSettings:
         "Deterministic kernels; refused when the selected entry has no 'deterministic' parameter.",
         "bool", "B24"))
     reset_attention_mask: bool = field(default=False, metadata=_meta(
-        "Megatron's document-boundary mask tensor; refused on every Turbo path (use THD packing).",
+        "Megatron's document boundaries after each EOD: run as packed THD (pack_eod_micro_batch) with "
+        "packed_sequences: true; refused otherwise, since no entry takes the dense mask.",
         "bool", "B25"))
+    packed_sequences: Optional[bool] = field(default=None, metadata=_meta(
+        "How batches reach attention: true = packed THD only (cu_seqlens), false = dense only, null = "
+        "either; the plan checks those calls' kernels, and a call of the other kind is refused.",
+        "bool | null", "B25, B33, B34"))
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in SETTING_KEYS}
@@ -232,6 +237,13 @@ def _check_bool(key: str, value: Any) -> Optional[Reason]:
                   alternative=f"write '{key}: true' or '{key}: false' (a YAML boolean, unquoted).")
 
 
+def _check_optional_bool(key: str, value: Any) -> Optional[Reason]:
+    if value is None or isinstance(value, bool):
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be true, false or null, got {_type_name(value)}.",
+                  alternative=f"write '{key}: true' (packed THD batches only), 'false' (dense only) or leave it out.")
+
+
 def _check_window(key: str, value: Any) -> Optional[Reason]:
     if isinstance(value, bool) or not isinstance(value, int):
         return Reason(settings=(key,), reason=f"{key} must be an integer, got {_type_name(value)}.",
@@ -298,6 +310,7 @@ _CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
     "turbo_arch": _check_arch,
     "turbo_selftest": _check_selftest,
     "sink_sliding_window": _check_window,
+    "packed_sequences": _check_optional_bool,
 }
 
 

@@ -454,6 +454,9 @@ def megatron_cases(draw) -> Case:
         keys = with_hooks(keys, mask, score)
     layer = model_facts(draw, megatron=True, q_len=q_len)
     fewer_conflicts(draw, keys, layer)
+    declared = draw(weighted(("unset", 8), ("match", 2), ("other", 1)))  # packed_sequences vs the call
+    if declared != "unset":
+        keys["packed_sequences"] = thd if declared == "match" else not thd
     layer["params_bf16"] = draw(one_in(6))
     padded = draw(weighted(("none", 6), ("same", 1), ("different", 1), ("kv_clone", 1)))
     call = {

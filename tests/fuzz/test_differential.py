@@ -43,8 +43,10 @@ from .hook_specs import MaskSpec, ScoreSpec, mask_spec, score_spec
 from .strategies import DTYPES, LIB, USER, Case, adapter_cases, bounds_of, megatron_cases
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "refusals.md"
-DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w-]+)` \|", DOCS.read_text().split("## Refused at call time")[0],
-                                        flags=re.M))
+_BUILD_TABLE, _CALL_TABLE = DOCS.read_text().split("## Refused at call time")[:2]
+DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w-]+)` \|", _BUILD_TABLE, flags=re.M)) | frozenset(
+    re.findall(r"\b(B\d+(?:-[\w]+)?)\b", _CALL_TABLE.split("## Refused when a hook is resolved")[0]))
+"""Codes of the build-time rule table, and the behaviour codes the call-time table cites."""
 AWAITED = frozenset({"B30-cp", "cp-heads"})
 """Rules predicted only when docs/refusals.md lists them (added with the CP direct path)."""
 HOOK_PROBE = 8  # hooks are first called on a (2, 2, 8, 8) index grid when settings are resolved
@@ -94,7 +96,36 @@ def planned_sink(case: Case) -> bool:
 
 
 def packed_fact(case: Case) -> Optional[bool]:
-    return case.layer.get("packed") if case.level == "adapter" else None
+    """What the layer declares: `LayerFacts.packed` (adapter) or the ``packed_sequences`` key (Megatron)."""
+    return case.layer.get("packed") if case.level == "adapter" else case.settings.get("packed_sequences")
+
+
+def reaches_right(allowed: torch.Tensor) -> bool:
+    """A mask allowing some key right of the diagonal (kv > q), where CK's ALiBi is symmetric."""
+    q_len, kv_len = allowed.shape[-2:]
+    right = torch.arange(kv_len).view(1, kv_len) > torch.arange(q_len).view(q_len, 1)
+    return bool((allowed & right).any())
+
+
+def flash_right(causal: bool, window: tuple[int, int]) -> bool:
+    """A flash-convention ``(causal, window_size)`` reaching right of the diagonal."""
+    return not causal and window[1] != 0
+
+
+def dense_mask_reaches_right(case: Case, mspec: Optional[MaskSpec]) -> bool:
+    """The layer's dense calls reach right of the diagonal: its hook (on a 64-token grid, past
+    every cut, chunk and window the fuzzer draws), else its causal flag and window."""
+    if mspec is not None and case.mask_hook is not None:
+        if mspec.provable is not True:
+            return False  # refused on turbo by B31 (or not claimed either way): no ALiBi prediction
+        module, name = hook_name(case.mask_hook)
+        kwargs = case.settings.get("turbo_flex_attention_mask_mod_kwargs")
+        if module == LIB:
+            allowed = oracle.library_mask(name, kwargs or {}, 64, 64)
+        else:
+            allowed = oracle.hook_mask(hook_callable(case.mask_hook, kwargs), 1, case.layer["num_heads"], 64, 64)
+        return reaches_right(allowed)
+    return flash_right(layer_causal(case), layer_window(case) or (-1, -1))
 
 
 def hook_name(spec: Optional[str]) -> tuple[str, str]:
@@ -165,6 +196,11 @@ def expect_build(case: Case) -> BuildExpectation:
         "B9": on_direct and fp8 and window is not None and window != (-1, -1),
         # The context-parallel (usp) entries: no dropout, heads split across the CP group.
         "B30-cp": on_direct and cp > 1 and layer["attention_dropout"] > 0.0,
+        # Megatron's load-balanced CP split vs Ulysses' rank-ordered shards: only full attention is safe.
+        "cp-causal": on_direct and cp > 1 and (layer_causal(case) or (window is not None and window != (-1, -1))),
+        "B24-fp8": on_direct and fp8 and s["deterministic_mode"],
+        # megatron-core gives a causal layer's two-sided window three meanings (B8).
+        "B8": layer_causal(case) and config_window(case) is not None and window != (-1, -1) and window[1] != 0,
         "cp-heads": on_direct and cp > 1 and bool(layer["num_heads"] % cp or layer["num_kv_heads"] % cp),
         "B13-direct": on_direct and fake is not None and sink and may_dense and (fp8 or cp > 1),
         "B13-direct-packed": on_direct and fake is not None and sink and packed is True and not (fp8 or cp > 1)
@@ -175,9 +211,14 @@ def expect_build(case: Case) -> BuildExpectation:
         "B17": flex and packed is True and (mask_hook is not None or score_hook is not None),
         "B22": flex and cp > 1,
         "B23": flex and fp8,
-        "B25": turbo_path and s["reset_attention_mask"],
+        "B25": turbo_path and s["reset_attention_mask"] and packed is not True,
         "B27": turbo_path and layer["position_embedding_type"] == "alibi",
         "softcap": on_turbo and score == "softcap",
+        # CK's ALiBi is symmetric right of the diagonal; with a sink the Triton kernels run (B35).
+        "B35": on_turbo and score == "alibi" and not (mspec is not None and mspec.provable is not True) and (
+            (may_dense and dense_mask_reaches_right(case, mspec))
+            or (may_pack and flash_right(layer_causal(case), window or (-1, -1)))),
+        "B35-sink": on_turbo and score == "alibi" and sink,
         "B31-score": on_turbo and score == "other",
         # Builds without flex entries run on flash_attn_func (which takes a sink) and
         # flash_attn_varlen_func (which takes one only where the build has varlen sinks).
@@ -258,6 +299,12 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("hook plus call causal/window")
         if c["alibi"] and sspec is not None and sspec.kind == "alibi":
             exp.must.append("explicit alibi plus ALiBi hook")
+        alibi_on_turbo = turbo and (c["alibi"] or (sspec is not None and sspec.kind == "alibi"))
+        call_right = (dense_mask_reaches_right(case, mspec) if hooked and not c["thd"]
+                      else flash_right(causal, window))
+        sink_passed = c["sink"] == "unplanned" or (c["sink"] == "planned" and planned_sink(case))
+        if alibi_on_turbo and (call_right or c["return_lse"] or sink_passed):
+            exp.must.append("ALiBi on turbo right of the diagonal, with a sink, or with return_lse (B35)")
         full = not causal and window == (-1, -1)
         if not c["thd"] and turbo and not hooked and c["q_len"] != c["kv_len"] and not full:
             exp.must.append("q_len != kv_len on turbo")
@@ -276,6 +323,9 @@ def expect_call(case: Case) -> CallExpectation:
         exp.must.append("cu_seqlens with qkv_format sbhd")
     if c["packed_params"] in ("empty", "thd") and not has_packed_entry:
         exp.must.append("packed params without a packed entry")
+    declared = case.settings.get("packed_sequences")
+    if declared is not None and declared != (c["packed_params"] == "thd"):
+        exp.must.append("a call of the other kind than packed_sequences declares")
     if c["thd"]:
         if c["padded"] == "different":
             exp.must.append("padded boundaries differ")

@@ -277,3 +277,28 @@ def test_short_repr_is_bounded_for_any_value() -> None:
             assert len(short_repr(value)) <= 200
         assert len(short_repr(shared_dag(), limit=50)) <= 50
     assert short_repr({"prefix_length": 64}) == "{'prefix_length': 64}"
+
+
+def test_yaml_merge_keys_load_and_an_explicit_key_overrides_a_merged_one(tmp_path):
+    """`<<: *anchor` is YAML's own inheritance: loaded, with a key written beside it overriding the
+    merged one; a key written twice is still refused."""
+    from primus_ext.settings.yaml_file import load_yaml_mapping
+
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &base\n  use_turbo_attention: true\n  sink_sliding_window: 4\n"
+                    "layer:\n  <<: *base\n  sink_sliding_window: 8\n")
+    assert load_yaml_mapping(path)["layer"] == {"use_turbo_attention": True, "sink_sliding_window": 8}
+    path.write_text("a: 1\na: 2\n")
+    with pytest.raises(UnsupportedConfigError, match="appears twice"):
+        load_yaml_mapping(path)
+
+
+def test_a_module_getattr_raising_anything_is_refused_with_our_error(tmp_path, monkeypatch):
+    (tmp_path / "lazy_hooks.py").write_text(
+        "import sys\ndef __getattr__(name):\n    sys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from primus_ext.settings.hooks import resolve_hook
+
+    with pytest.raises(UnsupportedConfigError, match="SystemExit") as err:
+        resolve_hook("lazy_hooks:mask", kind="mask_mod", setting="turbo_flex_attention_mask_mod")
+    assert "turbo_flex_attention_mask_mod" in err.value.settings

@@ -23,6 +23,7 @@ import dataclasses
 import dis
 import functools
 import os
+import reprlib  # bounded: a captured value may be a factory's whole kwargs
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -258,8 +259,8 @@ def _classify(trace: HookTrace, name: str, value: Any, where: str, rebind: Optio
         return
     if _immutable(value):
         if rebind is not None:  # a module global can be rebound
-            trace.assumptions.append(Assumption(f"{label} is still {value!r}", rebind))
-            trace.reads.append(f"{label} ({value!r})")
+            trace.assumptions.append(Assumption(f"{label} is still {reprlib.repr(value)}", rebind))
+            trace.reads.append(f"{label} ({reprlib.repr(value)})")
         return
     if isinstance(value, list) and _numbers(value):
         check = _list_check(value)

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 
 from ..backends import turbo_import_problem
-from ..errors import PrimusExtError, Reason, UnsupportedConfigError
+from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
 from ..megatron.facts import layer_facts
 from ..plan import build_plan
 from ..plan.build import layer_window
@@ -64,7 +64,7 @@ def _model_problems(config: Mapping[str, Any]) -> list[str]:
     for key in ("num_layers", "num_query_groups", "seq_length", "tensor_model_parallel_size",
                 "context_parallel_size"):
         if config.get(key) is not None and not positive(key):
-            problems.append(f"{key} must be a positive integer, got {config[key]!r}")
+            problems.append(f"{key} must be a positive integer, got {short_repr(config[key])}")
     return problems
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from ..errors import PrimusExtError
+from ..errors import PrimusExtError, short_repr
 from ..settings import TurboAttentionSettings
 
 STRIDES = (1, 2, 3)
@@ -63,12 +63,12 @@ class DemoOptions:
         for key, value in mapping.items():
             if key == "eod_documents":
                 if not isinstance(value, bool):
-                    raise PrimusExtError(f"demo.eod_documents must be true or false, got {value!r}")
+                    raise PrimusExtError(f"demo.eod_documents must be true or false, got {short_repr(value)}")
                 values[key] = value
                 continue
             kind = float if key == "lr" else int
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                raise PrimusExtError(f"demo.{key} must be a number ({kind.__name__}), got {value!r}")
+                raise PrimusExtError(f"demo.{key} must be a number ({kind.__name__}), got {short_repr(value)}")
             values[key] = kind(value)
         opts = cls(**values)
         if opts.steps < 1 or opts.tokens_per_step < 2 or opts.lr <= 0 or opts.vocab_size < 4:

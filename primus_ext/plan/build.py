@@ -13,7 +13,7 @@ from ..backends.base import BackendCapabilities
 from ..backends.dispatch import ARCHES, DENSE
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import load_ops
-from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
+from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError, short_repr
 from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
 from .facts import LayerFacts
@@ -32,7 +32,7 @@ def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optiona
     if facts.window_size is not None:
         window = tuple(facts.window_size)
         if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window):
-            raise UnsupportedConfigError(Reason(("window_size",), f"window_size={facts.window_size!r}: a window is "
+            raise UnsupportedConfigError(Reason(("window_size",), f"window_size={short_repr(facts.window_size)}: a window is "
                                                 "two ints, each -1 (unbounded) or >= 0.",
                                                 "use (-1, -1) for none, (W, 0) for a causal sliding window."))
         return (window[0], window[1])

@@ -227,7 +227,12 @@ class _Resolver:
         for part in attr_path.split("."):
             try:
                 obj = getattr(obj, part)
-            except AttributeError as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a module __getattr__ may raise anything, SystemExit too
+                if not isinstance(exc, AttributeError):
+                    raise self.refuse(f"reading `{part}` of `{walked}` raised {_describe_exc(exc)}",
+                                      f"fix the error raised by `{walked}`.") from exc
                 names = [n for n in dir(obj) if not n.startswith("_")]
                 close = difflib.get_close_matches(part, names, n=3, cutoff=0.6)
                 sep = "." if ":" in walked else ":"
@@ -285,7 +290,7 @@ class _Resolver:
             factory_hint = (f" It takes no arguments, so it looks like a factory: decorate it with "
                             f"@primus_ext.hook_factory and set {self.kwargs_key}: {{}}.")
         raise self.refuse(f"a {self.kind} is called as {self.kind}({', '.join(params)}) but this "
-                          f"callable has signature {sig}: {problem}.{factory_hint}",
+                          f"callable has signature {short_repr(str(sig))[1:-1]}: {problem}.{factory_hint}",
                           f"define it with exactly {len(params)} positional parameters "
                           f"({', '.join(params)}).",
                           with_kwargs=self.kwargs is not None)

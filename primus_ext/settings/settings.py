@@ -28,7 +28,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 
-from ..errors import Reason, UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError, short_repr
 
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "turbo", "reference")
 
@@ -221,8 +221,7 @@ def spec_refs(key: str) -> str:
 
 # -------------------------------------------------------------------- validation
 def _type_name(value: Any) -> str:
-    from ..errors import short_repr  # bounded: the value may be an arbitrarily large YAML tree
-
+    # short_repr: bounded, as the value may be an arbitrarily large YAML tree
     if isinstance(value, str):
         return f"the string {short_repr(value)}"
     if value is None:
@@ -296,7 +295,7 @@ def _check_kwargs(key: str, value: Any) -> Optional[Reason]:
     bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
     if bad:
         return Reason(settings=(key,), reason=f"{key} keys must be Python identifiers "
-                                              f"(keyword-argument names); got {bad!r}.",
+                                              f"(keyword-argument names); got {short_repr(bad)}.",
                       alternative="use keyword-argument names such as prefix_length.")
     return None
 

@@ -28,8 +28,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:  # type: ignore[override]
+        # A key written twice is refused; a key written over one merged in from `<<: *anchor` is YAML's
+        # own override and stays allowed, so only the explicit keys are compared, before the merge.
+        explicit = [(key_node, value) for key_node, value in node.value if key_node.tag != "tag:yaml.org,2002:merge"]
+        if len(explicit) != len(node.value):
+            self.flatten_mapping(node)
         seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        for key_node, _ in explicit:
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             try:

@@ -17,10 +17,8 @@ alarm also interrupts a C-level ``repr``.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import signal
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,7 +35,6 @@ MASK_KEY = "turbo_flex_attention_mask_mod"
 KWARGS_KEY = f"{MASK_KEY}_kwargs"
 FLEX_ON = {"use_turbo_attention": True, "use_turbo_flex_attention": True}
 SHORT = 1500  # characters: a refusal quoting a user value stays a few lines long
-_counter = itertools.count()
 
 
 @contextlib.contextmanager
@@ -53,23 +50,6 @@ def finishes_within(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-@pytest.fixture
-def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], str]]:
-    """Write ``source`` as a fresh module on sys.path; return its name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    written: list[str] = []
-
-    def write(source: str) -> str:
-        name = f"security_hooks_{next(_counter)}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        written.append(name)
-        return name
-
-    yield write
-    for name in written:
-        sys.modules.pop(name, None)
 
 
 def refusal(spec: str, kwargs: Any = None) -> UnsupportedConfigError:

@@ -8,9 +8,7 @@ package.  Every refusal must name the setting key and quote the hook string.
 
 from __future__ import annotations
 
-import itertools
 import sys
-import textwrap
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -29,24 +27,6 @@ from . import hook_modules
 
 MASK_KEY = "turbo_flex_attention_mask_mod"
 SCORE_KEY = "turbo_flex_attention_score_mod"
-_counter = itertools.count()
-
-
-@pytest.fixture
-def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], str]:
-    """Write ``source`` as a fresh, uniquely named module on sys.path; return its name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    written: list[str] = []
-
-    def write(source: str) -> str:
-        name = f"user_hooks_{next(_counter)}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        written.append(name)
-        return name
-
-    yield write
-    for name in written:
-        sys.modules.pop(name, None)
 
 
 def refused(spec: str, *, kind: str = "mask_mod", kwargs: Optional[dict] = None) -> str:

@@ -365,3 +365,24 @@ def test_named_builds_have_the_entries_and_parameters_of_the_builds_users_have(b
     with pytest.raises(ValueError, match="build"):
         with fake_primus_turbo(build="v9"):
             pass
+
+
+def test_the_call_log_is_bounded_and_counts_every_call():
+    """A long CPU run on the fake keeps only the recent calls (and so their tensors) alive."""
+    import gc
+    import weakref
+
+    with fake_primus_turbo(arch="gfx942", log_size=8) as fake:
+        first = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+        alive = weakref.ref(first)
+        fake.module.flash_attn_func(first, first, first, causal=True)
+        del first
+        for _ in range(3000):
+            q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+            fake.module.flash_attn_func(q, q, q, causal=True)
+        gc.collect()
+        assert alive() is None, "the first call's tensors are still held by the log"
+        assert len(fake.calls) == 8 and fake.calls.total == 3001
+        assert fake.count("flash_attn_func") == 3001 and fake.count("flash_attn_func", "AITER") == 3001
+        fake.reset()
+        assert fake.calls == [] and fake.count("flash_attn_func") == 0

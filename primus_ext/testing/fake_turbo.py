@@ -13,7 +13,9 @@ entries that:
   boundaries fail on CPU the way they would fail on the GPU;
 * compute with their own blockwise math (`._fake_math`), independent of the reference
   backend's, so outputs and gradients are exact up to rounding;
-* record every call, so tests can assert *which* kernel got *which* arguments.
+* record calls, so tests can assert *which* kernel got *which* arguments: the most
+  recent `log_size` calls in full, and every call in counters per entry and kernel
+  backend (`FakeTurbo.count`), so memory stays flat however long a run is.
 
 While a fake is installed, AITER's kernel-level ops
 (``torch.ops.primus_turbo.attention_aiter_{,varlen_}{forward,backward}_impl``, real
@@ -41,7 +43,6 @@ for it as it would on that GPU.  Left None, nothing about kernel backends is mod
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.machinery
 import inspect
@@ -52,6 +53,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ..backends.arch import presenting
 from . import _fake_kernels
+from ._call_log import DEFAULT_CAPACITY, CallLog
 from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
 from ._fake_math import FAULTS, SINK_BACKWARD_IGNORES_RIGHT_WINDOW, check_faults
@@ -173,9 +175,10 @@ class Call:
 class FakeTurbo:
     """Handle on an installed fake: its module, the call log and the probe counter."""
 
-    def __init__(self, options: BuildOptions) -> None:
+    def __init__(self, options: BuildOptions, log_size: int = DEFAULT_CAPACITY) -> None:
         self.options = options
-        self.calls: list[Call] = []
+        self.calls = CallLog(log_size)
+        """The most recent calls (a bounded ring) and counters of all of them (`CallLog`)."""
         self._classifier = MaskClassifier()
         self.signatures = entry_signatures(options)
         self.module = self._build_module()
@@ -190,8 +193,8 @@ class FakeTurbo:
         return self._classifier.probe_count
 
     def reset(self) -> None:
-        """Forget recorded calls and zero `probe_count`; the classification memo stays,
-        as it does in a real process."""
+        """Forget recorded calls and their counters and zero `probe_count`; the classification
+        memo stays, as it does in a real process."""
         self.calls.clear()
         self._classifier.probe_count = 0
 
@@ -199,16 +202,23 @@ class FakeTurbo:
         """Log a call made outside the entries (the kernel-level ops of `._fake_kernels`)."""
         self.calls.append(Call(entry, args, backend))
 
+    def count(self, entry: str, backend: Optional[str] = None) -> int:
+        """How many calls ``entry`` got since the last `reset` (taken by ``backend``, if given),
+        counting those the bounded log no longer keeps."""
+        if backend is None:
+            return self.calls.by_entry[entry]
+        return self.calls.by_backend[(entry, backend)]
+
     def calls_to(self, entry: str) -> list[Call]:
         """The recorded calls of one entry, in call order."""
         return [c for c in self.calls if c.entry == entry]
 
     def _entry(self, name: str, signature: inspect.Signature) -> Callable[..., Any]:
         record = self.calls
-        current = [0]  # index in `record` of the call running now
+        current: list[Any] = [None]  # the call running now
 
         def ran_on(backend: str) -> None:
-            record[current[0]] = dataclasses.replace(record[current[0]], backend=backend)
+            record.set_backend(current[0], backend)
 
         routed = {}
         if self.options.arch is not None and name in DISPATCHED:
@@ -223,8 +233,8 @@ class FakeTurbo:
                 raise TypeError(f"{name}() {exc}") from None
             bound.apply_defaults()
             arguments = dict(bound.arguments)
-            record.append(Call(name, arguments))
-            current[0] = len(record) - 1
+            current[0] = Call(name, arguments)
+            record.append(current[0])
             return body(arguments, classifier)
 
         entry.__name__ = entry.__qualname__ = name
@@ -283,7 +293,7 @@ BUILDS: dict[str, dict[str, bool]] = {
 def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True,
                       varlen_sink: bool = True, flex: bool = True,
                       faults: Iterable[str] = (), arch: Optional[str] = None,
-                      build: Optional[str] = None) -> Iterator[FakeTurbo]:
+                      build: Optional[str] = None, log_size: int = DEFAULT_CAPACITY) -> Iterator[FakeTurbo]:
     """Install the fake Primus-Turbo modules for the ``with`` block; yield the `FakeTurbo`.
 
     Knobs select the build imitated: ``flex=False`` is an old build without any flex
@@ -312,6 +322,10 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     if its fault were listed in ``faults``: the real library is silently wrong there, and
     the fake must never be kinder than it.  `Call.backend` records which backend ran.
 
+    ``log_size`` bounds the call log (`FakeTurbo.calls` keeps the most recent calls, and
+    `FakeTurbo.count` counts all of them), so a long run on the fake keeps no more than
+    that many calls' tensors alive.
+
     Every ``primus_turbo*`` entry of ``sys.modules`` present before is put back on
     exit, also when the block raises, and any added inside the block is dropped.
     """
@@ -322,7 +336,8 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
         flex_deterministic, varlen_sink = BUILDS[build]["flex_deterministic"], BUILDS[build]["varlen_sink"]
     fake = FakeTurbo(BuildOptions(flex_bshd=flex_bshd, flex_deterministic=flex_deterministic,
                                   varlen_sink=varlen_sink, flex=flex,
-                                  faults=tuple(sorted(check_faults(faults))), arch=check_arch(arch)))
+                                  faults=tuple(sorted(check_faults(faults))), arch=check_arch(arch)),
+                     log_size=log_size)
     saved = {k: v for k, v in sys.modules.items() if _owned(k)}
     for key in saved:
         del sys.modules[key]

@@ -312,6 +312,10 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("a proven non-full hook with q_len != kv_len on turbo")
         if not c["thd"] and proven and c["bias"] and mspec.kind == "documents":
             exp.must.append("bias with a document mask on turbo (varlen kernel)")
+        # packing unknown at build (packed None): a sink on a build whose varlen entry lacks it is refused at
+        # the first packed call, as docs/refusals.md says
+        if c["thd"] and turbo and sink_passed and case.fake is not None and not case.fake["varlen_sink"]:
+            exp.late_sink = True
         return exp
     # Megatron's core attention
     fake = case.fake

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_ext.backends.dispatch import LayoutError, infer_qkv_format, storage_features
+from primus_ext.backends.layout import LayoutError, infer_qkv_format, storage_features
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo

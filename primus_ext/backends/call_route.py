@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from ..errors import Reason, UnsupportedInputError
-from .dispatch import ARCHES, CallFeatures, LayoutError, Route, default_scale, route, storage_features
+from .dispatch import ARCHES, CallFeatures, Route, default_scale, route
+from .layout import LayoutError, storage_features
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 _MEMO_MAX = 256

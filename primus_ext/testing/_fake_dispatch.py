@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
-from ..backends.dispatch import (AITER_DENSE, ARCHES, DENSE, VARLEN, CallFeatures, LayoutError, Route, default_scale,
-                                 infer_qkv_format, route, storage_features)
+from ..backends.dispatch import AITER_DENSE, ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
+from ..backends.layout import LayoutError, infer_qkv_format, storage_features
 from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}

@@ -1,0 +1,52 @@
+"""How q, k and v are stored, as Primus-Turbo reads it from their strides.
+
+Upstream infers one storage layout from the strides of all three tensors and asserts on
+any other (``_infer_qkv_format``, ``primus_turbo/pytorch/ops/attention/attention_utils.py``
+l.28-83 at a6a16cd); FlyDSL's gate reads that order (sbhd, or bshd with batch 1) and its
+kernel wrapper then asserts that each tensor is contiguous sbhd (upstream_facts.md §7).
+Part of the dispatch model (`primus_ext.backends.dispatch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def infer_qkv_format(q: Any, k: Any, v: Any) -> str:
+    """The storage order of ``[B, S, H, D]``-shaped q, k, v as upstream's ``_infer_qkv_format``
+    reads it from the strides (``bshd``, ``sbhd`` or ``bhsd``; ties break toward bshd, so
+    batch 1 is bshd); raises `LayoutError` where upstream asserts (attention_utils.py l.28-83)."""
+    formats = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        s0, s1, s2, s3 = t.stride()
+        if s3 != 1:
+            raise LayoutError(f"{name} has a non-contiguous head dim (strides {tuple(t.stride())}); Primus-Turbo "
+                              "asserts stride[-1] == 1")
+        if s0 >= s1 >= s2:
+            formats.append("bshd")
+        elif s1 >= s0 >= s2:
+            formats.append("sbhd")
+        elif s0 >= s2 >= s1:
+            formats.append("bhsd")
+        else:
+            raise LayoutError(f"the layout of {name} (strides {tuple(t.stride())}) is none of bshd, sbhd, bhsd")
+    if len(set(formats)) > 1:
+        raise LayoutError(f"q, k, v are stored as {', '.join(formats)}; Primus-Turbo asserts that all three share "
+                          "one layout")
+    return formats[0]
+
+
+class LayoutError(ValueError):
+    """q, k, v stored in a way upstream's layout inference asserts on (the caller refuses it)."""
+
+
+def storage_features(q: Any, k: Any, v: Any) -> tuple[str, bool, bool]:
+    """``(qkv_format, sbhd_storage, contiguous_sbhd)`` of a dense call's q, k, v, as upstream reads
+    them: FlyDSL's gate takes sbhd order, or bshd with batch 1 (``_sbhd_layout``), and its wrapper
+    then asserts that each sbhd view is contiguous."""
+    fmt = infer_qkv_format(q, k, v)
+    sbhd = fmt == "sbhd" or (fmt == "bshd" and q.shape[0] == 1)
+    return fmt, sbhd, sbhd and all(t.transpose(0, 1).is_contiguous() for t in (q, k, v))
+
+
+__all__ = ["LayoutError", "infer_qkv_format", "storage_features"]

@@ -309,7 +309,7 @@ class PlanTarget:
     def __init__(self, plan: Any, backend: AttentionBackend) -> None:
         self.plan = plan
         self.backend = backend
-        self.routes = CallRoutes(plan.arch) if backend.name == "turbo" else None
+        self.routes = CallRoutes(plan.arch, plan.selection) if backend.name == "turbo" else None
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
         # The reference evaluates every user hook itself at every call, proven or not, so

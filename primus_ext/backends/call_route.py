@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..errors import Reason, UnsupportedInputError
-from .dispatch import ARCHES, CallFeatures, Route, default_scale, route
+from .dispatch import ARCHES, DEFAULT_ORDER, CallFeatures, Route, Selection, default_scale, route
 from .layout import LayoutError, storage_features
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -30,8 +30,9 @@ class CallRoutes:
     With the arch unknown only what fails on every arch is checked: a dense call's storage
     layout, which upstream infers from q, k and v and asserts on before any dispatch."""
 
-    def __init__(self, arch: Optional[str]) -> None:
+    def __init__(self, arch: Optional[str], selection: Selection = DEFAULT_ORDER) -> None:
         self.arch = arch if arch in ARCHES else None
+        self.selection = selection  # the plan's (a pin or autotune, read when the layer was built)
         self._seen: dict[tuple, tuple[Route, Optional[UnsupportedInputError]]] = {}
 
     def check(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
@@ -78,7 +79,7 @@ class CallRoutes:
             head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
             dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
             default_scale=default_scale(scale, int(d)), equal_documents=None, sbhd_storage=sbhd,
-            contiguous_sbhd=contiguous))
+            contiguous_sbhd=contiguous), self.selection)
         layout = () if entry != "dense" or sbhd else (
             "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
         reason = found.reason("this call", alternatives=layout)

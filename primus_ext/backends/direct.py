@@ -42,6 +42,7 @@ from torch import Tensor
 from .base import fp32_sink
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, sink_kwargs_for
+from .dispatch import DEFAULT_ORDER, Selection
 from .ops import CallArgs
 from .turbo_kernels import AiterPair, aiter_pair, discover
 
@@ -171,11 +172,11 @@ class DirectTarget:
     """What a direct-path op handle runs (see `primus_ext.backends.ops`); on a known ``arch``
     a call routed to AITER gets AITER's kernel-level pair in compiled steps."""
 
-    def __init__(self, runner: DirectRunner, arch: Optional[str] = None) -> None:
+    def __init__(self, runner: DirectRunner, arch: Optional[str] = None, selection: Selection = DEFAULT_ORDER) -> None:
         self.runner = runner
         plain = runner.entries.dense == "flash_attn_func"
         self.kernels = discover() if plain else None
-        self.routes = CallRoutes(arch) if plain else None
+        self.routes = CallRoutes(arch, selection) if plain else None
 
     def check(self, a: CallArgs) -> None:
         """Refuse a call the kernels would fail or compute wrongly (its route on the plan's arch,

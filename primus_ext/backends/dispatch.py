@@ -178,6 +178,29 @@ ORDER = {DENSE: (FLYDSL, AITER_DENSE, HIPKITTENS), VARLEN: (FLYDSL, AITER_VARLEN
 
 
 @dataclass(frozen=True)
+class Selection:
+    """How Primus-Turbo chooses among the backends that take a call (upstream_facts.md §3): a
+    user pin (``PRIMUS_TURBO_ATTN_BACKEND`` / ``GlobalBackendManager.set_attn_backend``) first,
+    then autotune (``PRIMUS_TURBO_AUTO_TUNE=1``, which Primus's ``use_turbo_autotune`` sets),
+    then FlyDSL and the fallbacks in order.  Autotune times every backend that takes the call
+    and keeps the fastest, which no model knows: the plan must hold for each of them."""
+
+    pin: Optional[str] = None
+    """Upstream's backend name (``AITER``, ``FLYDSL``, ``HIPKITTENS``), or None."""
+    autotune: bool = False
+
+    def describe(self) -> str:
+        if self.pin is not None:
+            return f"pinned to {self.pin} (PRIMUS_TURBO_ATTN_BACKEND)"
+        return "autotuned (PRIMUS_TURBO_AUTO_TUNE / use_turbo_autotune)" if self.autotune else "the default order"
+
+
+DEFAULT_ORDER = Selection()
+
+_SELECTION_SETTINGS = ("PRIMUS_TURBO_ATTN_BACKEND", "use_turbo_autotune")
+
+
+@dataclass(frozen=True)
 class Route:
     """The outcome of `route`: the backend that runs, or why none can, and what goes wrong."""
 
@@ -190,6 +213,10 @@ class Route:
     failure: str = ""
     """Set when no backend takes the call, or the one that does refuses it."""
     defects: Tuple[str, ...] = field(default=())
+    selection: Selection = DEFAULT_ORDER
+    """How the backend was chosen; under autotune `backend` is the worst of `candidates`."""
+    candidates: Tuple[str, ...] = ()
+    """Under autotune, every backend that takes the call (any of them may run it)."""
 
     @property
     def ok(self) -> bool:
@@ -207,13 +234,19 @@ class Route:
         """One sentence for a refusal ("" when the call runs and computes exactly)."""
         entry = "flash_attn_func" if self.features.entry == DENSE else "flash_attn_varlen_func"
         arch = f"{self.features.arch} ({ARCH_NAMES.get(self.features.arch, '?')})"
+        pin = self.selection.pin
+        if self.backend is None and pin is not None:
+            reasons = "; ".join(why for _, why in self.passed_over)
+            return f"on {arch} the backend pinned for {entry} ({pin}) cannot take this call ({reasons})"
         if self.backend is None:
             reasons = "; ".join(why for _, why in self.passed_over)
             return f"on {arch} no Primus-Turbo kernel backend takes this {entry} call ({reasons})"
+        runs = (f"may run on any of {', '.join(self.candidates)} (autotune), among them {self.backend}"
+                if len(self.candidates) > 1 else f"runs on {self.backend}")
         if self.failure:
-            return f"on {arch} {entry} runs on {self.backend}, which refuses it: {self.failure}"
+            return f"on {arch} {entry} {runs}, which refuses it: {self.failure}"
         if self.defects:
-            return f"on {arch} {entry} runs on {self.backend}: {'; '.join(self.defects)}"
+            return f"on {arch} {entry} {runs}: {'; '.join(self.defects)}"
         return ""
 
     def reason(self, what: str, *, settings: Sequence[str] = (), alternatives: Sequence[str] = ()) -> Optional[Reason]:
@@ -222,8 +255,12 @@ class Route:
         problem = self.problem()
         if not problem:
             return None
-        names = ("turbo_arch",) + tuple(s for c in self.blocking for s in c.settings) + tuple(settings)
+        chosen = _SELECTION_SETTINGS if self.selection != DEFAULT_ORDER else ()
+        names = ("turbo_arch",) + chosen + tuple(s for c in self.blocking for s in c.settings) + tuple(settings)
         ways = [c.alternative for c in self.blocking if c.alternative] + list(alternatives)
+        if self.selection != DEFAULT_ORDER:
+            ways.append("unset PRIMUS_TURBO_ATTN_BACKEND and set use_turbo_autotune: false (PRIMUS_TURBO_AUTO_TUNE=0) "
+                        "for attention, so Primus-Turbo picks FlyDSL and its fallbacks in order")
         return Reason(tuple(dict.fromkeys(names)), f"{what}: {problem}.",
                       "; or ".join(dict.fromkeys(ways)) or "change the configuration", "B33")
 
@@ -240,10 +277,41 @@ def route_on(features: CallFeatures, backend: KernelBackend) -> Optional[Route]:
                  defects=tuple(c.text for c in defects), blocking=tuple(refused + defects))
 
 
-def route(features: CallFeatures) -> Route:
-    """Which backend takes this call on its arch, following the dispatch order (§1)."""
+def _pinned(features: CallFeatures, selection: Selection) -> Route:
+    """A pinned backend: it takes the call or upstream raises ``ValueError`` (no fallback)."""
+    pin = str(selection.pin).upper()
+    backend = next((b for b in ORDER[features.entry] if b.name.upper() == pin), None)
+    if backend is None:
+        return Route(features, None, passed_over=((pin, f"{pin} is not registered for {features.entry} attention"),),
+                     failure="not registered", selection=selection)
+    taken = route_on(features, backend)
+    if taken is None:
+        failed = [c for c in backend.takes if not c.ok(features)]
+        return Route(features, None, passed_over=((backend.name, "; ".join(c.text for c in failed)),),
+                     failure="the pinned backend cannot handle the inputs", blocking=tuple(failed), selection=selection)
+    return dataclasses.replace(taken, selection=selection)
+
+
+def _autotuned(features: CallFeatures, selection: Selection) -> Optional[Route]:
+    """Autotune may keep any backend that takes the call: the worst of them answers for all."""
+    taken = [r for r in (route_on(features, b) for b in ORDER[features.entry]) if r is not None]
+    if not taken:
+        return None
+    worst = next((r for r in taken if not r.ok), taken[0])
+    return dataclasses.replace(worst, selection=selection, candidates=tuple(r.backend for r in taken))
+
+
+def route(features: CallFeatures, selection: Selection = DEFAULT_ORDER) -> Route:
+    """Which backend takes this call on its arch: the pin, else (under autotune) the worst
+    backend that takes it, else the first in the dispatch order (§1)."""
     if features.arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {features.arch!r}")
+    if selection.pin is not None:
+        return _pinned(features, selection)
+    if selection.autotune:
+        tuned = _autotuned(features, selection)
+        if tuned is not None:
+            return tuned
     passed: list[tuple[str, str]] = []
     closest: list[Check] = []  # the failing checks of the backend that came closest to taking it
     for backend in ORDER[features.entry]:
@@ -259,8 +327,11 @@ def route(features: CallFeatures) -> Route:
 
 
 def default_scale(scale: Optional[float], head_dim: int) -> bool:
-    return scale is None or math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6)
+    """FlyDSL's own test of the scale it bakes in: None, or within 1e-6 of 1/sqrt(D), absolute
+    (``_scale_ok``, attention_impl.py at a6a16cd)."""
+    return scale is None or abs(scale - 1.0 / math.sqrt(head_dim)) < 1e-6
 
 
-__all__ = ["ARCHES", "ARCH_NAMES", "CallFeatures", "Check", "DENSE", "KernelBackend", "LayoutError", "ORDER", "Route",
-           "VARLEN", "default_scale", "infer_qkv_format", "route", "route_on", "storage_features"]
+__all__ = ["ARCHES", "ARCH_NAMES", "CallFeatures", "Check", "DEFAULT_ORDER", "DENSE", "KernelBackend", "LayoutError",
+           "ORDER", "Route", "Selection", "VARLEN", "default_scale", "infer_qkv_format", "route", "route_on",
+           "storage_features"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,6 +32,7 @@ from ..errors import Reason, UnsupportedInputError
 from .base import BackendCapabilities, KernelCall, Output, same_tensor
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
+from .dispatch import Selection
 from .ops import CallArgs
 from .turbo_kernels import AiterPair, aiter_pair, discover
 
@@ -38,6 +40,30 @@ from .turbo_kernels import AiterPair, aiter_pair, discover
 def load_ops() -> Any:
     """Import Primus-Turbo's attention ops module (raises ImportError when absent)."""
     return importlib.import_module("primus_turbo.pytorch.ops")
+
+
+def kernel_selection(autotune: bool = False) -> Selection:
+    """How the installed Primus-Turbo will choose attention kernel backends (`Selection`).
+
+    Asked of its own ``GlobalBackendManager``, which reads a backend set in code and the
+    environment (``PRIMUS_TURBO_ATTN_BACKEND``, ``PRIMUS_TURBO_AUTO_TUNE``) as its dispatcher
+    will; ``autotune`` is the ``use_turbo_autotune`` setting (Primus sets the variable from
+    it).  A value the manager cannot read becomes a pin nothing takes, so the plan refuses it
+    rather than guessing; without the manager (not installed, older builds) only the setting
+    counts.
+    """
+    try:
+        core = importlib.import_module("primus_turbo.pytorch.core.backend")
+        manager, precision = core.GlobalBackendManager, core.PrecisionType.BF16_FP16_FP32
+    except (ImportError, AttributeError):
+        return Selection(autotune=autotune)
+    try:
+        pinned = manager.get_attn_backend(precision)
+    except Exception:  # noqa: BLE001 - upstream raises for a name it does not know: so will its dispatcher
+        pinned_name: Optional[str] = os.environ.get("PRIMUS_TURBO_ATTN_BACKEND", "unreadable").strip() or "unreadable"
+    else:
+        pinned_name = getattr(pinned, "name", None) if pinned is not None else None
+    return Selection(pin=pinned_name, autotune=bool(autotune or manager.auto_tune_enabled()))
 
 
 def turbo_window_args(pattern: Pattern) -> tuple[bool, tuple[int, int]]:
@@ -196,4 +222,4 @@ def _check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, pattern: Pattern) -> Non
             "turbo_flex_attention_backend: reference."))
 
 
-__all__ = ["TurboBackend", "load_ops", "turbo_window_args"]
+__all__ = ["TurboBackend", "kernel_selection", "load_ops", "turbo_window_args"]

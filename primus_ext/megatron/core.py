@@ -99,7 +99,7 @@ class TurboAttentionCore:
                                     context_parallel=self.facts.context_parallel_size > 1)
             groups_kw = cp_group_kwargs(cp_comm_type, pg_collection, self.facts.context_parallel_size)
             self.runner = DirectRunner(load_ops(), entries, groups_kw)
-            self.direct = DirectTarget(self.runner, self.plan.arch)
+            self.direct = DirectTarget(self.runner, self.plan.arch, self.plan.selection)
             self.handle = register_target(self.direct, owner=self)
 
     @property

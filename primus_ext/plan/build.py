@@ -10,9 +10,9 @@ from ..attention.pattern import pattern_from_flash_args
 from ..attention.hook_proof import MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
-from ..backends.dispatch import ARCHES, DENSE
+from ..backends.dispatch import ARCHES, DENSE, Selection
 from ..backends.direct import DirectEntries, choose_direct
-from ..backends.turbo import load_ops
+from ..backends.turbo import kernel_selection, load_ops
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError, short_repr
 from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
@@ -116,7 +116,8 @@ def build_plan(
     reasons.extend(failing_reasons(ctx))
     arch, _ = resolve_arch(settings.turbo_arch)
     reasons.extend(arch_reasons(settings.turbo_arch))
-    routes = _kernel_routes(ctx, arch, mask_proof, score_proof)
+    selection = kernel_selection(settings.use_turbo_autotune)
+    routes = _kernel_routes(ctx, arch, mask_proof, score_proof, selection)
     reasons.extend(route_reasons(routes, facts.packed))
     if routes == () and arch is not None and arch not in ARCHES and (ctx.on_turbo or ctx.on_direct):
         reasons.append(Reason(("turbo_arch",), f"the device is {arch}; Primus-Turbo's kernel dispatch is "
@@ -160,6 +161,7 @@ def build_plan(
             score_proof.assumptions if score_proof else ()),
         arch=arch,
         kernels=describe_routes(routes),
+        selection=selection,
         storage=_storage(ctx, arch, routes),
         bind_call=_call_binder(settings, facts, backend) if flex and mask_mod is None else None,
     )
@@ -169,7 +171,7 @@ def build_plan(
 
 
 def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[MaskProof],
-                   score_proof: Optional[ScoreProof]) -> tuple:
+                   score_proof: Optional[ScoreProof], selection: Selection) -> tuple:
     """The kernel backends this layer's Turbo calls reach on ``arch`` (B33); () off Turbo."""
     direct = ctx.direct
     plain_direct = ctx.on_direct and direct is not None and not direct.context_parallel and (
@@ -179,7 +181,7 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
     return layer_routes(
         ctx.facts, arch, dense_pattern=mask_proof.pattern if (ctx.flex and mask_proof) else None,
         window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
-        alibi=bool(score_proof and score_proof.kind == "alibi"))
+        alibi=bool(score_proof and score_proof.kind == "alibi"), selection=selection)
 
 
 def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:

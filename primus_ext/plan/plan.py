@@ -7,6 +7,7 @@ from typing import Callable, Optional, Tuple
 
 from ..attention.hook_trace import Assumption
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
+from ..backends.dispatch import DEFAULT_ORDER, Selection
 
 
 STORAGE = ("as-given", "contiguous-bshd", "contiguous-sbhd")
@@ -54,6 +55,9 @@ class AttentionPlan:
     """The GPU arch the kernel routes were checked for (None: unknown here, not checked)."""
     kernels: Tuple[str, ...] = ()
     """Which Primus-Turbo kernel backend each kind of call reaches on ``arch`` (B33)."""
+    selection: Selection = DEFAULT_ORDER
+    """How Primus-Turbo picks the kernel backend of each call (a pin, autotune, the default order),
+    as the installed build reported it when the layer was built; ``kernels`` hold for it."""
     storage: str = "as-given"
     """How the Megatron modules store dense q/k/v before a Turbo kernel (`STORAGE`): as Megatron
     gives them (bshd views of sbhd memory, key and value split views), ``contiguous-bshd``

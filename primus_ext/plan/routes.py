@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple
 
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..backends.arch import device_arch, presented
-from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
+from ..backends.dispatch import ARCHES, DEFAULT_ORDER, DENSE, VARLEN, CallFeatures, Route, Selection, default_scale, route
 from ..errors import Reason
 from .facts import LayerFacts
 
@@ -53,7 +53,7 @@ def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sin
 
 def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optional[Pattern],
                  window: Optional[Tuple[int, int]], sink: bool, deterministic: bool,
-                 alibi: bool) -> Tuple[Tuple[str, Route], ...]:
+                 alibi: bool, selection: Selection = DEFAULT_ORDER) -> Tuple[Tuple[str, Route], ...]:
     """``(("dense" | "packed", route), ...)`` for the calls this layer can make on ``arch``.
 
     ``dense_pattern``: the dense calls' mask (None: the caller's causal / window).
@@ -65,12 +65,12 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
     out: list[Tuple[str, Route]] = []
     if facts.packed is not False:
         out.append(("packed", route(_features(facts, arch, VARLEN, flash, sink=sink,
-                                              deterministic=deterministic, alibi=alibi))))
+                                              deterministic=deterministic, alibi=alibi), selection)))
     if facts.packed is not True:
         pattern = dense_pattern or flash
         entry = VARLEN if pattern.documents else DENSE
         out.append(("dense", route(_features(facts, arch, entry, Pattern(pattern.left, pattern.right), sink=sink,
-                                             deterministic=deterministic, alibi=alibi))))
+                                             deterministic=deterministic, alibi=alibi), selection)))
     return tuple(out)
 
 
@@ -97,6 +97,12 @@ def describe_routes(routes: Sequence[Tuple[str, Route]]) -> Tuple[str, ...]:
     for kind, found in routes:
         if found.backend is None:
             out.append(f"{kind}: none")
+            continue
+        if len(found.candidates) > 1:
+            out.append(f"{kind}: {' or '.join(found.candidates)} (autotune)")
+            continue
+        if found.selection.pin is not None:
+            out.append(f"{kind}: {found.backend} (pinned)")
             continue
         note = found.fallback_note
         slow = f" (slower fallback: {note.split(': ', 1)[1]})" if ": " in note else ""

@@ -52,7 +52,6 @@ FOREIGN_KEYS: frozenset[str] = frozenset(
         "attention_backend",
         "use_kitchen_attention",
         "kitchen_attention_backend",
-        "use_turbo_autotune",
         "use_turbo_gemm",
         "use_turbo_grouped_gemm",
         "use_turbo_fused_act_with_probs",
@@ -117,6 +116,10 @@ class TurboAttentionSettings:
     enable_turbo_attention_float8: bool = field(default=False, metadata=_meta(
         "Primus-Turbo fp8 attention (direct path only; refused on the flex path).",
         "bool", "B9, B23"))
+    use_turbo_autotune: bool = field(default=False, metadata=_meta(
+        "Primus's switch: Primus-Turbo times its kernel backends and keeps the fastest "
+        "(PRIMUS_TURBO_AUTO_TUNE=1); the plan then holds for every attention backend autotune may keep.",
+        "bool", "B33"))
     deterministic_mode: bool = field(default=False, metadata=_meta(
         "Deterministic kernels; refused when the selected entry has no 'deterministic' parameter.",
         "bool", "B24"))

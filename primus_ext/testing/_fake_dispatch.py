@@ -37,6 +37,7 @@ from torch import Tensor
 from ..attention.pattern import Pattern
 from ..backends.dispatch import AITER_DENSE, ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
 from ..backends.layout import LayoutError, infer_qkv_format, storage_features
+from ._fake_backend_manager import selection_now
 from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -109,7 +110,7 @@ class Dispatcher:
         )
 
     def _run(self, features: CallFeatures) -> frozenset[str]:
-        found = route(features)
+        found = route(features, selection_now())  # re-read at every call, as upstream does
         if found.backend is not None:  # recorded before a refusal: the backend took the call, then failed it
             self.last = found.backend
             self.on_backend(found.backend)
@@ -133,6 +134,13 @@ def faults_of(found: Route) -> frozenset[str]:
 
 def raise_refusal(found: Route) -> None:
     """Raise what real Primus-Turbo raises for a call no backend runs, or its backend refuses."""
+    if found.backend is None and found.selection.pin is not None:
+        pin, why = found.selection.pin.upper(), "; ".join(w for _, w in found.passed_over)
+        if found.failure == "not registered":
+            raise ValueError(f"User specified backend {pin} is not registered for {_DISPATCHER[found.features.entry]} "
+                             f"(fake Primus-Turbo: {why})")
+        raise ValueError(f"User specified backend {pin} cannot handle the given inputs: {describe(found.features)}. "
+                         f"Please check input constraints or choose a different backend. (fake Primus-Turbo: {why})")
     if found.backend is None:
         reasons = "; ".join(f"{name}: {why}" for name, why in found.passed_over)
         raise ValueError(f"No compatible backend found for {_DISPATCHER[found.features.entry]} with inputs: "

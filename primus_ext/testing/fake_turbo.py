@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ..backends.arch import presenting
-from . import _fake_kernels
+from . import _fake_backend_manager, _fake_kernels
 from ._call_log import DEFAULT_CAPACITY, CallLog
 from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
@@ -251,7 +251,7 @@ class FakeTurbo:
         return module
 
     def install(self) -> dict[str, types.ModuleType]:
-        """The four fake modules, keyed by name, ready for ``sys.modules``."""
+        """The fake modules, keyed by name, ready for ``sys.modules``."""
         root, pytorch, ops = (_new_module(n) for n in _PACKAGES[:3])
         root.__version__ = "0.0.0+cpu.fake"  # type: ignore[attr-defined]
         root.pytorch = pytorch  # type: ignore[attr-defined]
@@ -259,7 +259,12 @@ class FakeTurbo:
         ops.attention = self.module  # type: ignore[attr-defined]
         for name in self.signatures:  # re-exported one level up, as upstream does
             setattr(ops, name, getattr(self.module, name))
-        return dict(zip(_PACKAGES, (root, pytorch, ops, self.module)))
+        core = _new_module(f"{_ROOT}.pytorch.core")
+        backend = _fake_backend_manager.module(f"{_ROOT}.pytorch.core.backend")
+        pytorch.core, core.backend = core, backend  # type: ignore[attr-defined]
+        _fake_backend_manager.GlobalBackendManager.reset()  # a fresh process: no backend set in code
+        return {**dict(zip(_PACKAGES, (root, pytorch, ops, self.module))), core.__name__: core,
+                backend.__name__: backend}
 
 
 def _new_module(name: str) -> types.ModuleType:

@@ -1,0 +1,98 @@
+"""A pinned backend or autotune changes which Primus-Turbo kernel runs a call: the plan follows.
+
+Upstream's dispatcher asks ``GlobalBackendManager`` at every call: a backend set in code or in
+``PRIMUS_TURBO_ATTN_BACKEND`` first (it must take the call, or ``ValueError``), then autotune
+(``PRIMUS_TURBO_AUTO_TUNE=1``, which Primus's ``use_turbo_autotune`` sets), which keeps the fastest
+backend that takes the call, then FlyDSL and the fallbacks in order (upstream_facts.md §3).  So
+the plan routes each call with the installed build's selection, and under autotune it must
+hold for every backend that takes the call.  The fake's dispatcher reads the same manager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_ext.backends.dispatch import DEFAULT_ORDER, DENSE, VARLEN, CallFeatures, Selection, route
+from primus_ext.errors import UnsupportedConfigError
+from primus_ext.plan import build_plan
+from primus_ext.testing import fake_primus_turbo
+
+from .helpers import adapter, facts, settings
+
+BF16 = torch.bfloat16
+FLYDSL_LAYER = dict(num_heads=16, num_kv_heads=2, head_dim=64, dtype="bf16", packed=False)  # GQA 8, D 64
+
+
+def features(**over) -> CallFeatures:
+    base = dict(arch="gfx950", entry=DENSE, dtype="bf16", head_dim=64, head_dim_v=64, heads=16, kv_heads=2)
+    return CallFeatures(**{**base, **over})
+
+
+def test_a_pin_is_the_backend_or_upstreams_value_error():
+    assert route(features()).backend == "FlyDSL"
+    assert route(features(), Selection(pin="AITER")).backend == "AITER"
+    gqa2 = route(features(kv_heads=8), Selection(pin="FLYDSL"))
+    assert gqa2.backend is None and "pinned" in gqa2.problem()
+    assert route(features(entry=VARLEN), Selection(pin="HIPKITTENS")).failure == "not registered"
+
+
+def test_autotune_answers_for_every_backend_that_takes_the_call():
+    det_sink = features(sink=True, deterministic=True)
+    assert route(det_sink).ok  # FlyDSL takes deterministic + sink ...
+    tuned = route(det_sink, Selection(autotune=True))
+    assert not tuned.ok and tuned.backend == "AITER"  # ... but autotune may keep AITER, which asserts
+    assert set(tuned.candidates) == {"FlyDSL", "AITER"}
+    reason = tuned.reason("dense calls")
+    assert reason is not None and "use_turbo_autotune" in reason.settings and "autotune" in reason.reason
+    plain = route(features(), Selection(autotune=True))
+    assert plain.ok and set(plain.candidates) == {"FlyDSL", "AITER", "HipKittens"}
+
+
+def test_the_plan_reads_use_turbo_autotune_and_refuses_what_any_candidate_refuses():
+    keys = dict(turbo_flex_attention_backend="turbo", use_sink_attention=True, deterministic_mode=True)
+    with fake_primus_turbo(arch="gfx950"):
+        assert build_plan(settings(**keys), facts(**FLYDSL_LAYER)).selection == DEFAULT_ORDER
+        with pytest.raises(UnsupportedConfigError, match="autotune") as err:
+            build_plan(settings(use_turbo_autotune=True, **keys), facts(**FLYDSL_LAYER))
+        assert "B33" in err.value.codes and "use_turbo_autotune" in err.value.settings
+        plan = build_plan(settings(use_turbo_autotune=True, turbo_flex_attention_backend="turbo"),
+                          facts(**FLYDSL_LAYER))
+        assert plan.selection.autotune and "(autotune)" in plan.kernels[0]
+
+
+@pytest.mark.parametrize("value, backend", [("aiter", "AITER"), ("AITER", "AITER"), ("bf16:aiter,other:flydsl", "AITER"),
+                                            ("fp8:flydsl,other:aiter", "AITER"), ("flydsl", "FlyDSL")])
+def test_an_environment_pin_reaches_the_plan_and_the_fake_alike(monkeypatch, value, backend):
+    monkeypatch.setenv("PRIMUS_TURBO_ATTN_BACKEND", value)
+    q = torch.randn(128, 2, 16, 64).to(BF16)
+    k = torch.randn(128, 2, 2, 64).to(BF16)
+    with fake_primus_turbo(arch="gfx950") as fake:
+        run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(**FLYDSL_LAYER))
+        assert run.plan.selection.pin == backend.upper()
+        run(q.transpose(0, 1), k.transpose(0, 1), k.transpose(0, 1), causal=True)
+        assert fake.calls[-1].backend == backend
+
+
+def test_a_pin_that_cannot_take_the_layers_calls_is_refused_at_build(monkeypatch):
+    monkeypatch.setenv("PRIMUS_TURBO_ATTN_BACKEND", "flydsl")
+    mha = dict(FLYDSL_LAYER, num_kv_heads=16)  # MHA: FlyDSL's gate wants a GQA group of 8 to 256
+    with fake_primus_turbo(arch="gfx950") as fake:
+        with pytest.raises(UnsupportedConfigError, match="pinned") as err:
+            build_plan(settings(turbo_flex_attention_backend="turbo"), facts(**mha))
+        assert "PRIMUS_TURBO_ATTN_BACKEND" in err.value.settings
+        q = torch.randn(2, 128, 16, 64).to(BF16)
+        with pytest.raises(ValueError, match="User specified backend FLYDSL cannot handle"):
+            fake.module.flash_attn_func(q, q, q, causal=True)  # what the run would have met
+
+
+def test_a_pin_set_in_code_and_an_unreadable_one(monkeypatch):
+    with fake_primus_turbo(arch="gfx950"):
+        from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+
+        GlobalBackendManager.set_attn_backend(BackendType.AITER)
+        assert build_plan(settings(turbo_flex_attention_backend="turbo"), facts(**FLYDSL_LAYER)).selection.pin == "AITER"
+    monkeypatch.setenv("PRIMUS_TURBO_ATTN_BACKEND", "cuda")  # upstream raises KeyError at every call
+    with fake_primus_turbo(arch="gfx950"):
+        with pytest.raises(UnsupportedConfigError, match="cuda"):
+            build_plan(settings(turbo_flex_attention_backend="turbo"), facts(**FLYDSL_LAYER))

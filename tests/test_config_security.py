@@ -282,3 +282,29 @@ def test_a_module_getattr_raising_anything_is_refused_with_our_error(tmp_path, m
     with pytest.raises(UnsupportedConfigError, match="SystemExit") as err:
         resolve_hook("lazy_hooks:mask", kind="mask_mod", setting="turbo_flex_attention_mask_mod")
     assert "turbo_flex_attention_mask_mod" in err.value.settings
+
+
+def test_a_hook_modules_dir_or_exception_message_raising_is_still_our_refusal(user_module):
+    name = user_module('''
+        import sys
+        def __getattr__(name):
+            raise AttributeError(name)
+        def __dir__():
+            raise SystemExit("dir() ended the program")
+        class Weird(Exception):
+            def __str__(self):
+                raise SystemExit("str() ended the program")
+        class Weird2(Exception):
+            def __str__(self):
+                raise RuntimeError("str() failed")
+        def mask(b, h, q_idx, kv_idx):
+            raise Weird("boom")
+        def mask2(b, h, q_idx, kv_idx):
+            raise Weird2("boom")
+    ''')
+    from primus_ext.settings.hooks import resolve_hook
+
+    for attr, text in (("missing", "has no attribute"), ("mask", "Weird"), ("mask2", "Weird2")):
+        with pytest.raises(UnsupportedConfigError, match=text) as err:
+            resolve_hook(f"{name}:{attr}", kind="mask_mod", setting="turbo_flex_attention_mask_mod")
+        assert "turbo_flex_attention_mask_mod" in err.value.settings

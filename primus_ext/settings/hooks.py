@@ -25,19 +25,17 @@ The returned callable is the user's object, untouched: no attributes are set on 
 from __future__ import annotations
 
 import difflib
-import functools
 import importlib
 import inspect
-import sys
-import types
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
-from ..attention.library import is_hook_factory, is_library_mask
+from ..attention.library import is_hook_factory
 from ..attention.pattern import index_grid
 from ..errors import Reason, UnsupportedConfigError, short_repr
+from .hook_trust import TRUST_CODE, is_stdlib as _is_stdlib, untrusted as _untrusted
 from .settings import HOOK_PATTERN, TurboAttentionSettings
 
 HookKind = Literal["mask_mod", "score_mod"]
@@ -53,44 +51,6 @@ _EXAMPLE = {
     "mask_mod": '"primus_ext.attention.masks:prefix_lm" with _kwargs {prefix_length: 64}',
     "score_mod": '"my_pkg.mods:tanh_softcap" returning a float tensor shaped like score',
 }
-
-
-TRUST_CODE = "B32"
-
-# C-level callables: they have no Python body to read and may do anything (os.system).
-_C_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
-                types.MethodDescriptorType, types.ClassMethodDescriptorType)
-
-
-def _is_stdlib(module_name: Any) -> bool:
-    """True for builtins, standard-library and torch modules, judged by the top-level package.
-
-    torch's own functions are never a user's hook, and some change process state when
-    called (``torch:set_printoptions``), so a config may not name them either.
-    """
-    if not isinstance(module_name, str) or not module_name:
-        return True  # no importable home: nothing vouches for it
-    top = module_name.split(".", 1)[0]
-    return (top in sys.stdlib_module_names or top in sys.builtin_module_names
-            or top in ("builtins", "torch"))
-
-
-def _untrusted(obj: Any) -> Optional[str]:
-    """What ``obj`` is, if a config may not have it called (B32); ``None`` if it may."""
-    if is_library_mask(obj) or is_hook_factory(obj):
-        return None  # registered by the library or opted in by its author, by identity
-    if isinstance(obj, types.FunctionType):
-        module = getattr(obj, "__module__", None)
-        return f"a function of the standard library module `{module}`" if _is_stdlib(module) else None
-    if isinstance(obj, type):
-        return f"the class `{obj.__module__}.{obj.__qualname__}`"
-    if isinstance(obj, functools.partial):
-        return "a functools.partial"
-    if isinstance(obj, _C_CALLABLES):
-        return "a built-in (C) function"
-    if isinstance(obj, types.MethodType):
-        return "a bound method"
-    return f"a callable `{type(obj).__name__}` instance"
 
 
 def _arity_problem(sig: inspect.Signature, count: int) -> Optional[str]:
@@ -124,9 +84,24 @@ _EXC_TEXT_LIMIT = 300
 def _describe_exc(exc: BaseException) -> str:
     """``Type: message`` in bounded size and time: an exception may carry the user's kwargs."""
     plain = all(isinstance(arg, (str, int, float)) for arg in exc.args)  # str(exc) is then cheap
-    text = str(exc) if plain else short_repr(exc.args[0] if len(exc.args) == 1 else exc.args)
+    try:  # a user's exception class may override __str__ with anything, SystemExit included
+        text = str(exc) if plain else short_repr(exc.args[0] if len(exc.args) == 1 else exc.args)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - the message is unreadable; its type still says what happened
+        text = "<the exception's message could not be read>"
     cut = text if len(text) <= _EXC_TEXT_LIMIT else text[:_EXC_TEXT_LIMIT - 3] + "..."
     return f"{type(exc).__name__}: {cut}"
+
+
+def _public_names(obj: Any) -> list[str]:
+    """Names to suggest from ``obj``; none when its ``__dir__`` raises (it is the user's code)."""
+    try:
+        return [n for n in dir(obj) if isinstance(n, str) and not n.startswith("_")]
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a module __dir__ may raise anything, SystemExit too
+        return []
 
 
 class _Resolver:
@@ -233,7 +208,7 @@ class _Resolver:
                 if not isinstance(exc, AttributeError):
                     raise self.refuse(f"reading `{part}` of `{walked}` raised {_describe_exc(exc)}",
                                       f"fix the error raised by `{walked}`.") from exc
-                names = [n for n in dir(obj) if not n.startswith("_")]
+                names = _public_names(obj)
                 close = difflib.get_close_matches(part, names, n=3, cutoff=0.6)
                 sep = "." if ":" in walked else ":"
                 hint = f"did you mean {', '.join(f'`{walked}{sep}{c}`' for c in close)}?" if close else (

@@ -46,8 +46,8 @@ def test_upstreams_layout_inference_reads_all_three_tensors():
     q, k, v = megatron_sbhd()
     views = tuple(t.transpose(0, 1) for t in (q, k, v))
     assert infer_qkv_format(*views) == "sbhd"  # the split value still orders as sbhd ...
-    fmt, sbhd, contiguous = storage_features(*views)
-    assert (fmt, sbhd, contiguous) == ("sbhd", True, False)  # ... but is not contiguous
+    fmt, sbhd, contiguous, bshd = storage_features(*views)
+    assert (fmt, sbhd, contiguous, bshd) == ("sbhd", True, False, False)  # ... but is not contiguous
     bshd = torch.randn(B, S, HKV, D)
     with pytest.raises(LayoutError, match="share one layout"):
         infer_qkv_format(views[0], bshd, bshd)
@@ -144,3 +144,21 @@ def test_a_drop_in_call_flydsl_would_assert_on_is_refused_by_us():
         with pytest.raises(UnsupportedInputError, match="share one layout") as err:
             run(views[0], views[1].contiguous(), views[2].contiguous(), causal=True)
         assert "qkv_format" in err.value.settings
+
+
+def test_on_gfx942_strided_views_are_refused_for_aiters_backward_and_contiguous_ones_run():
+    """gfx942's AITER v3 backward corrupts gradients of the strided bshd view of sbhd memory, so the
+    modules copy to contiguous bshd there; a drop-in call passing the strided view is refused, and
+    the fake, which cannot reproduce the corruption, refuses to compute it rather than be kinder."""
+    q, k, v = (t.contiguous() for t in megatron_sbhd())
+    views = [t.transpose(0, 1) for t in (q, k, v)]
+    layer = facts(num_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype="bf16", packed=False)
+    with fake_primus_turbo(arch="gfx942") as fake:
+        run = adapter(settings(turbo_flex_attention_backend="turbo"), layer)
+        with pytest.raises(UnsupportedInputError, match="corrupts the gradients") as err:
+            run(*views, causal=True)
+        assert "B33" in err.value.codes
+        with pytest.raises(NotImplementedError, match="cannot reproduce"):
+            fake.module.flash_attn_func(*views, causal=True)
+        run(*(t.contiguous() for t in views), causal=True)  # what the modules pass on gfx942
+        assert fake.calls[-1].backend == "AITER"

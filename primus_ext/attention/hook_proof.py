@@ -4,8 +4,8 @@ A mask hook runs on a fixed kernel only when it is *proven* equal, for every bat
 index, head of the layer, query and key position (no sequence length is assumed),
 to one of the kernel patterns: full, a flash window ``(left, right)``, equal-length
 chunks, or documents cut at constant positions, each optionally windowed inside.
-A score hook is proven the identity or ALiBi ``score + slope[h] * (kv - q)`` over the
-reals, one float32 slope per head.
+A score hook is proven the identity, ALiBi ``score + slope[h] * (kv - q)`` or symmetric
+ALiBi ``score - slope[h] * |q - kv|`` over the reals, one float32 slope per head.
 
 The hook is traced (`hook_trace`), turned into a z3 formula (`hook_z3`) and the
 candidate pattern is derived by the solver itself (the widest reach to either side,
@@ -54,7 +54,8 @@ class MaskProof:
 
 @dataclass(frozen=True)
 class ScoreProof:
-    """``kind``: ``identity``, ``alibi`` (float32 slopes, Turbo's sign), ``softcap`` or ``other``."""
+    """``kind``: ``identity``, ``alibi`` (``score + slope * (kv - q)``, float32 slopes), ``alibi-symmetric``
+    (``score - slope * |q - kv|``, the form bidirectional encoders use), ``softcap`` or ``other``."""
 
     kind: str
     alibi_slopes: Optional[tuple[float, ...]]
@@ -305,6 +306,7 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
     per_head = "the head index" in trace.reads and bool(num_heads)
     heads: list[Optional[int]] = list(range(int(num_heads))) if per_head else [None]  # type: ignore[arg-type]
     slopes: list[Fraction] = []
+    forms: list[str] = []  # each head's candidate form
     cases: list[tuple[Optional[int], z3.ArithRef, z3.ArithRef, Encoder]] = []
     for head in heads:  # encode every head first: then one solver query covers them all
         encoder = Encoder(trace.graph, trace.tensor_names)
@@ -314,17 +316,25 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
         except Unsupported as exc:
             return result("other", str(exc))
         out = z3.ToReal(out) if z3.is_int(out) else out
-        at = z3.simplify(z3.substitute(out - score, (score, z3.RealVal(0)), (b, z3.IntVal(0)),
-                                       (h, z3.IntVal(head or 0)), (q, z3.IntVal(0)), (kv, z3.IntVal(1))))
-        if not (z3.is_rational_value(at) or z3.is_int_value(at)):
-            return result("other", "its offset from the score is not a constant times (kv_idx - q_idx)")
-        slope = Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
+        right, left = (_offset(out - score, names, head, q_at, kv_at) for q_at, kv_at in ((0, 1), (1, 0)))
+        if right is None or left is None:
+            return result("other", "its offset from the score is not a constant times the distance (kv_idx - q_idx)")
+        # The candidate form, from one key right and one left of the diagonal; the solver proves it.
+        form = SYMMETRIC if (right == left and right != 0) else ALIBI
+        slope = -right if form == SYMMETRIC else right
         if not _float32(slope):
             return result("other", f"has the ALiBi slope {float(slope)!r}"
                                    f"{'' if head is None else f' (head {head})'}, which is not a float32 value "
                                    "(Primus-Turbo's alibi_slopes are float32)")
         slopes.append(slope)
-        cases.append((head, out, score + z3.RealVal(slope) * z3.ToReal(kv - q), encoder))
+        forms.append(form)
+        distance = z3.ToReal(kv - q)
+        expected = score - z3.RealVal(slope) * z3.If(distance >= 0, distance, -distance) if form == SYMMETRIC \
+            else score + z3.RealVal(slope) * distance
+        cases.append((head, out, expected, encoder))
+    if len({f for f, slope in zip(forms, slopes) if slope != 0}) > 1:  # one kernel formula serves all heads
+        return result("other", "is ALiBi on some heads and symmetric ALiBi on others")
+    symmetric = SYMMETRIC in forms
     merged = Encoder(trace.graph, trace.tensor_names)
     merged.obligations = [o for *_, enc in cases for o in enc.obligations]
     why = _broken_obligation(merged, domain, names)
@@ -337,7 +347,8 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
         for (head, out, expected, _), slope in zip(cases, slopes):
             if z3.is_true(model.eval(out != expected, model_completion=True)):
                 got = model.eval(out, model_completion=True).as_decimal(6)
-                form = "the score unchanged" if slope == 0 else f"score + {float(slope):g} * (kv - q)"
+                form = "the score unchanged" if slope == 0 else (
+                    f"score - {float(slope):g} * |q - kv|" if symmetric else f"score + {float(slope):g} * (kv - q)")
                 where = _where(model, names) if head is None else _where(model, names).replace(
                     f"h={model.eval(h, model_completion=True)}", f"h={head}")
                 return result("other", f"at {where} it gives {got}, not {form}: it is neither the "
@@ -346,7 +357,24 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
     if identity:
         return result("identity", "proven to return the score unchanged")
     values = tuple(float(s) for s in slopes) * (int(num_heads or 1) if len(slopes) == 1 else 1)
-    return result("alibi", f"proven ALiBi: score + slope[h] * (kv - q) with slopes {list(values)}", values)
+    if symmetric:
+        return result(SYMMETRIC, f"proven symmetric ALiBi: score - slope[h] * |q - kv| with slopes {list(values)}",
+                      values)
+    return result(ALIBI, f"proven ALiBi: score + slope[h] * (kv - q) with slopes {list(values)}", values)
+
+
+ALIBI, SYMMETRIC = "alibi", "alibi-symmetric"
+"""The two ALiBi forms a score hook is proven to be (`ScoreProof.kind`)."""
+
+
+def _offset(diff: Any, names: dict, head: Optional[int], q_at: int, kv_at: int) -> Optional[Fraction]:
+    """``hook - score`` at one cell (score 0, b 0), as an exact number, or None if it is no constant."""
+    at = z3.simplify(z3.substitute(diff, (names["score"], z3.RealVal(0)), (names["b"], z3.IntVal(0)),
+                                   (names["h"], z3.IntVal(head or 0)), (names["q"], z3.IntVal(q_at)),
+                                   (names["kv"], z3.IntVal(kv_at))))
+    if not (z3.is_rational_value(at) or z3.is_int_value(at)):
+        return None
+    return Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
 
 
 # ----------------------------------------------------------------------------- cache

@@ -62,9 +62,9 @@ class CallRoutes:
     def _lookup(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
                 sink: Any, dropout: float, deterministic: bool, alibi: Any,
                 bias: Any, scale: Optional[float]) -> tuple[Route, Optional[UnsupportedInputError]]:
-        sbhd, contiguous = _storage(q, k, v) if entry == "dense" else (True, True)
+        sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" else (True, True, True)
         key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, sink is not None,
-               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd, contiguous)
+               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd, contiguous, bshd)
         found = self._seen.get(key)
         if found is None:
             if len(self._seen) >= _MEMO_MAX:
@@ -73,21 +73,22 @@ class CallRoutes:
         return found
 
     def _route(self, key: tuple) -> tuple[Route, Optional[UnsupportedInputError]]:
-        entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous = key
+        entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd = key
         found = route(CallFeatures(
             arch=self.arch or "", entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
             head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
             dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
             default_scale=default_scale(scale, int(d)), equal_documents=None, sbhd_storage=sbhd,
-            contiguous_sbhd=contiguous), self.selection)
+            contiguous_sbhd=contiguous, contiguous_bshd=bshd), self.selection)
         layout = () if entry != "dense" or sbhd else (
             "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
         reason = found.reason("this call", alternatives=layout)
         return found, (UnsupportedInputError(reason) if reason is not None else None)
 
 
-def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool]:
-    """``(sbhd_storage, contiguous_sbhd)`` of a dense call; a layout upstream asserts on is refused."""
+def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:
+    """``(sbhd_storage, contiguous_sbhd, contiguous_bshd)`` of a dense call; a layout upstream asserts on
+    is refused."""
     try:
         return storage_features(q, k, v)[1:]
     except LayoutError as exc:

@@ -53,6 +53,8 @@ class CallFeatures:
     contiguous_sbhd: bool = True
     """Dense: q, k and v are each contiguous in sbhd order (a split view of a fused QKV,
     megatron-core's key and value, is not)."""
+    contiguous_bshd: bool = True
+    """Dense: q, k and v are each contiguous as bshd (not the strided view of sbhd memory)."""
 
     @property
     def group(self) -> int:
@@ -125,6 +127,17 @@ FLYDSL = KernelBackend(
     ),
     fact="primus_turbo_dispatch.md §1, FlyDSL row; upstream_facts.md §7",
 )
+AITER_SINK_RIGHT_WINDOW = Check(
+    lambda f: not (f.sink and f.window[1] > 0),
+    "AITER's sink backward ignores a window's right bound: the gradients would be silently wrong",
+    ("use_sink_attention", "window_size", "turbo_flex_attention_mask_mod"),
+    "use a window with right bound 0, or use_sink_attention: false")
+# primus_turbo_api.md, hardware facts: upstream feeds contiguous bshd on gfx942 only, for this.
+AITER_GFX942_STRIDED = Check(
+    lambda f: f.arch != "gfx942" or f.contiguous_bshd,
+    "on gfx942 AITER's v3 backward mishandles strided q/k/v (the bshd view of sbhd memory) and corrupts the "
+    "gradients", (),
+    "make q, k and v contiguous bshd before the call (the Megatron modules do so on gfx942)")
 AITER_DENSE = KernelBackend(
     "AITER", (DENSE,),
     takes=(Check(lambda f: f.dtype in ("bf16", "fp16"), "AITER takes fp16 or bf16 only", _DTYPE,
@@ -141,12 +154,7 @@ AITER_DENSE = KernelBackend(
               "when its other conditions hold)",
               raises=("AssertionError", "deterministic and sink cannot be enabled together currently")),
     ),
-    defects=(
-        Check(lambda f: not (f.sink and f.window[1] > 0),
-              "AITER's sink backward ignores a window's right bound: the gradients would be silently wrong",
-              ("use_sink_attention", "window_size", "turbo_flex_attention_mask_mod"),
-              "use a window with right bound 0, or use_sink_attention: false"),
-    ),
+    defects=(AITER_SINK_RIGHT_WINDOW, AITER_GFX942_STRIDED),
     fact="primus_turbo_dispatch.md §1, AITER dense row and consequences",
 )
 AITER_VARLEN = KernelBackend(

@@ -9,7 +9,7 @@ Part of the dispatch model (`primus_ext.backends.dispatch`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def infer_qkv_format(q: Any, k: Any, v: Any) -> str:
@@ -40,13 +40,26 @@ class LayoutError(ValueError):
     """q, k, v stored in a way upstream's layout inference asserts on (the caller refuses it)."""
 
 
-def storage_features(q: Any, k: Any, v: Any) -> tuple[str, bool, bool]:
-    """``(qkv_format, sbhd_storage, contiguous_sbhd)`` of a dense call's q, k, v, as upstream reads
-    them: FlyDSL's gate takes sbhd order, or bshd with batch 1 (``_sbhd_layout``), and its wrapper
-    then asserts that each sbhd view is contiguous."""
+class Storage(NamedTuple):
+    """What the kernels read of how a dense call's bshd-shaped q, k, v are stored."""
+
+    qkv_format: str
+    """Upstream's inferred layout: ``bshd``, ``sbhd`` or ``bhsd``."""
+    sbhd: bool
+    """sbhd order, or bshd with batch 1: what FlyDSL's gate takes (``_sbhd_layout``)."""
+    contiguous_sbhd: bool
+    """Each sbhd view contiguous, as FlyDSL's wrapper then asserts."""
+    contiguous_bshd: bool
+    """Each tensor contiguous as bshd: what gfx942's AITER backward needs (it corrupts gradients of
+    the strided view of sbhd memory; primus_turbo_api.md, hardware facts)."""
+
+
+def storage_features(q: Any, k: Any, v: Any) -> Storage:
+    """The `Storage` of a dense call's q, k, v, as upstream reads it (raises `LayoutError` where it asserts)."""
     fmt = infer_qkv_format(q, k, v)
     sbhd = fmt == "sbhd" or (fmt == "bshd" and q.shape[0] == 1)
-    return fmt, sbhd, sbhd and all(t.transpose(0, 1).is_contiguous() for t in (q, k, v))
+    return Storage(fmt, sbhd, sbhd and all(t.transpose(0, 1).is_contiguous() for t in (q, k, v)),
+                   all(t.is_contiguous() for t in (q, k, v)))
 
 
-__all__ = ["LayoutError", "infer_qkv_format", "storage_features"]
+__all__ = ["LayoutError", "Storage", "infer_qkv_format", "storage_features"]

@@ -7,7 +7,7 @@ import logging
 from typing import Callable, Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
-from ..attention.hook_proof import MaskProof, ScoreProof, prove_mask, prove_score
+from ..attention.hook_proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
 from ..backends.dispatch import ARCHES, DENSE, Selection
@@ -22,6 +22,7 @@ from .routes import arch_reasons, describe_routes, layer_routes, resolve_arch, r
 from .rules import RuleInput, failing_reasons
 
 log = logging.getLogger("primus_ext")
+ALIBI_FORMS = (ALIBI, SYMMETRIC)  # both run as alibi_slopes on the kernels
 
 def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optional[Tuple[int, int]]:
     """The configured sliding window of this layer, flash convention, or None.
@@ -46,6 +47,12 @@ def _declared_packing(settings: TurboAttentionSettings, facts: LayerFacts, reaso
     """``facts`` with ``packed`` from the ``packed_sequences`` setting: one key, read the same way by
     ``check``, the demo and the modules.  A model config that says otherwise is refused (two sources)."""
     declared = settings.packed_sequences
+    if facts.packed is not None and not isinstance(facts.packed, bool):  # a TransformerConfig attribute, unchecked
+        reasons.append(Reason(("packed_sequences",), f"packed_sequences must be true, false or null, got "
+                              f"{type(facts.packed).__name__} {short_repr(facts.packed)} in the model config.",
+                              "set packed_sequences: true (packed THD batches only), false (dense only), or leave "
+                              "it out."))
+        return dataclasses.replace(facts, packed=None)
     if declared is None or facts.packed is declared:
         return facts
     if facts.packed is not None:
@@ -150,7 +157,7 @@ def build_plan(
         mask_recognised=_proven_text(mask_proof),
         score_hook=settings.turbo_flex_attention_score_mod if flex else None,
         score_recognised=score_proof.kind if score_proof else None,
-        alibi_slopes=score_proof.alibi_slopes if score_proof and score_proof.kind == "alibi" else None,
+        alibi_slopes=score_proof.alibi_slopes if score_proof and score_proof.kind in ALIBI_FORMS else None,
         dense_entry=caps.dense_entry if caps else (direct.dense if direct else None),
         packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
         packed=facts.packed,
@@ -181,7 +188,7 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
     return layer_routes(
         ctx.facts, arch, dense_pattern=mask_proof.pattern if (ctx.flex and mask_proof) else None,
         window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
-        alibi=bool(score_proof and score_proof.kind == "alibi"), selection=selection)
+        alibi=bool(score_proof and score_proof.kind in ALIBI_FORMS), selection=selection)
 
 
 def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:

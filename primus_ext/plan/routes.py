@@ -40,12 +40,12 @@ def arch_reasons(setting: str) -> list[Reason]:
 
 
 def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sink: bool,
-              deterministic: bool, alibi: bool) -> CallFeatures:
+              deterministic: bool, alibi: bool, dropout: float) -> CallFeatures:
     return CallFeatures(
         arch=arch, entry=entry, dtype=facts.dtype or "bf16", head_dim=facts.head_dim,
         head_dim_v=facts.v_dim, heads=facts.num_heads, kv_heads=facts.kv_heads,
         causal=pattern.right == 0, window=pattern.window, sink=sink,
-        dropout=facts.attention_dropout, alibi=alibi, deterministic=deterministic,
+        dropout=dropout, alibi=alibi, deterministic=deterministic,
         default_scale=default_scale(facts.softmax_scale, facts.head_dim),
         equal_documents=None, sbhd_storage=True,
     )
@@ -57,20 +57,25 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
     """``(("dense" | "packed", route), ...)`` for the calls this layer can make on ``arch``.
 
     ``dense_pattern``: the dense calls' mask (None: the caller's causal / window).
-    Packed calls use the configured window inside each document.
+    Packed calls use the configured window inside each document.  A layer with dropout also
+    makes calls without it (evaluation): those can reach another kernel backend, so they are
+    routed too (kinds ``"dense in eval"``, ``"packed in eval"``).
     """
     if arch is None or arch not in ARCHES:
         return ()
     flash = pattern_from_flash_args(facts.causal, window or (-1, -1))
     out: list[Tuple[str, Route]] = []
-    if facts.packed is not False:
-        out.append(("packed", route(_features(facts, arch, VARLEN, flash, sink=sink,
-                                              deterministic=deterministic, alibi=alibi), selection)))
-    if facts.packed is not True:
-        pattern = dense_pattern or flash
-        entry = VARLEN if pattern.documents else DENSE
-        out.append(("dense", route(_features(facts, arch, entry, Pattern(pattern.left, pattern.right), sink=sink,
-                                             deterministic=deterministic, alibi=alibi), selection)))
+    rates = (facts.attention_dropout, 0.0) if facts.attention_dropout > 0 else (0.0,)
+    for rate in rates:
+        when = " in eval" if rate == 0.0 and len(rates) > 1 else ""
+        common = dict(sink=sink, deterministic=deterministic, alibi=alibi, dropout=rate)
+        if facts.packed is not False:
+            out.append(("packed" + when, route(_features(facts, arch, VARLEN, flash, **common), selection)))
+        if facts.packed is not True:
+            pattern = dense_pattern or flash
+            entry = VARLEN if pattern.documents else DENSE
+            out.append(("dense" + when, route(_features(facts, arch, entry, Pattern(pattern.left, pattern.right),
+                                                        **common), selection)))
     return tuple(out)
 
 
@@ -82,7 +87,7 @@ def route_reasons(routes: Sequence[Tuple[str, Route]], packed: Optional[bool] = 
     """
     reasons = []
     for kind, found in routes:
-        unknown_packing = kind == "packed" and packed is None
+        unknown_packing = kind.startswith("packed") and packed is None
         reason = found.reason(f"{kind} calls", settings=("packed_sequences",) if unknown_packing else (),
                               alternatives=("if batches are never packed (THD), say so with packed_sequences: false",)
                               if unknown_packing else ())

@@ -35,14 +35,14 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
-from ..backends.dispatch import AITER_DENSE, ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
+from ..backends.dispatch import AITER_SINK_RIGHT_WINDOW, ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
 from ..backends.layout import LayoutError, infer_qkv_format, storage_features
 from ._fake_backend_manager import selection_now
 from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 _DISPATCHER = {DENSE: "FlashAttnDenseDispatcher", VARLEN: "FlashAttnVarlenDispatcher"}
-_FAULT_OF_DEFECT = {c.text: SINK_BACKWARD_IGNORES_RIGHT_WINDOW for c in AITER_DENSE.defects}
+_FAULT_OF_DEFECT = {AITER_SINK_RIGHT_WINDOW.text: SINK_BACKWARD_IGNORES_RIGHT_WINDOW}
 """Each known silent defect of the dispatch model -> the `._fake_math` fault reproducing it."""
 
 DISPATCHED = ("flash_attn_func", "flash_attn_varlen_func", "flex_attention", "flex_attention_bshd",
@@ -87,9 +87,9 @@ class Dispatcher:
         if pattern.documents:  # a flex documents mask: the flex layer hands it to the varlen kernel
             bounds = pattern.at_length(q.shape[1]).boundaries or (0, q.shape[1])
             return self._run(self._features(VARLEN, a, q, k, v, pattern, scale, equal_documents=equal_lengths(bounds)))
-        _, sbhd, contiguous = storage_features(q, k, v)
+        _, sbhd, contiguous, bshd = storage_features(q, k, v)
         return self._run(self._features(DENSE, a, q, k, v, pattern, scale, sbhd_storage=sbhd,
-                                        contiguous_sbhd=contiguous))
+                                        contiguous_sbhd=contiguous, contiguous_bshd=bshd))
 
     def varlen(self, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
                scale: Optional[float], bounds_q: Sequence[int], bounds_k: Sequence[int]) -> frozenset[str]:

@@ -125,3 +125,13 @@ def test_packed_sequences_from_the_config_and_the_settings_agree_or_are_refused(
             PrimusTurboLocalAttention(cfg, 1, AttnMaskType.causal, "self",
                                       settings=gpt.settings(packed_sequences=False))
         assert "packed_sequences" in err.value.settings
+
+
+@pytest.mark.parametrize("value", [0, 1, "false", [True]])
+def test_a_packed_sequences_config_attribute_that_is_no_bool_is_refused_at_build(value):
+    with fake_primus_turbo():
+        cfg = gpt.config(kv_channels=16)
+        cfg.packed_sequences = value
+        with pytest.raises(UnsupportedConfigError, match="packed_sequences must be true, false or null") as err:
+            PrimusTurboLocalAttention(cfg, 1, AttnMaskType.causal, "self", settings=gpt.settings())
+        assert "packed_sequences" in err.value.settings

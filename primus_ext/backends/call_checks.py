@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from ..errors import PrimusExtError, Reason, UnsupportedInputError
+from .check_op import KEPT_IN_GRAPH, refusal_id
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -34,10 +35,14 @@ def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]
     """A value check without a host sync: an on-device assertion of ``ok``.
 
     On CPU it fails at once and ``refusal()`` is raised instead (our error type); on a GPU
-    it fails later as a device-side assert with ``why`` (a constant text inside a graph).
+    it fails later as a device-side assert with ``why``.  Inside a compiled graph the check
+    is the op `check_op.refuse_unless`, which does the same when the graph runs.
     """
     if torch.compiler.is_compiling():
-        torch._assert_async(ok, why)
+        if KEPT_IN_GRAPH:
+            torch.ops.primus_ext.refuse_unless(ok, refusal_id(why, refusal))
+        else:
+            torch._assert_async(ok, why)
         return
     try:
         torch._assert_async(ok, why)

@@ -1,0 +1,72 @@
+"""A value check inside a compiled graph that still refuses with the project's error.
+
+Eagerly, an on-device assertion on CPU fails at once and the caller raises its refusal.  In a
+graph traced by ``torch.compile`` the check has to be an op, and ``torch._assert_async`` there
+fails as a bare ``RuntimeError``: a torch error escaping from inside, which the project never
+lets happen.  So ``primus_ext::refuse_unless`` is an opaque op that, when the graph runs, raises
+the registered refusal on CPU (our error type, as eager) and falls back to the device-side
+assert elsewhere (no host sync: on a GPU the failure stays asynchronous, with the same text).
+
+The op returns nothing, so it is registered as an ordered side effect: the compiler keeps it
+in the graph, in program order, instead of dropping an op whose result nobody reads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..errors import PrimusExtError
+
+_REFUSALS: list[tuple[str, Callable[[], PrimusExtError]]] = []
+"""``(why, refusal)`` of each check traced so far; the op carries the index (a graph constant)."""
+_BY_TEXT: dict[str, int] = {}
+_MAX = 4096  # distinct checks a process traces; beyond it the oldest texts are reused, never grown
+
+
+@torch.compiler.assume_constant_result  # run for real while a graph is traced: the op needs the entry then
+def refusal_id(why: str, refusal: Callable[[], PrimusExtError]) -> int:
+    """The index the op carries for this check (one per distinct text)."""
+    found = _BY_TEXT.get(why)
+    if found is not None:
+        _REFUSALS[found] = (why, refusal)
+        return found
+    if len(_REFUSALS) >= _MAX:
+        _BY_TEXT.clear()
+        _REFUSALS.clear()
+    _REFUSALS.append((why, refusal))
+    _BY_TEXT[why] = len(_REFUSALS) - 1
+    return _BY_TEXT[why]
+
+
+@torch.library.custom_op("primus_ext::refuse_unless", mutates_args=())
+def refuse_unless(ok: Tensor, check: int) -> None:
+    why, refusal = _REFUSALS[check]
+    if ok.device.type == "cpu":
+        if not bool(ok):
+            raise refusal()
+        return
+    torch._assert_async(ok, why)
+
+
+@refuse_unless.register_fake
+def _(ok: Tensor, check: int) -> None:
+    return None
+
+
+def _keep_in_graph() -> bool:
+    try:  # torch's own mechanism for ops run for their effect (as its print op uses)
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    except ImportError:
+        return False
+    _register_effectful_op(torch.ops.primus_ext.refuse_unless.default, _EffectType.ORDERED)
+    return True
+
+
+KEPT_IN_GRAPH = _keep_in_graph()
+"""False on a torch without effect registration: compiled checks then use the device-side assert."""
+
+
+__all__ = ["KEPT_IN_GRAPH", "refusal_id", "refuse_unless"]

@@ -33,8 +33,8 @@ from .base import BackendCapabilities, KernelCall, Output, same_tensor
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
 from .dispatch import Selection
-from .ops import CallArgs
-from .turbo_kernels import AiterPair, aiter_pair, discover
+from .ops import CallArgs, KernelPair
+from .turbo_kernels import discover_kernels, kernel_pair
 
 
 def load_ops() -> Any:
@@ -83,7 +83,7 @@ class TurboBackend:
         self.ops = ops if ops is not None else load_ops()
         self.direct: Callable[..., Any] = self.ops.flash_attn_func
         self.flash_varlen: Callable[..., Any] = self.ops.flash_attn_varlen_func
-        self.kernels = discover()
+        self.kernels = discover_kernels()
 
     def capabilities(self) -> BackendCapabilities:
         varlen = self.flash_varlen
@@ -100,14 +100,15 @@ class TurboBackend:
             deterministic_packed=entry_accepts(varlen, "deterministic"),
         )
 
-    def kernel_pair(self, a: CallArgs, call: KernelCall, routes: Optional[CallRoutes]) -> Optional[AiterPair]:
-        """AITER's kernel-level pair for a call the dispatch model sends to AITER on the plan's
-        arch, so that compiled and eager steps run the same kernels (`turbo_kernels`)."""
+    def kernel_pair(self, a: CallArgs, call: KernelCall, routes: Optional[CallRoutes]) -> Optional[KernelPair]:
+        """The kernel-level pair (AITER, FlyDSL, HipKittens) of the backend the dispatch model sends
+        the call to on the plan's arch, so that compiled and eager steps run the same kernels
+        (`turbo_kernels`)."""
         pattern = call.pattern
         if pattern is None or pattern.boundaries is not None:
             return None  # documents flattened onto the varlen kernel keep the recompute
         causal, window = turbo_window_args(pattern)
-        pair = aiter_pair(self.kernels, routes, a, causal, window)
+        pair = kernel_pair(self.kernels, routes, a, causal, window)
         if pair is not None and a.cu_q is not None and pattern.window != (-1, -1):
             _check_same_boundaries(a.cu_q, a.cu_kv, pattern)
         return pair

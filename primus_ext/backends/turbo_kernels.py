@@ -1,32 +1,45 @@
-"""Primus-Turbo's kernel-level AITER ops, bound so a compiled backward does not re-run the forward.
+"""Primus-Turbo's kernel-level ops, bound so a compiled backward does not re-run the forward.
 
-``flash_attn_func`` / ``flash_attn_varlen_func`` are autograd Functions over ``torch.library``
-ops (dispatch facts §2).  A compiled graph cannot carry an autograd Function's context from
-primus_ext's forward op to its backward op, so for a call the dispatch model routes to AITER
-the ops call AITER's kernel-level pair themselves: the forward returns ``(out, lse)``, the
-backward hands them back.  The eager path keeps the public entries.
+``flash_attn_func`` / ``flash_attn_varlen_func`` are autograd Functions over kernel-level
+functions (dispatch facts §2).  A compiled graph cannot carry an autograd Function's context
+from primus_ext's forward op to its backward op, so for a call whose kernel backend is known
+the ops call that backend's kernel-level pair themselves: the forward returns ``(out, lse,
+rng_state)``, the backward hands them back.  The eager path keeps the public entries.
 
-The ops are discovered by their argument names, never by version: all four must exist under
-``torch.ops.primus_turbo`` with the names bound here, or nothing is bound and a compiled
-backward recomputes the forward through the public entry (as for calls routed to FlyDSL or
-HipKittens, whose kernel functions are not bound, and for calls with dropout).
+`kernel_pair` binds a pair only where the dispatch model routes the call to that backend on
+the plan's arch, so compiled and eager steps run the same kernels:
 
-The backward op writes ``dsink`` and ``dbias`` in place without declaring it.  They are
+* AITER: its four ``torch.ops.primus_turbo.attention_aiter_*_impl`` ops (`AiterPair`);
+* FlyDSL and HipKittens (gfx950): their ``_impl`` wrappers, behind the dispatcher's own gates
+  (`turbo_pairs_gfx950`).
+
+Everything is discovered by argument names, never by version (`discover_kernels`); what is
+missing is not bound, and a compiled backward then recomputes the forward through the public
+entry.  So does a call whose backend eager picks from the data or by timing: a varlen call
+FlyDSL would take if its documents were equal, unless the metadata proves they are
+(`uniform_documents`); any call autotune may give to more than one backend.
+
+AITER's backward op writes ``dsink`` and ``dbias`` in place without declaring it.  They are
 allocated here, inside primus_ext's own opaque backward op, and read once the kernel
 returns, so no tensor the graph can see is written behind its back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .call_route import CallRoutes
-from .dispatch import infer_qkv_format
-from .ops import CallArgs
+from .dispatch import DEFAULT_ORDER, DENSE, FLYDSL, VARLEN, CallFeatures, default_scale, route, route_on
+from .layout import LayoutError, infer_qkv_format, storage_features
+from .ops import CallArgs, KernelPair
+from .turbo_pairs_gfx950 import (FlydslPair, HipkittensPair, discover_flydsl, discover_hipkittens, flydsl_takes,
+                                 hipkittens_takes, uniform_documents)
 
 FORWARD, BACKWARD = "attention_aiter_forward_impl", "attention_aiter_backward_impl"
 VARLEN_FORWARD, VARLEN_BACKWARD = "attention_aiter_varlen_forward_impl", "attention_aiter_varlen_backward_impl"
@@ -49,7 +62,18 @@ _ARGS = {
 """The argument names each op must have (Primus-Turbo main, dispatch facts §2); passed by keyword."""
 
 IS_V3_ATOMIC_FP32, HOW_V3_BF16_CVT = True, 1
-"""What ``flash_attn_func`` passes the AITER backward (fp32 atomics, its bf16 conversion mode 1)."""
+"""What ``flash_attn_func`` passes the AITER backward by default (fp32 atomics, bf16 conversion
+mode 1); see `aiter_backward_flags` for what it reads instead."""
+
+ATOMIC_FP32_ENV = "PRIMUS_TURBO_ATTN_V3_ATOMIC_FP32"
+
+
+def aiter_backward_flags(arch: Optional[str]) -> tuple[bool, int]:
+    """``(is_v3_atomic_fp32, how_v3_bf16_cvt)`` as ``flash_attn_func`` computes them: the former from
+    ``PRIMUS_TURBO_ATTN_V3_ATOMIC_FP32`` ("0" / "1", anything else or unset: fp32), the latter 0
+    at compute capability 9.5 (gfx950), else 1 (flash_attn_interface.py, attention_utils.py l.18-20)."""
+    value = os.environ.get(ATOMIC_FP32_ENV, "1")
+    return (value == "1" if value in ("0", "1") else IS_V3_ATOMIC_FP32), 0 if arch == "gfx950" else HOW_V3_BF16_CVT
 
 
 def discover() -> Optional[dict[str, Any]]:
@@ -76,11 +100,13 @@ def _pad8(t: Tensor) -> Tensor:
 class AiterPair:
     """AITER's kernel-level forward and backward for one call (`primus_ext.backends.ops.KernelPair`).
 
-    ``causal`` / ``window`` are the arguments the public entry would get for this call.
+    ``causal`` / ``window`` are the arguments the public entry would get for this call; ``arch``
+    the plan's (the backward's bf16 conversion mode depends on it, as in ``flash_attn_func``).
     """
 
-    def __init__(self, ops: dict[str, Any], causal: bool, window: tuple[int, int]) -> None:
-        self.ops, self.causal, self.window = ops, causal, window
+    def __init__(self, ops: dict[str, Any], causal: bool, window: tuple[int, int],
+                 arch: Optional[str] = None) -> None:
+        self.ops, self.causal, self.window, self.arch = ops, causal, window, arch
 
     def _scale(self, a: CallArgs) -> float:
         return float(a.scale) if a.scale is not None else a.q.shape[-1] ** -0.5
@@ -104,11 +130,12 @@ class AiterPair:
                  ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], None, Optional[Tensor]]:
         q, k, v = _pad8(a.q), _pad8(a.k), _pad8(a.v)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        atomic_fp32, bf16_cvt = aiter_backward_flags(self.arch)
         common = dict(dout=_pad8(grad_out), q=q, k=k, v=v, out=_pad8(out), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
                       dropout_p=0.0, softmax_scale=self._scale(a), causal=self.causal,
                       window_size_left=self.window[0], window_size_right=self.window[1], alibi_slopes=a.alibi,
-                      deterministic=a.deterministic, rng_state=rng_state, is_v3_atomic_fp32=IS_V3_ATOMIC_FP32,
-                      how_v3_bf16_cvt=HOW_V3_BF16_CVT)
+                      deterministic=a.deterministic, rng_state=rng_state, is_v3_atomic_fp32=atomic_fp32,
+                      how_v3_bf16_cvt=bf16_cvt)
         dsink = dbias = None
         if a.cu_q is None:
             # Ours alone: the kernel writes them without declaring it (see the module docstring).
@@ -125,16 +152,119 @@ class AiterPair:
 
 def aiter_pair(kernels: Optional[dict[str, Any]], routes: Optional[CallRoutes], a: CallArgs, causal: bool,
                window: tuple[int, int]) -> Optional["AiterPair"]:
-    """AITER's pair for a call the public entry would give ``(causal, window)``, when the ops are
-    there and the dispatch model routes the call to AITER on the arch (the kernels eager runs)."""
+    """AITER's pair alone (`kernel_pair` with only AITER's ops discovered; the name callers had)."""
+    return kernel_pair(TurboKernels(aiter=kernels), routes, a, causal, window)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class TurboKernels:
+    """The kernel-level functions this Primus-Turbo build has, per backend (None: not bindable),
+    and the pairs chosen so far (a layer makes the same call step after step: choosing costs
+    ~70 us, a lookup a few)."""
+
+    aiter: Optional[dict[str, Any]] = None
+    flydsl: Optional[dict[str, Callable[..., Any]]] = None
+    hipkittens: Optional[dict[str, Callable[..., Any]]] = None
+    chosen: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def discover_kernels() -> TurboKernels:
+    """Every backend's kernel level, each found by its argument names (`discover`,
+    `turbo_pairs_gfx950.discover_flydsl`, `turbo_pairs_gfx950.discover_hipkittens`)."""
+    return TurboKernels(aiter=discover(), flydsl=discover_flydsl(), hipkittens=discover_hipkittens())
+
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def _features(arch: str, a: CallArgs, causal: bool, window: tuple[int, int],
+              equal_documents: Optional[bool]) -> Optional[CallFeatures]:
+    """The dispatch model's view of the call, as `CallRoutes` builds it (``equal_documents`` given)."""
+    sbhd = contiguous = bshd = True
+    if a.cu_q is None:
+        try:
+            stored = storage_features(a.q, a.k, a.v)
+        except LayoutError:
+            return None
+        sbhd, contiguous, bshd = stored.sbhd, stored.contiguous_sbhd, stored.contiguous_bshd
+    d = int(a.q.shape[-1])
+    return CallFeatures(
+        arch=arch, entry=DENSE if a.cu_q is None else VARLEN, dtype=_DTYPES.get(a.q.dtype, str(a.q.dtype)),
+        head_dim=d, head_dim_v=int(a.v.shape[-1]), heads=int(a.q.shape[-2]), kv_heads=int(a.k.shape[-2]),
+        causal=causal, window=window, sink=a.sink is not None, dropout=a.dropout_p, bias=a.bias is not None,
+        alibi=a.alibi is not None, deterministic=a.deterministic, default_scale=default_scale(a.scale, d),
+        equal_documents=equal_documents, sbhd_storage=sbhd, contiguous_sbhd=contiguous,
+        contiguous_bshd=bshd)
+
+
+def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, int]) -> Optional[str]:
+    """The backend eager's dispatcher is known to pick for this call, or None where it is not
+    known from the call's metadata: refused, autotuned among several, or a varlen call that
+    FlyDSL takes exactly when its documents are equal, which only a host read would tell."""
+    entry = DENSE if a.cu_q is None else VARLEN
+    backend = routes.backend(entry, a.q, a.k, a.v, causal, window, a.sink, a.dropout_p, a.deterministic, a.alibi,
+                             a.bias, a.scale)
+    if backend is None or routes.arch is None:
+        return None
+    selection = getattr(routes, "selection", DEFAULT_ORDER)
+    equal = uniform_documents(a) if entry == VARLEN else None
+    features = _features(routes.arch, a, causal, window, equal or None)
+    if features is None:
+        return None
+    found = route(features, selection)
+    if len(found.candidates) > 1 or not found.ok or found.backend is None:
+        return None  # autotune keeps whichever is fastest
+    if entry == VARLEN and selection.pin is None and not equal:
+        if route_on(_features(routes.arch, a, causal, window, True), FLYDSL) is not None:  # type: ignore[arg-type]
+            return None  # FlyDSL if the documents happen to be equal, else AITER: eager reads them
+    if found.backend != backend and not (entry == VARLEN and equal):
+        return None  # the two views disagree: bind nothing rather than guess
+    return found.backend
+
+
+def kernel_pair(kernels: Optional[TurboKernels], routes: Optional[CallRoutes], a: CallArgs, causal: bool,
+                window: tuple[int, int]) -> Optional[KernelPair]:
+    """The kernel-level pair of the backend eager runs for a call the public entry would get as
+    ``(causal, window)``, when that build has it and the backend's own gates hold; else None."""
     if kernels is None or routes is None:
         return None
-    entry = "dense" if a.cu_q is None else "varlen"
-    if routes.backend(entry, a.q, a.k, a.v, causal, window, a.sink, a.dropout_p, a.deterministic, a.alibi, a.bias,
-                      a.scale) != "AITER":
-        return None
-    return AiterPair(kernels, causal, window)
+    key = _call_key(routes, a, causal, window)
+    if key in kernels.chosen:
+        return kernels.chosen[key]
+    if len(kernels.chosen) >= _CHOSEN_MAX:
+        kernels.chosen.clear()
+    pair = kernels.chosen[key] = _choose(kernels, routes, a, causal, window)
+    return pair
 
 
-__all__ = ["AiterPair", "aiter_pair", "BACKWARD", "FORWARD", "HOW_V3_BF16_CVT", "IS_V3_ATOMIC_FP32", "VARLEN_BACKWARD",
-           "VARLEN_FORWARD", "discover"]
+_CHOSEN_MAX = 256
+
+
+def _call_key(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, int]) -> tuple:
+    """Everything `_choose` reads: the route's arch and selection, and the call's metadata."""
+    def meta(t: Optional[Tensor]) -> Any:
+        return None if t is None else (t.dtype, tuple(t.shape), t.stride())
+
+    return (routes.arch, getattr(routes, "selection", None), causal, window, meta(a.q), meta(a.k), meta(a.v),
+            meta(a.sink), a.alibi is None, a.bias is None, None if a.cu_q is None else a.cu_q.numel(),
+            None if a.cu_kv is None else a.cu_kv.numel(), a.max_q, a.max_kv, a.scale, a.dropout_p, a.deterministic)
+
+
+def _choose(kernels: TurboKernels, routes: CallRoutes, a: CallArgs, causal: bool,
+            window: tuple[int, int]) -> Optional[KernelPair]:
+    backend = _routed_backend(routes, a, causal, window)
+    if backend == "AITER" and kernels.aiter is not None:
+        return AiterPair(kernels.aiter, causal, window, routes.arch)
+    if backend == "FlyDSL" and routes.arch == "gfx950" and kernels.flydsl is not None and flydsl_takes(a, causal,
+                                                                                                       window):
+        return FlydslPair(kernels.flydsl, causal, window)
+    if backend == "HipKittens" and routes.arch == "gfx950" and kernels.hipkittens is not None and hipkittens_takes(
+            a, causal, window):
+        pair = HipkittensPair(kernels.hipkittens, causal, window)
+        return pair if pair.supported(a) else None
+    return None
+
+
+__all__ = ["AiterPair", "BACKWARD", "FORWARD", "HOW_V3_BF16_CVT", "IS_V3_ATOMIC_FP32", "TurboKernels",
+           "VARLEN_BACKWARD", "VARLEN_FORWARD", "aiter_backward_flags", "aiter_pair", "discover", "discover_kernels",
+           "kernel_pair"]

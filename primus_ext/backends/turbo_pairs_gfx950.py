@@ -158,7 +158,8 @@ def hipkittens_takes(a: CallArgs, causal: bool, window: tuple[int, int]) -> bool
     return (a.cu_q is None and causal and q.dtype == k.dtype == v.dtype == torch.bfloat16 and a.sink is None
             and a.dropout_p == 0.0 and a.bias is None and a.alibi is None and window[1] in (0, -1)
             and q.shape[-1] in (64, 128) and v.shape == k.shape and k.shape[-1] == q.shape[-1]
-            and q.shape[0] == k.shape[0] and q.shape[-2] % k.shape[-2] == 0 and q.shape[1] <= k.shape[1]
+            and q.shape[0] == k.shape[0] and k.shape[-2] > 0 and q.shape[-2] % k.shape[-2] == 0
+            and q.shape[1] <= k.shape[1]
             and _sbhd_layout(a))
 
 

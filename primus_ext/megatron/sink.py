@@ -1,4 +1,9 @@
-"""The learned sink parameter: one logit per query head on this tensor-parallel rank."""
+"""The learned sink parameter: one logit per query head on this tensor-parallel rank.
+
+Under context parallelism the parameter is the same (one entry per head of the TP rank, on
+every CP rank); each call passes the CP rank's slice of it, the heads that rank attends
+over (`primus_ext.megatron.context_parallel`).
+"""
 
 from __future__ import annotations
 

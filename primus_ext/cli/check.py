@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 
 from ..backends import turbo_import_problem
+from ..backends.context_parallel import describe_comm
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
 from ..megatron.facts import layer_facts
 from ..plan import build_plan
@@ -217,6 +218,17 @@ def _kernel_notes(plans: Sequence[AttentionPlan]) -> list[str]:
             for (arch, kernels), layers in groups.items()]
 
 
+def _cp_notes(config: Mapping[str, Any], plans: Sequence[AttentionPlan]) -> list[str]:
+    """``context parallel: layers 1-4: ... runs as Ulysses``, layers with equal settings together."""
+    groups: dict[tuple, list[int]] = {}
+    for plan in plans:
+        facts = layer_facts(config, plan.layer_number)
+        if facts.context_parallel_size > 1:
+            groups.setdefault((facts.context_parallel_size, facts.cp_comm_type), []).append(plan.layer_number)
+    return [f"context parallel: {layer_list(layers)}: {describe_comm(cp, comm)}"
+            for (cp, comm), layers in groups.items()]
+
+
 def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None,
               out=None, err=None, arch: Optional[str] = None) -> int:
     """Print the plan table and pattern pictures of ``path``; 0 when all layers run, else 2.
@@ -261,7 +273,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     print(format_table([_row(layer, o) for layer, o in outcomes]), file=out)
     if plans:
         print(file=out)
-        for line in _backend_notes(plans) + _kernel_notes(plans):
+        for line in _backend_notes(plans) + _kernel_notes(plans) + _cp_notes(config, plans):
             print(line, file=out)
         if any(cell in ("-", "none") for _, o in outcomes if isinstance(o, AttentionPlan)
                for cell in _row(0, o)[3:5]):

@@ -1,15 +1,14 @@
-"""Direct-path entries under context parallelism (groups, B30-cp, cp-heads), the B28 invariant, and B20's
-default layout.  tests/megatron/test_cp_groups.py runs CP 2 over two processes."""
+"""Direct-path entries under context parallelism (the per-rank entries, B30-cp, cp-heads, the process
+group), and B20's default layout.  tests/megatron/test_cp_ulysses.py runs CP 2 and 4 over processes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
-from primus_ext.backends.direct import DirectEntries, DirectRunner, singleton_ring_group
+from primus_ext.backends.direct import choose_direct
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.megatron import PrimusTurboLocalAttention
 from primus_ext.testing import fake_primus_turbo
@@ -18,85 +17,76 @@ from tests.megatron import gpt
 from tests.megatron.test_refusals import qkv_sbhd
 
 DIRECT = gpt.settings()
+FLEX = gpt.settings(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference")
 
 
-@pytest.mark.parametrize("comm", ["a2a", "p2p"])
-def test_context_parallel_uses_usp_entry_with_ulysses_over_cp_and_a_ring_of_one(comm):
-    """Both comm types: ulysses_group = the CP group, ring_group = this rank's size-1 group.
-
-    ``ring_group=None`` would be the WORLD group and ``ulysses_group=None`` crashes (the
-    reference's section 3), so neither is ever None.
-    """
-    q, k, v = qkv_sbhd()
-    with fake_primus_turbo() as fake:  # non-causal: causal layers at CP > 1 are refused (cp-causal)
-        module = PrimusTurboLocalAttention(gpt.config(context_parallel_size=2, kv_channels=16), 1,
-                                           AttnMaskType.no_mask, "self", cp_comm_type=comm, settings=DIRECT)
-        module(q, k, v, None)
-        with pytest.raises(UnsupportedInputError, match="packed_seq_params"):
-            module(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=torch.tensor([0, 16], dtype=torch.int32),
-                cu_seqlens_kv=torch.tensor([0, 16], dtype=torch.int32), max_seqlen_q=16, max_seqlen_kv=16))
-    (call,) = fake.calls
-    assert call.entry == "flash_attn_usp_func"
-    assert call.args["ulysses_group"] is parallel_state.get_context_parallel_group()
-    ring = call.args["ring_group"]
-    assert ring is singleton_ring_group() and ring is not torch.distributed.group.WORLD
-    assert torch.distributed.get_process_group_ranks(ring) == [torch.distributed.get_rank()]
-    assert call.args["dropout_p"] == 0.0
-
-
-def test_attention_dropout_with_context_parallel_is_refused_at_build_time():
-    """B30-cp: the usp entries assert dropout_p == 0; the module is never built."""
+def test_context_parallel_runs_the_per_rank_entries_never_the_usp_ones():
+    """Ulysses runs around flash_attn_func / flash_attn_varlen_func; the usp entries join shards in rank
+    order (not Megatron's) and take no sink, so they are never chosen."""
     with fake_primus_turbo() as fake:
-        with pytest.raises(UnsupportedConfigError, match="B30-cp|dropout_p == 0") as err:
-            PrimusTurboLocalAttention(gpt.config(context_parallel_size=2, kv_channels=16, attention_dropout=0.1), 1,
-                                      AttnMaskType.causal, "self", cp_comm_type="a2a", settings=DIRECT)
-        assert "B30-cp" in err.value.codes
-        assert {"attention_dropout", "context_parallel_size"} <= set(err.value.settings)
-        assert "attention_dropout: 0.0" in str(err.value)
-        # The same dropout at CP 1 builds (flash_attn_func takes dropout).
-        PrimusTurboLocalAttention(gpt.config(kv_channels=16, attention_dropout=0.1), 1, AttnMaskType.causal,
-                                  "self", settings=DIRECT)
+        for fp8 in (False, True):
+            entries = choose_direct(fake.module, fp8=fp8, context_parallel=True)
+            assert entries.ulysses and not entries.context_parallel
+            assert entries.dense == ("flash_attn_fp8_func" if fp8 else "flash_attn_func")
+        assert choose_direct(fake.module, fp8=False, context_parallel=True).packed == "flash_attn_varlen_func"
+        assert choose_direct(fake.module, fp8=False, context_parallel=True).sink_dense
+
+
+@pytest.mark.parametrize("settings", [DIRECT, FLEX], ids=["direct", "flex"])
+def test_a_context_parallel_size_the_process_groups_do_not_make_is_refused_at_build(settings):
+    """B22: this world's CP group has one rank; a layer planned for a split in two would see another one."""
+    with fake_primus_turbo() as fake:
+        with pytest.raises(UnsupportedConfigError) as err:
+            PrimusTurboLocalAttention(gpt.config(context_parallel_size=2, kv_channels=16), 1, AttnMaskType.causal,
+                                      "self", cp_comm_type="a2a", settings=settings)
+    assert err.value.codes == ("B22",) and "context_parallel_size" in err.value.settings
+    assert "1 rank" in str(err.value) and "initialize_model_parallel" in str(err.value)
     assert fake.calls == []
 
 
+@pytest.mark.parametrize("settings", [DIRECT, FLEX], ids=["direct", "flex"])
+def test_attention_dropout_with_context_parallel_is_refused_at_build_time(settings):
+    """B30-cp on both paths: the CP ranks' generators would give the head shards the same dropout."""
+    with fake_primus_turbo() as fake:
+        with pytest.raises(UnsupportedConfigError) as err:
+            PrimusTurboLocalAttention(gpt.config(context_parallel_size=2, kv_channels=16, attention_dropout=0.1), 1,
+                                      AttnMaskType.causal, "self", cp_comm_type="a2a", settings=settings)
+        assert "B30-cp" in err.value.codes
+        assert {"attention_dropout", "context_parallel_size"} <= set(err.value.settings)
+        assert "attention_dropout: 0.0" in str(err.value) and "tp_rank" in str(err.value)
+        # The same dropout at CP 1 builds (flash_attn_func takes dropout).
+        PrimusTurboLocalAttention(gpt.config(kv_channels=16, attention_dropout=0.1), 1, AttnMaskType.causal,
+                                  "self", settings=settings)
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("settings", [DIRECT, FLEX], ids=["direct", "flex"])
 @pytest.mark.parametrize("heads, groups", [(4, 1), (2, 2), (6, 3)])
-def test_heads_not_divisible_by_the_context_parallel_size_are_refused(heads, groups):
-    """cp-heads: Ulysses splits both head counts across the CP group."""
+def test_heads_not_divisible_by_the_context_parallel_size_are_refused(settings, heads, groups):
+    """cp-heads: Ulysses splits both head counts across the CP group (here refused before the group check)."""
     cfg = gpt.config(context_parallel_size=2, kv_channels=16, hidden_size=16 * heads, num_attention_heads=heads,
                      num_query_groups=groups)
     with fake_primus_turbo():
-        if heads % 2 or groups % 2:
-            with pytest.raises(UnsupportedConfigError) as err:
-                PrimusTurboLocalAttention(cfg, 1, AttnMaskType.no_mask, "self", cp_comm_type="p2p", settings=DIRECT)
-            assert "cp-heads" in err.value.codes
-            assert {"num_attention_heads", "num_query_groups", "context_parallel_size"} <= set(err.value.settings)
-        else:
-            PrimusTurboLocalAttention(cfg, 1, AttnMaskType.no_mask, "self", cp_comm_type="p2p", settings=DIRECT)
+        with pytest.raises(UnsupportedConfigError) as err:
+            PrimusTurboLocalAttention(cfg, 1, AttnMaskType.no_mask, "self", cp_comm_type="p2p", settings=settings)
+    if heads % 2 or groups % 2:
+        assert "cp-heads" in err.value.codes
+        assert {"num_attention_heads", "num_query_groups", "context_parallel_size"} <= set(err.value.settings)
+    else:
+        assert err.value.codes == ("B22",)  # the plan builds; this one-process world has no CP group of 2
 
 
-def test_context_parallel_runner_needs_both_groups():
-    """The usp entries get both groups, never None, and no other entry gets any."""
-    usp = DirectEntries(dense="flash_attn_usp_func", packed=None, sink_dense=False, sink_packed=False,
-                        takes_window=True)
-    plain = DirectEntries(dense="flash_attn_func", packed=None, sink_dense=True, sink_packed=False,
-                          takes_window=True)
+def test_a_packed_call_never_reaches_a_kernel_without_its_entry():
+    """B21 with fp8 (no varlen entry): packed params are refused, not ignored."""
+    q, k, v = qkv_sbhd()
+    bounds = torch.tensor([0, 16], dtype=torch.int32)
     with fake_primus_turbo() as fake:
-        for groups in ({}, {"ulysses_group": object()}, {"ulysses_group": object(), "ring_group": None}):
-            with pytest.raises(AssertionError, match="invariant"):
-                DirectRunner(fake.module, usp, groups)
-        with pytest.raises(AssertionError, match="invariant"):
-            DirectRunner(fake.module, plain, {"ulysses_group": object(), "ring_group": object()})
-        DirectRunner(fake.module, usp, {"ulysses_group": object(), "ring_group": object()})
-
-
-def test_process_groups_never_meet_the_varlen_binding():
-    """B28: an internal invariant, checked loudly."""
-    entries = DirectEntries(dense="flash_attn_func", packed="flash_attn_varlen_func", sink_dense=True,
-                            sink_packed=True, takes_window=True)
-    with fake_primus_turbo() as fake:
-        with pytest.raises(AssertionError, match="invariant"):
-            DirectRunner(fake.module, entries, {"ulysses_group": object()})
+        module = PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.no_mask, "self",
+                                           settings=gpt.settings(enable_turbo_attention_float8=True))
+        with pytest.raises(UnsupportedInputError, match="packed_seq_params"):
+            module(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=16, max_seqlen_kv=16))
+    assert fake.calls == []
 
 
 def test_qkv_format_none_falls_back_to_the_module_default():

@@ -36,7 +36,7 @@ def test_every_rule_has_settings_reason_and_alternative():
           "turbo_flex_attention_mask_mod_kwargs": {}}, {}, "turbo_flex_attention_mask_mod"),   # B11
         ({"turbo_flex_attention_mask_mod": "primus_ext.attention.masks:causal",
           "turbo_flex_attention_mask_mod_kwargs": {}}, {"packed": True}, "turbo_flex_attention_mask_mod"),  # B17
-        ({}, {"context_parallel_size": 2}, "context_parallel_size"),                           # B22
+        ({}, {"context_parallel_size": 2, "attention_dropout": 0.1}, "context_parallel_size"),  # B30-cp
         ({"enable_turbo_attention_float8": True}, {}, "enable_turbo_attention_float8"),         # B23
         ({"reset_attention_mask": True}, {}, "reset_attention_mask"),                           # B25
         ({}, {"return_attn_probs": True}, "return_attn_probs"),                                 # B26
@@ -58,7 +58,7 @@ def test_reset_attention_mask_points_at_thd_packing():
 
 def test_every_failure_is_reported_at_once():
     err = refused(settings(use_turbo_attention=False, reset_attention_mask=True,
-                           enable_turbo_attention_float8=True), facts(context_parallel_size=2))
+                           enable_turbo_attention_float8=True), facts(context_parallel_size=2, attention_dropout=0.1))
     assert {"use_turbo_attention", "reset_attention_mask", "enable_turbo_attention_float8",
             "context_parallel_size"} <= set(err.settings)
     assert len(err.reasons) >= 4 and "4 reasons" in str(err) or len(err.reasons) > 4
@@ -85,9 +85,8 @@ def test_direct_path_without_primus_turbo_is_refused():
 
 @pytest.mark.parametrize("fp8, cp, dense, packed", [
     (False, 1, "flash_attn_func", "flash_attn_varlen_func"),
-    (False, 2, "flash_attn_usp_func", None),
+    (False, 2, "flash_attn_func", "flash_attn_varlen_func"),  # Ulysses around the per-rank entries
     (True, 1, "flash_attn_fp8_func", None),
-    (True, 2, "flash_attn_fp8_usp_func", None),
 ])
 def test_direct_entries_follow_fp8_and_context_parallel(fp8, cp, dense, packed):
     with fake_primus_turbo():
@@ -100,9 +99,10 @@ def test_direct_entries_follow_fp8_and_context_parallel(fp8, cp, dense, packed):
     ({"enable_turbo_attention_float8": True, "sink_sliding_window": 4}, {}, "enable_turbo_attention_float8"),  # B9
     ({"enable_turbo_attention_float8": True}, {"window_size": (4, 0)}, "window_size"),                        # B9
     ({"use_sink_attention": True, "enable_turbo_attention_float8": True}, {}, "use_sink_attention"),          # B13
-    ({"use_sink_attention": True}, {"context_parallel_size": 2, "cp_comm_type": "p2p"}, "use_sink_attention"),
-    ({}, {"context_parallel_size": 2, "cp_comm_type": "p2p", "packed": True}, "context_parallel_size"),      # B18
-    ({}, {"context_parallel_size": 2, "cp_comm_type": "all_gather"}, "cp_comm_type"),
+    ({"enable_turbo_attention_float8": True}, {"context_parallel_size": 2, "cp_comm_type": "p2p"},
+     "context_parallel_size"),                                                                                 # cp-fp8
+    ({}, {"context_parallel_size": 2, "cp_comm_type": "p2p", "packed": True}, "context_parallel_size"),  # cp-packed
+    ({}, {"context_parallel_size": 2, "cp_comm_type": "ring"}, "cp_comm_type"),
     ({}, {"attn_mask_type": "padding"}, "attn_mask_type"),
 ])
 def test_direct_path_refusals(keys, layer, expected):

@@ -58,8 +58,8 @@ class Case:
 
 
 CASES = [
-    Case("B22-cp-flex", FLEX, ("use_turbo_flex_attention", "context_parallel_size"),
-         ("context_parallel_size=2",), config=lambda: gpt.config(context_parallel_size=2)),
+    Case("B30-cp-flex", FLEX, ("attention_dropout", "context_parallel_size"),
+         ("context_parallel_size=2",), config=lambda: gpt.config(context_parallel_size=2, attention_dropout=0.1)),
     Case("B23-fp8-flex", {**FLEX, "enable_turbo_attention_float8": True},
          ("use_turbo_flex_attention", "enable_turbo_attention_float8"), ("fp8",)),
     Case("B25-reset-mask-flex", {**FLEX, "reset_attention_mask": True}, ("reset_attention_mask",), ("THD",)),
@@ -153,13 +153,13 @@ def test_several_refusals_give_one_error_listing_every_reason():
     expected = {"context_parallel_size", "enable_turbo_attention_float8", "reset_attention_mask",
                 "position_embedding_type"}
     with pytest.raises(UnsupportedConfigError) as direct:
-        local(gpt.settings(**keys), alibi_config(context_parallel_size=2))
+        local(gpt.settings(**keys), alibi_config(context_parallel_size=2, attention_dropout=0.1))
     assert len(direct.value.reasons) == 4
     assert expected <= set(direct.value.settings)
     assert "4 reasons" in str(direct.value)
 
     with pytest.raises(UnsupportedConfigError) as model:
-        build_gpt(gpt.settings(**keys), alibi_config(context_parallel_size=2))
+        build_gpt(gpt.settings(**keys), alibi_config(context_parallel_size=2, attention_dropout=0.1))
     assert [r.render() for r in model.value.reasons] == [r.render() for r in direct.value.reasons]
     message = str(model.value)
     assert "4 reasons" in message and all(f"  {i}. [" in message for i in range(1, 5))

@@ -128,6 +128,34 @@ def test_megatron_tensors_reach_flydsl_contiguous_on_gfx950(flex, rope_key):
         torch.testing.assert_close(got.grad.double().transpose(0, 1), ref.grad, atol=6e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("flex", [True, False], ids=["flex-turbo", "direct"])
+def test_a_batch_one_bshd_call_with_split_views_reaches_flydsl_contiguous(flex):
+    """qkv_format='bshd' with batch 1 orders as sbhd too, so FlyDSL takes it and asserts contiguity:
+    the module makes the split views contiguous (`kernel_views`) and the layer runs exactly."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_ext.megatron import PrimusTurboLocalAttention
+
+    from .megatron import gpt
+
+    cfg = gpt.config(hidden_size=HQ * D, num_attention_heads=HQ, num_query_groups=HKV, kv_channels=D,
+                     params_dtype=BF16, bf16=True)
+    keys = dict(use_turbo_flex_attention=flex, turbo_flex_attention_backend="turbo")
+    group = HQ // HKV
+    fused = torch.randn(1, S, HKV, (group + 2) * D, generator=torch.Generator().manual_seed(5)).to(BF16)
+    q, k, v = fused.split([group * D, D, D], dim=-1)
+    q = q.reshape(1, S, HQ, D)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    with fake_primus_turbo(arch="gfx950") as fake:
+        module = PrimusTurboLocalAttention(cfg, 1, AttnMaskType.causal, "self", settings=gpt.settings(**keys))
+        out = module(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="bshd"))
+        assert fake.calls[-1].backend == "FlyDSL"
+    mask = oracle.flash_mask(S, S, causal=True, window=(-1, -1), align="bottom_right")
+    want, _ = oracle.attention(*(t.double() for t in (q, k, v)), mask)
+    torch.testing.assert_close(out.double(), want.reshape(1, S, -1), atol=2e-2, rtol=2e-2)
+
+
 def test_a_drop_in_call_flydsl_would_assert_on_is_refused_by_us():
     q, k, v = megatron_sbhd()
     views = [t.transpose(0, 1) for t in (q, k, v)]

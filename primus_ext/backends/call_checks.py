@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from ..errors import PrimusExtError, Reason, UnsupportedInputError
+from .base import same_tensor
 from .check_op import KEPT_IN_GRAPH, refusal_id
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,6 +49,22 @@ def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]
         torch._assert_async(ok, why)
     except RuntimeError:  # CPU: the assertion fails at once
         raise refusal() from None
+
+
+def check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, refusal: Callable[[], PrimusExtError]) -> None:
+    """Refuse a packed call whose q and kv documents differ where the path aligns masks other
+    than the caller asked for (bottom-right vs top-left inside each document).
+
+    One tensor for both sides (Megatron's case) is never read; two distinct tensors are
+    compared on the host, or on device inside a compiled graph.
+    """
+    if same_tensor(cu_q, cu_kv):
+        return
+    if torch.compiler.is_compiling() and cu_q.shape == cu_kv.shape:
+        assert_on_device((cu_q == cu_kv.to(cu_q.device)).all(), str(refusal()), refusal)
+        return
+    if cu_q.shape != cu_kv.shape or not torch.equal(cu_q, cu_kv.to(cu_q.device)):
+        raise refusal()
 
 
 def check_heads(q: Tensor, k: Tensor, heads: int, kv_heads: int) -> None:
@@ -312,5 +329,5 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
 
 
 __all__ = ["assert_boundaries", "assert_on_device", "check_alibi", "check_bias", "check_dropout", "check_heads",
-           "check_kernel_alibi", "check_packing",
-           "check_packed", "check_qkv", "check_sink", "check_window", "tensor_version"]
+           "check_kernel_alibi", "check_packed", "check_packing", "check_qkv", "check_same_boundaries", "check_sink",
+           "check_window", "tensor_version"]

@@ -62,4 +62,20 @@ def storage_features(q: Any, k: Any, v: Any) -> Storage:
                    all(t.is_contiguous() for t in (q, k, v)))
 
 
-__all__ = ["LayoutError", "Storage", "infer_qkv_format", "storage_features"]
+def kernel_views(query: Any, key: Any, value: Any, storage: str, fmt: str = "sbhd") -> tuple[Any, Any, Any]:
+    """The bshd q, k, v a Megatron module hands the kernels, from Megatron's ``fmt`` tensors and the
+    plan's ``storage`` (`AttentionPlan.storage`): contiguous sbhd where FlyDSL runs (one copy per
+    tensor not already so, before the transpose), contiguous bshd on gfx942, the views as given
+    elsewhere.  One function for the modules and the self-test, so both feed the kernels alike."""
+    if fmt == "sbhd":
+        if storage == "contiguous-sbhd":
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    elif storage == "contiguous-sbhd" and query.shape[0] == 1:
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()  # batch 1: sbhd alike
+    if storage == "contiguous-bshd":
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    return query, key, value
+
+
+__all__ = ["LayoutError", "Storage", "infer_qkv_format", "kernel_views", "storage_features"]

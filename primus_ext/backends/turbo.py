@@ -29,7 +29,8 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from ..errors import Reason, UnsupportedInputError
-from .base import BackendCapabilities, KernelCall, Output, same_tensor
+from .base import BackendCapabilities, KernelCall, Output
+from .call_checks import check_same_boundaries
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
 from .dispatch import Selection
@@ -201,26 +202,16 @@ def varlen_lse_as_heads_tokens(result: Any) -> tuple[Tensor, Tensor]:
 
 
 def _check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, pattern: Pattern) -> None:
-    """Refuse a causal / windowed packed call whose q and kv documents differ in length.
-
-    The varlen kernel aligns such a window bottom-right inside each document (flash
-    convention) while a mask_mod, and so the reference backend, aligns it top-left: the
-    same call would give two different answers.  The boundaries are read on the host only
-    when two distinct tensors are given (Megatron passes one tensor for both).
-    """
-    if same_tensor(cu_q, cu_kv):
-        return
-    why = ("cu_seqlens_q and cu_seqlens_kv differ, so documents have different q and kv lengths; "
-           f"Primus-Turbo's varlen kernel aligns the {pattern.describe()} mask bottom-right inside "
-           "each document, a mask_mod (and the reference backend) top-left.")
-    if torch.compiler.is_compiling() and cu_q.shape == cu_kv.shape:
-        torch._assert_async((cu_q == cu_kv.to(cu_q.device)).all(), why)
-        return
-    if cu_q.shape != cu_kv.shape or not torch.equal(cu_q, cu_kv.to(cu_q.device)):
-        raise UnsupportedInputError(Reason(
-            ("cu_seqlens_q", "cu_seqlens_kv"), why,
-            "pass equal q and kv boundaries, use a full (non-causal, unwindowed) mask, or set "
-            "turbo_flex_attention_backend: reference."))
+    """Refuse a causal / windowed packed call whose q and kv documents differ in length: the
+    varlen kernel aligns such a window bottom-right inside each document (flash convention),
+    a mask_mod (and so the reference backend) top-left."""
+    check_same_boundaries(cu_q, cu_kv, lambda: UnsupportedInputError(Reason(
+        ("cu_seqlens_q", "cu_seqlens_kv"),
+        "cu_seqlens_q and cu_seqlens_kv differ, so documents have different q and kv lengths; "
+        f"Primus-Turbo's varlen kernel aligns the {pattern.describe()} mask bottom-right inside "
+        "each document, a mask_mod (and the reference backend) top-left.",
+        "pass equal q and kv boundaries, use a full (non-causal, unwindowed) mask, or set "
+        "turbo_flex_attention_backend: reference.")))
 
 
 __all__ = ["TurboBackend", "kernel_selection", "load_ops", "turbo_window_args"]

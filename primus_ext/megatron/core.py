@@ -16,8 +16,10 @@ from torch import Tensor
 
 from ..backends.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
-from ..backends.call_checks import check_heads, check_packed, check_packing, check_qkv
-from ..backends.direct import DirectRunner, DirectTarget, choose_direct, context_parallel_groups
+from ..backends.call_checks import (assert_on_device, check_heads, check_packed, check_packing, check_qkv,
+                                     check_same_boundaries)
+from ..backends.direct import DirectRunner, DirectTarget, choose_direct
+from ..backends.layout import kernel_views
 from ..backends.ops import CallArgs, register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedInputError
@@ -26,29 +28,12 @@ from ..plan.selftest import refuse_failures, self_test, selftest_enabled
 from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
 from .call_contract import MaskCheck, qkv_format, refuse as _contract_refusal
+from .context_parallel import LayerContextParallel, layer_context_parallel
 from .facts import layer_facts
 
 
 def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
     return UnsupportedInputError(Reason(settings, reason, alternative), context="Megatron core attention")
-
-
-def cp_group_kwargs(cp_comm_type: Optional[str], pg_collection: Any, cp_size: int) -> dict:
-    """Process groups for the context-parallel (usp) entries; empty at CP size 1.
-
-    Always ``ulysses_group`` = the CP group and ``ring_group`` = this rank's size-1
-    group, for ``cp_comm_type`` a2a and p2p alike (as upstream Primus does; why in
-    `primus_ext.backends.direct`).  Other comm types are refused before this runs.
-    """
-    del cp_comm_type  # both supported types map to Ulysses over the CP group with a ring of one
-    if cp_size <= 1:
-        return {}
-    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    if group is None:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_context_parallel_group()
-    return context_parallel_groups(group)
 
 
 class TurboAttentionCore:
@@ -90,15 +75,20 @@ class TurboAttentionCore:
         if selftest_enabled(self.settings.turbo_selftest):
             refuse_failures(self_test([self.plan]), self.facts.layer_number)
         self.storage = self.plan.storage  # a constant per layer, as a compiled region needs
+        # Whether unequal q and kv lengths (or documents) are refused: a constant, so no refusal is built per call.
+        self.unequal_refused = self._alignment_refusal("") is not None
+        # Context parallel: Ulysses around the per-rank attention, which gets this rank's heads
+        # of the whole sequence (`primus_ext.megatron.context_parallel`); None at CP 1.
+        self.cp: Optional[LayerContextParallel] = layer_context_parallel(
+            self.facts.context_parallel_size, pg_collection, self.check_mask.layer_is_causal, self.check_mask.what)
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None
         if self.plan.flex:
-            self.adapter = TurboFlexAttention(self.plan)
+            self.adapter = TurboFlexAttention(self.cp.local_plan(self.plan) if self.cp is not None else self.plan)
         else:
             entries = choose_direct(load_ops(), fp8=self.settings.enable_turbo_attention_float8,
-                                    context_parallel=self.facts.context_parallel_size > 1)
-            groups_kw = cp_group_kwargs(cp_comm_type, pg_collection, self.facts.context_parallel_size)
-            self.runner = DirectRunner(load_ops(), entries, groups_kw)
+                                    context_parallel=self.cp is not None)
+            self.runner = DirectRunner(load_ops(), entries)
             self.direct = DirectTarget(self.runner, self.plan.arch, self.plan.selection)
             self.handle = register_target(self.direct, owner=self)
 
@@ -149,8 +139,9 @@ class TurboAttentionCore:
             why = (f"{padded} differ from {plain}; the kernel takes one pair of boundaries, so "
                    "per-sequence padding would be attended as tokens.")
             if pad.shape == ref.shape and torch.compiler.is_compiling():
-                # No host read inside a graph: a device-side assert carries the same refusal.
-                torch._assert_async((pad == ref).all(), why)
+                # No host read inside a graph: the check op refuses when the graph runs (our error on CPU).
+                assert_on_device((pad == ref).all(), why, lambda p=padded, w=why: _refuse(
+                    (p,), w, "pack without per-sequence padding (padded == unpadded boundaries)."))
                 continue
             # One host comparison per batch, only when distinct padded boundaries are given (B19).
             if pad.shape != ref.shape or not torch.equal(pad.to(ref.device), ref):
@@ -173,7 +164,16 @@ class TurboAttentionCore:
             raise _contract_refusal(("use_sink_attention",), "the layer was planned with a learned sink but the "
                                     "call passes none; it would run without one.", "pass the layer's sink.")
         seq = 0 if packed is not None or fmt == "sbhd" else 1
-        if packed is None:
+        if self.cp is not None:
+            if packed is not None:
+                raise self.cp.packed_refusal()
+            # Ulysses (before any collective, every check every rank makes alike): this rank's heads of
+            # the whole sequence, in sequence order, and its slice of the sink.
+            self.cp.check_mask(attention_mask, query.shape[seq], key.shape[seq])
+            self._check_lengths(query.shape[seq] * self.cp.ulysses.size, key.shape[seq] * self.cp.ulysses.size)
+            query, key, value = self.cp.scatter(query, key, value, fmt)
+            sink = self.cp.sink(sink)
+        elif packed is None:
             self._check_lengths(query.shape[seq], key.shape[seq])
             self.check_mask(attention_mask, query.shape[seq], key.shape[seq])
         elif attention_mask is not None:
@@ -189,14 +189,7 @@ class TurboAttentionCore:
             out = self._packed(q, k, v, packed, dropout_p, causal, window, sink)
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
-        if fmt == "sbhd":
-            if self.storage == "contiguous-sbhd":  # FlyDSL's layout; a no-op for tensors already so
-                query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-            q_bshd, k_bshd, v_bshd = (t.transpose(0, 1) for t in (query, key, value))
-        else:
-            q_bshd, k_bshd, v_bshd = query, key, value
-        if self.storage == "contiguous-bshd":
-            q_bshd, k_bshd, v_bshd = q_bshd.contiguous(), k_bshd.contiguous(), v_bshd.contiguous()
+        q_bshd, k_bshd, v_bshd = kernel_views(query, key, value, self.storage, fmt)  # as the self-test feeds them
         if self.adapter is not None:
             out_bshd = self.adapter(q_bshd, k_bshd, v_bshd, dropout_p=dropout_p, causal=causal, window_size=window,
                                     sink=sink, deterministic=plan.deterministic)
@@ -207,40 +200,53 @@ class TurboAttentionCore:
             out_bshd = run_dense(self.handle, q_bshd, k_bshd, v_bshd, sink32, None, None, causal, window, plan.scale,
                                  dropout_p, plan.deterministic, False)
         out = out_bshd.transpose(0, 1) if fmt == "sbhd" else out_bshd
+        if self.cp is not None:
+            out = self.cp.gather(out, fmt)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _check_lengths(self, q_len: int, kv_len: int) -> None:
-        """Megatron's ``causal`` is top-left, ``causal_bottom_right`` bottom-right; flash kernels
-        align bottom-right and a mask_mod top-left, so with q_len != kv_len only the path
-        that computes the requested alignment runs."""
-        if q_len == kv_len:
-            return
+        if q_len != kv_len:
+            refusal = self._alignment_refusal(f"q_len={q_len} != kv_len={kv_len}")
+            if refusal is not None:
+                raise refusal
+
+    def _alignment_refusal(self, unequal: str) -> Optional[UnsupportedInputError]:
+        """Why this layer cannot run unequal q and kv lengths (``unequal`` says which), or None.
+
+        Megatron's ``causal`` is top-left, ``causal_bottom_right`` bottom-right, and megatron-core
+        aligns a non-causal window bottom-right; flash kernels align bottom-right and a mask_mod
+        top-left, so only the path that computes the requested alignment runs.  The same holds per
+        document for packed calls whose q and kv boundaries differ."""
         if not self.plan.causal:
             if self.plan.flex and self.plan.mask_mod is None and self.plan.window != (-1, -1):
-                raise _contract_refusal(("window_size", "use_turbo_flex_attention"),
-                                        f"window_size={self.plan.window} on a non-causal layer with q_len={q_len} != "
-                                        f"kv_len={kv_len}: megatron-core (and the direct path's flash kernels) align "
-                                        "the window bottom-right, the flex path top-left (FlexAttention's convention).",
-                                        "use_turbo_flex_attention: false, whose flash kernels align it as "
-                                        "megatron-core does, or equal q and kv lengths.")
-            return
+                return _contract_refusal(("window_size", "use_turbo_flex_attention"),
+                                         f"window_size={self.plan.window} on a non-causal layer with {unequal}: "
+                                         "megatron-core (and the direct path's flash kernels) align the window "
+                                         "bottom-right, the flex path top-left (FlexAttention's convention).",
+                                         "use_turbo_flex_attention: false, whose flash kernels align it as "
+                                         "megatron-core does, or equal q and kv lengths.")
+            return None
         bottom_right = getattr(self.attn_mask_type, "name", str(self.attn_mask_type)) == "causal_bottom_right"
         if bottom_right and self.plan.flex:
-            raise _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
-                                    f"attn_mask_type=causal_bottom_right with q_len={q_len} != kv_len={kv_len}: "
-                                    "the flex path aligns masks top-left (FlexAttention's convention).",
-                                    "use_turbo_flex_attention: false, whose flash kernels align bottom-right.")
+            return _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
+                                     f"attn_mask_type=causal_bottom_right with {unequal}: "
+                                     "the flex path aligns masks top-left (FlexAttention's convention).",
+                                     "use_turbo_flex_attention: false, whose flash kernels align bottom-right.")
         if not bottom_right and not self.plan.flex:
-            raise _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
-                                    f"attn_mask_type=causal (top-left) with q_len={q_len} != kv_len={kv_len}: "
-                                    "the direct path's flash kernels align it bottom-right.",
-                                    "use attn_mask_type=causal_bottom_right if that is meant, or "
-                                    "use_turbo_flex_attention: true with turbo_flex_attention_backend: reference "
-                                    "for top-left.")
+            return _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
+                                     f"attn_mask_type=causal (top-left) with {unequal}: "
+                                     "the direct path's flash kernels align it bottom-right.",
+                                     "use attn_mask_type=causal_bottom_right if that is meant, or "
+                                     "use_turbo_flex_attention: true with turbo_flex_attention_backend: reference "
+                                     "for top-left.")
+        return None
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: Any, dropout_p: float, causal: bool,
                 window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        if self.unequal_refused and isinstance(cu_q, Tensor) and isinstance(cu_kv, Tensor):
+            check_same_boundaries(cu_q, cu_kv, lambda: self._alignment_refusal(
+                "cu_seqlens_q != cu_seqlens_kv (documents of unequal q and kv lengths)"))
         # Missing max_seqlen: the token count bounds it, with no host read of the boundaries.
         max_q = params.max_seqlen_q if params.max_seqlen_q is not None else q.shape[0]
         max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else k.shape[0]
@@ -255,4 +261,4 @@ class TurboAttentionCore:
                           self.plan.scale, dropout_p, self.plan.deterministic, False)
 
 
-__all__ = ["TurboAttentionCore", "cp_group_kwargs"]
+__all__ = ["TurboAttentionCore"]

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Tuple
 from ..attention.hook_proof import MaskProof, ScoreProof
 from ..attention.pattern import pattern_from_flash_args
 from ..backends.base import BackendCapabilities
+from ..backends.context_parallel import CP_COMM_TYPES
 from ..backends.direct import DirectEntries
 from ..errors import Reason
 from ..settings import TurboAttentionSettings
@@ -86,7 +87,6 @@ class RuleInput:
             "dropout": self.facts.attention_dropout,
             "mask_type": self.facts.attn_mask_type,
             "cp_comm": self.facts.cp_comm_type,
-            "cp_mask": "causal" if self.facts.causal else f"window {self.window}",
             "alibi_masks": "; ".join(_alibi_right_masks(self)),
             "direct_dense": self.direct.dense if self.direct else None,
             "direct_packed": self.direct.packed if self.direct else None,
@@ -114,11 +114,6 @@ def _documents_hook(c: "RuleInput") -> bool:
     return c.flex and proof is not None and proof.pattern is not None and proof.pattern.documents
 
 
-def _ordered_mask(c: "RuleInput") -> bool:
-    """The layer's mask depends on token positions (causal, or a window): not permutation-equivariant."""
-    return c.facts.causal or (c.window is not None and c.window != (-1, -1))
-
-
 def _alibi_right_masks(c: "RuleInput") -> list[str]:
     """The masks of this layer's calls that reach right of the diagonal (where CK's ALiBi is symmetric)."""
     inside = pattern_from_flash_args(c.facts.causal, c.window or (-1, -1))
@@ -141,7 +136,12 @@ def _pow2(n: int) -> bool:
 
 
 SUPPORTED_MASK_TYPES = ("causal", "no_mask", "causal_bottom_right")
-SUPPORTED_CP_COMM = (None, "a2a", "p2p")
+SUPPORTED_CP_COMM = CP_COMM_TYPES
+
+
+def _cp(c: "RuleInput") -> bool:
+    """Context parallel on a Turbo path: Ulysses (`primus_ext.backends.context_parallel`) on either path."""
+    return c.turbo_path and c.facts.context_parallel_size > 1
 
 
 RULES: Tuple[Rule, ...] = (
@@ -171,41 +171,43 @@ RULES: Tuple[Rule, ...] = (
          "which no Turbo entry takes; it would be ignored.",
          "use a causal or no_mask layer, with THD packing for variable-length documents.",
          lambda c: c.turbo_path and c.facts.attn_mask_type not in SUPPORTED_MASK_TYPES),
+    # Context parallelism runs as Ulysses on both paths: an all-to-all from this rank's load-balanced
+    # sequence part to the whole sequence in order with 1/CP of the heads, the layer's own attention,
+    # and back (primus_ext/backends/context_parallel.py).  Causal, windows, sinks, hooks and ALiBi are
+    # the same as at CP 1; what follows is what that exchange cannot carry exactly.
     Rule("cp-comm", ("cp_comm_type", "context_parallel_size"),
-         "cp_comm_type={cp_comm} has no Primus-Turbo context-parallel entry (a2a and p2p both run "
-         "Ulysses over the context-parallel group with a size-1 ring).",
-         "set cp_comm_type to a2a or p2p.",
-         lambda c: c.on_direct and c.facts.context_parallel_size > 1
-         and c.facts.cp_comm_type not in SUPPORTED_CP_COMM),
-    # The usp entries (the direct path at CP > 1) assert dropout_p == 0 and run Ulysses over
-    # the CP group, whose all-to-all splits both head counts across the group.
+         "cp_comm_type={cp_comm} is not one of megatron-core's context-parallel types (p2p, all_gather, a2a, "
+         "a2a+p2p), every one of which runs here as Ulysses.",
+         "set cp_comm_type to a2a (what runs), or p2p, all_gather or a2a+p2p.",
+         lambda c: _cp(c) and c.facts.cp_comm_type not in SUPPORTED_CP_COMM),
     Rule("B30-cp", ("attention_dropout", "context_parallel_size"),
-         "attention_dropout={dropout} with context_parallel_size={cp}: the context-parallel entries "
-         "assert dropout_p == 0; the dropout would fail the first training step (and passing 0 instead "
-         "would silently train without the dropout asked for).",
+         "attention_dropout={dropout} with context_parallel_size={cp}: under Ulysses each rank draws the dropout of "
+         "its own heads from its own generator, and megatron-core seeds the context-parallel ranks of a "
+         "tensor-parallel rank alike (model_parallel_cuda_manual_seed: seed + 2718 + tp_rank), so the heads of "
+         "different ranks would drop the same positions: not the dropout asked for.",
          "set attention_dropout: 0.0, or context_parallel_size: 1.",
-         lambda c: c.on_direct and c.facts.context_parallel_size > 1 and c.facts.attention_dropout > 0.0),
+         lambda c: _cp(c) and c.facts.attention_dropout > 0.0),
     Rule("cp-heads", ("num_attention_heads", "num_query_groups", "context_parallel_size"),
          "context parallelism splits attention heads across the context-parallel group (Ulysses "
          "all-to-all), but the query heads ({heads}) and key/value heads ({kv_heads}) of this rank "
          "are not both multiples of context_parallel_size={cp}.",
          "choose num_attention_heads and num_query_groups divisible by tensor_model_parallel_size * "
          "context_parallel_size, or set context_parallel_size: 1.",
-         lambda c: c.on_direct and c.facts.context_parallel_size > 1
-         and (c.facts.num_heads % c.facts.context_parallel_size != 0
-              or c.facts.kv_heads % c.facts.context_parallel_size != 0)),
-    # Megatron splits each sequence load-balanced (rank r holds chunks r and 2*CP-1-r of 2*CP,
-    # get_batch_on_this_cp_rank), while the usp all-to-all concatenates the shards in rank order
-    # (upstream_facts.md §4): the keys a causal or windowed row may see are then the wrong ones.
-    # Full attention is permutation-equivariant, so it alone stays right.
-    Rule("cp-causal", ("context_parallel_size", "attn_mask_type", "window_size", "sink_sliding_window"),
-         "context_parallel_size={cp} on the direct path with {cp_mask} attention: Megatron splits each "
-         "sequence load-balanced (rank r holds chunks r and 2*CP-1-r, get_batch_on_this_cp_rank), while "
-         "Primus-Turbo's context-parallel (Ulysses) entry joins the shards in rank order, so every row "
-         "would attend to the wrong keys, silently.",
-         "set context_parallel_size: 1, or use a non-causal layer (attn_mask_type no_mask) without a "
-         "window, which does not depend on the token order.",
-         lambda c: c.on_direct and c.facts.context_parallel_size > 1 and _ordered_mask(c)),
+         lambda c: _cp(c) and (c.facts.num_heads % c.facts.context_parallel_size != 0
+                               or c.facts.kv_heads % c.facts.context_parallel_size != 0)),
+    Rule("cp-fp8", ("enable_turbo_attention_float8", "context_parallel_size"),
+         "enable_turbo_attention_float8 with context_parallel_size={cp}: Primus-Turbo's fp8 context-parallel entry "
+         "(flash_attn_fp8_usp_func) joins the sequence shards in rank order, not in Megatron's load-balanced "
+         "order, and the fp8 entry's quantisation depends on which heads and tokens one call holds, so Ulysses "
+         "around it is not known to compute the CP 1 layer's numbers.",
+         "set enable_turbo_attention_float8: false, or context_parallel_size: 1.",
+         lambda c: _cp(c) and c.on_direct and c.settings.enable_turbo_attention_float8),
+    Rule("cp-packed", ("packed_sequences", "context_parallel_size"),
+         "packed (thd) batches with context_parallel_size={cp}: megatron-core splits THD batches per document "
+         "(each one padded and cut into 2 * CP chunks, cu_seqlens_*_padded), which the Ulysses exchange here does "
+         "not put back in order; the documents would be attended in the wrong order.",
+         "train unpacked (sbhd) with context parallelism, or packed at context_parallel_size: 1.",
+         lambda c: _cp(c) and c.facts.packed is True),
     Rule("B9", ("enable_turbo_attention_float8", "window_size", "sink_sliding_window"),
          "the fp8 attention kernel only takes window_size=(-1, -1); the window {window} of layer "
          "{layer} would be dropped.",
@@ -222,9 +224,8 @@ RULES: Tuple[Rule, ...] = (
          lambda c: c.on_direct and c.settings.enable_turbo_attention_float8 and c.settings.deterministic_mode),
     Rule("B13-direct", ("use_sink_attention",),
          "a learned sink is configured but the direct entry {direct_dense} has no `sink` "
-         "parameter (fp8 and context-parallel entries lack it); the sink would be dropped.",
-         "set enable_turbo_attention_float8: false and context_parallel_size: 1, or "
-         "use_sink_attention: false.",
+         "parameter (the fp8 entry lacks it); the sink would be dropped.",
+         "set enable_turbo_attention_float8: false, or use_sink_attention: false.",
          lambda c: c.on_direct and c.sink and c.direct is not None and c.may_dense and not c.direct.sink_dense),
     Rule("B13-direct-packed", ("use_sink_attention",),
          "a learned sink is configured but the packed entry {direct_packed} of this Primus-Turbo "
@@ -232,10 +233,10 @@ RULES: Tuple[Rule, ...] = (
          "upgrade Primus-Turbo, or train unpacked.",
          lambda c: c.on_direct and c.sink and c.direct is not None and c.facts.packed is True
          and c.direct.packed is not None and not c.direct.sink_packed),
-    Rule("B18", ("context_parallel_size", "enable_turbo_attention_float8"),
-         "packed (thd) batches on the direct path go to flash_attn_varlen_func, which exists only "
-         "at context_parallel_size 1 and without fp8 (selected entry: {direct_dense}).",
-         "set context_parallel_size: 1 and enable_turbo_attention_float8: false, or train unpacked.",
+    Rule("B18", ("enable_turbo_attention_float8", "packed_sequences"),
+         "packed (thd) batches on the direct path go to flash_attn_varlen_func, which has no fp8 "
+         "twin (selected entry: {direct_dense}).",
+         "set enable_turbo_attention_float8: false, or train unpacked.",
          lambda c: c.on_direct and c.direct is not None and c.facts.packed is True and c.direct.packed is None),
     # megatron-core's unfused attention applies such a window instead of the causal mask, its
     # fused path ignores the window, TransformerEngine caps it to right bound 0: no one meaning.
@@ -266,11 +267,6 @@ RULES: Tuple[Rule, ...] = (
          "or train unpacked (bshd/sbhd).",
          lambda c: c.flex and c.facts.packed is True and bool(
              c.settings.turbo_flex_attention_mask_mod or c.settings.turbo_flex_attention_score_mod)),
-    Rule("B22", ("use_turbo_flex_attention", "context_parallel_size"),
-         "the flex path has no context-parallel kernel (context_parallel_size={cp}).",
-         "set context_parallel_size: 1, or use_turbo_flex_attention: false for the direct "
-         "context-parallel path.",
-         lambda c: c.flex and c.facts.context_parallel_size > 1),
     Rule("B23", ("use_turbo_flex_attention", "enable_turbo_attention_float8"),
          "the flex path has no fp8 kernel.",
          "set enable_turbo_attention_float8: false, or use_turbo_flex_attention: false for "

@@ -192,24 +192,25 @@ def expect_build(case: Case) -> BuildExpectation:
         "dropout": not 0.0 <= layer["attention_dropout"] < 1.0,
         "direct": on_direct and fake is None,
         "mask-type": turbo_path and layer["attn_mask_type"] not in ("causal", "no_mask", "causal_bottom_right"),
-        "cp-comm": on_direct and cp > 1 and layer["cp_comm_type"] not in (None, "a2a", "p2p"),
+        # Context parallelism is Ulysses on both paths (B22): causal and windowed layers, sinks and hooks run;
+        # the exchange cannot carry dropout, fp8, packed THD, or heads not divisible by CP.
+        "cp-comm": turbo_path and cp > 1 and layer["cp_comm_type"] not in (None, "a2a", "p2p", "a2a+p2p",
+                                                                            "all_gather"),
         "B9": on_direct and fp8 and window is not None and window != (-1, -1),
-        # The context-parallel (usp) entries: no dropout, heads split across the CP group.
-        "B30-cp": on_direct and cp > 1 and layer["attention_dropout"] > 0.0,
-        # Megatron's load-balanced CP split vs Ulysses' rank-ordered shards: only full attention is safe.
-        "cp-causal": on_direct and cp > 1 and (layer_causal(case) or (window is not None and window != (-1, -1))),
+        "B30-cp": turbo_path and cp > 1 and layer["attention_dropout"] > 0.0,
+        "cp-fp8": on_direct and cp > 1 and fp8,
+        "cp-packed": turbo_path and cp > 1 and packed is True,
         "B24-fp8": on_direct and fp8 and s["deterministic_mode"],
         # megatron-core gives a causal layer's two-sided window three meanings (B8).
         "B8": layer_causal(case) and config_window(case) is not None and window != (-1, -1) and window[1] != 0,
-        "cp-heads": on_direct and cp > 1 and bool(layer["num_heads"] % cp or layer["num_kv_heads"] % cp),
-        "B13-direct": on_direct and fake is not None and sink and may_dense and (fp8 or cp > 1),
-        "B13-direct-packed": on_direct and fake is not None and sink and packed is True and not (fp8 or cp > 1)
+        "cp-heads": turbo_path and cp > 1 and bool(layer["num_heads"] % cp or layer["num_kv_heads"] % cp),
+        "B13-direct": on_direct and fake is not None and sink and may_dense and fp8,
+        "B13-direct-packed": on_direct and fake is not None and sink and packed is True and not fp8
         and not fake["varlen_sink"],
-        "B18": on_direct and fake is not None and packed is True and (fp8 or cp > 1),
+        "B18": on_direct and fake is not None and packed is True and fp8,
         "B10": config_window(case) is not None and s.get("sink_sliding_window", 0) > 0,
         "B11": flex and mask_hook is not None and window is not None,
         "B17": flex and packed is True and (mask_hook is not None or score_hook is not None),
-        "B22": flex and cp > 1,
         "B23": flex and fp8,
         "B25": turbo_path and s["reset_attention_mask"] and packed is not True,
         "B27": turbo_path and layer["position_embedding_type"] == "alibi",
@@ -239,6 +240,10 @@ def expect_build(case: Case) -> BuildExpectation:
     # batch index, head of the layer and position; otherwise it is refused at build time.
     if on_turbo and not exp.hook_refused and mspec is not None and mspec.provable is False:
         exp.must.add("B31")
+    if case.level == "megatron" and cp > 1 and not exp.must and not exp.hook_refused and not undecided:
+        # The fuzzer's world has one process, so no context-parallel group of that size: a layer planned
+        # for a split the process groups do not make is refused when it is built (B22).
+        exp.must = {"B22"}
     undecided = on_turbo and mspec is not None and mspec.provable is None
     exp.certain = not exp.must and not exp.hook_refused and not undecided
     return exp
@@ -320,7 +325,7 @@ def expect_call(case: Case) -> CallExpectation:
     # Megatron's core attention
     fake = case.fake
     fp8, cp = case.settings["enable_turbo_attention_float8"], case.layer["context_parallel_size"]
-    has_packed_entry = (not (fp8 or cp > 1)) if not case.flex else True
+    has_packed_entry = (not fp8) if not case.flex else True
     if c["attention_bias"]:
         exp.must.append("attention_bias")
     if c["packed_params"] == "sbhd_bounds":

@@ -140,6 +140,30 @@ def test_q_len_differing_from_kv_len_runs_only_where_the_alignment_is_right(path
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
+def test_packed_documents_of_unequal_q_and_kv_lengths_follow_the_same_alignment_rule(path):
+    """Per document, as for dense calls: the varlen kernel aligns bottom-right, a mask_mod top-left;
+    a call whose q and kv boundaries differ runs only where the path computes the mask type asked."""
+    q, _, _ = qkv_sbhd(s=4)
+    _, k, v = qkv_sbhd(s=8)
+    q, k, v = (t.reshape(8 if t is q else 16, *t.shape[2:]) for t in (q, k, v))  # two documents each
+    cu_q, cu_kv = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=4,
+                             max_seqlen_kv=8)
+    with fake_primus_turbo():
+        for mask_type, align in ((AttnMaskType.causal_bottom_right, 4), (AttnMaskType.causal, 0)):
+            layer = module(path, mask_type)
+            runs = (path == "direct") == (align == 4) and path != "flex-turbo"
+            if not runs:
+                with pytest.raises(UnsupportedInputError, match="cu_seqlens"):
+                    layer(q, k, v, None, packed_seq_params=params)
+                continue
+            out = layer(q, k, v, None, packed_seq_params=params).reshape(8, 4, 16)
+            want = oracle.attention(q[None], k[None], v[None],
+                                    lambda b, h, i, j: (i // 4 == j // 8) & (j % 8 <= i % 4 + align))[0]
+            torch.testing.assert_close(out.double(), want, **TOL)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_planned_sink_missing_at_the_call_is_refused(path):
     q, k, v = qkv_sbhd()
     settings = PATHS[path].replace(use_sink_attention=True)

@@ -175,8 +175,10 @@ def test_no_foreign_exception_escapes_megatrons_dense_calls(name, path):
     assert fake.calls == []
 
 
-def _sbhd(h: int, dtype=torch.bfloat16):
-    return torch.randn(128, 2, h, 64).to(dtype).transpose(0, 1)
+def _sbhd(h: int, dtype=torch.bfloat16, arch=None):
+    """Megatron's sbhd memory as the modules pass it on ``arch``: a bshd view, contiguous on gfx942."""
+    view = torch.randn(128, 2, h, 64).to(dtype).transpose(0, 1)
+    return view.contiguous() if arch == "gfx942" else view
 
 
 UNPLANNED_CALLS = [
@@ -202,15 +204,15 @@ def test_a_call_the_plan_did_not_assume_is_routed_and_refused_by_us(arch, keys, 
                                    **keys), layer)
         run = TurboFlexAttention(plan)
         if warm:
-            run(*(_sbhd(h) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8))
+            run(*(_sbhd(h, arch=arch) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8))
             fake.calls.clear()
-        q, k, v = (_sbhd(h, dtype) for h in (8, 1, 1))
+        q, k, v = (_sbhd(h, dtype, arch) for h in (8, 1, 1))
         if layout == "bshd":
             q, k, v = (t.contiguous() for t in (q, k, v))
         with pytest.raises(UnsupportedInputError) as err:
             run(q, k, v, causal=True, sink=torch.zeros(8), **call)
         assert "B33" in err.value.codes
-        run(*(_sbhd(h) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8))  # the planned call runs
+        run(*(_sbhd(h, arch=arch) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8))  # the planned call runs
     assert len(fake.calls) == 1
 
 

@@ -53,7 +53,7 @@ def test_a_sink_of_another_dtype_after_the_memo_is_cast_like_the_first():
         run = TurboFlexAttention(build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch="gfx942",
                                                      use_sink_attention=True), layer))
         for dtype in (torch.float32, torch.float64, torch.bfloat16):
-            run(*(_sbhd(h) for h in (8, 1, 1)), causal=True, sink=torch.zeros(8, dtype=dtype))
+            run(*(_sbhd(h, arch="gfx942") for h in (8, 1, 1)), causal=True, sink=torch.zeros(8, dtype=dtype))
     assert [c.args["sink"].dtype for c in fake.calls] == [torch.float32] * 3
 
 

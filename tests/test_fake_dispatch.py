@@ -112,6 +112,8 @@ def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, w
     equal = None if layout == "dense" else layout == "packed-equal"
     found = route(features(arch, layout, dtype, sink, window, det, hq, hkv, equal, dropout))
     q, k, v = sbhd_qkv(1 if layout != "dense" else 2, hq, hkv, DTYPES[dtype])
+    if arch == "gfx942":  # what the modules pass there (`kernel_views`): AITER's v3 backward needs it
+        q, k, v = (t.contiguous() for t in (q, k, v))
     sink_t = rand(hq, dtype=torch.float32, seed=9) if sink else None
     kw = dict(causal=window[1] == 0, window_size=window, sink=sink_t, deterministic=det, dropout_p=dropout)
     error = expected_error(found)
@@ -134,7 +136,7 @@ def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, w
 
     fake_fails_or_is_wrong = error is not None or bool(found.defects)
     if refusal is not None:
-        assert refusal.codes == ("B33",), refusal
+        assert set(refusal.codes) == {"B33"}, refusal
     if layout == "packed-equal":
         # The plan cannot know that documents will have equal lengths (no setting says so),
         # so it answers as for documents of any length: the unequal row.  It refuses
@@ -148,6 +150,8 @@ def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, w
 
 # -- hand-written rows: the dispatch facts of primus_turbo_dispatch.md §1, written out -------------
 def _run(arch, q, k, v, entry="flash_attn_func", *args, **kw):
+    if arch == "gfx942":  # contiguous bshd, as the modules pass it there (strided views: test_storage_layout)
+        q, k, v = (t.contiguous() for t in (q, k, v))
     with fake_primus_turbo(arch=arch) as fake:
         import primus_turbo.pytorch.ops as ops
 

@@ -59,11 +59,12 @@ def _leaf(*shape: int, seed: int, dtype=BF16) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
-def _inputs(hq: int, hkv: int, packed: bool):
-    """sbhd memory seen as bshd (Megatron's layout), bf16 leaves with gradients."""
+def _inputs(hq: int, hkv: int, packed: bool, arch: str):
+    """sbhd memory seen as bshd (Megatron's layout), bf16 leaves with gradients; copied to contiguous
+    bshd on gfx942, as the modules do there (`kernel_views`)."""
     batch = 1 if packed else B
     leaves = [_leaf(S, batch, h, D, seed=i).requires_grad_(True) for i, h in enumerate((hq, hkv, hkv))]
-    views = [t.transpose(0, 1) for t in leaves]
+    views = [t.transpose(0, 1).contiguous() if arch == "gfx942" else t.transpose(0, 1) for t in leaves]
     return leaves, (views if not packed else [t[0] for t in views])
 
 
@@ -97,7 +98,7 @@ def test_turbo_route_in_bf16_runs_exactly_or_was_refused(arch, name, group):
             assert refusal.codes == ("B33",), refusal
             _assert_the_fake_would_fail_or_be_wrong(arch, case, hq, hkv)
             return
-        leaves, (q, k, v) = _inputs(hq, hkv, packed)
+        leaves, (q, k, v) = _inputs(hq, hkv, packed, arch)
         sink = _leaf(hq, seed=7, dtype=torch.float32).requires_grad_(True) if plan.sink else None
         call: dict[str, Any] = dict(case["call"], sink=sink)
         if packed:
@@ -132,7 +133,7 @@ def _assert_the_fake_would_fail_or_be_wrong(arch, case, hq, hkv) -> None:
     import primus_turbo.pytorch.ops as ops
 
     packed = "packed" in case
-    leaves, (q, k, v) = _inputs(hq, hkv, packed)
+    leaves, (q, k, v) = _inputs(hq, hkv, packed, arch)
     keys, call = case["keys"], dict(case["call"])
     if "turbo_flex_attention_mask_mod" in keys:
         kw = keys["turbo_flex_attention_mask_mod_kwargs"]

@@ -170,6 +170,7 @@ def build_plan(
         kernels=describe_routes(routes),
         selection=selection,
         storage=_storage(ctx, arch, routes),
+        dtype=facts.dtype,
         bind_call=_call_binder(settings, facts, backend) if flex and mask_mod is None else None,
     )
     if flex:

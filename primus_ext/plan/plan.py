@@ -58,6 +58,8 @@ class AttentionPlan:
     selection: Selection = DEFAULT_ORDER
     """How Primus-Turbo picks the kernel backend of each call (a pin, autotune, the default order),
     as the installed build reported it when the layer was built; ``kernels`` hold for it."""
+    dtype: Optional[str] = None
+    """What the layer computes in (`LayerFacts.dtype`: ``bf16``, ``fp16``, ``fp32``); None if not known."""
     storage: str = "as-given"
     """How the Megatron modules store dense q/k/v before a Turbo kernel (`STORAGE`): as Megatron
     gives them (bshd views of sbhd memory, key and value split views), ``contiguous-bshd``

@@ -59,7 +59,7 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
     ``dense_pattern``: the dense calls' mask (None: the caller's causal / window).
     Packed calls use the configured window inside each document.  A layer with dropout also
     makes calls without it (evaluation): those can reach another kernel backend, so they are
-    routed too (kinds ``"dense in eval"``, ``"packed in eval"``).
+    routed too (kinds ``"dense in eval"``, ``"packed in eval"``) where they fare otherwise.
     """
     if arch is None or arch not in ARCHES:
         return ()
@@ -76,7 +76,10 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
             entry = VARLEN if pattern.documents else DENSE
             out.append(("dense" + when, route(_features(facts, arch, entry, Pattern(pattern.left, pattern.right),
                                                         **common), selection)))
-    return tuple(out)
+    outcome = lambda r: (r.backend, r.failure, r.defects)  # noqa: E731
+    training = {kind: outcome(found) for kind, found in out if not kind.endswith(" in eval")}
+    return tuple((kind, found) for kind, found in out
+                 if not kind.endswith(" in eval") or training[kind[:-len(" in eval")]] != outcome(found))
 
 
 def route_reasons(routes: Sequence[Tuple[str, Route]], packed: Optional[bool] = None) -> list[Reason]:

@@ -235,7 +235,10 @@ class FakeTurbo:
             arguments = dict(bound.arguments)
             current[0] = Call(name, arguments)
             record.append(current[0])
-            return body(arguments, classifier)
+            try:
+                return body(arguments, classifier)
+            finally:
+                current[0] = None  # only the log keeps a call (and its tensors) alive
 
         entry.__name__ = entry.__qualname__ = name
         entry.__module__ = _PACKAGES[-1]

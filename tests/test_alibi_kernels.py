@@ -2,9 +2,12 @@
 
 AITER's CK fmha kernels add ``-slope * |q - kv|`` (symmetric, bottom-right aligned) for every
 mask but plain causal, and ``+slope * kv`` for plain causal (upstream_facts.md §8, read from
-ROCm/composable_kernel).  A proven ALiBi hook adds ``slope * (kv - q)``: the two agree after
-the softmax wherever no key lies right of the diagonal, and differ for every key that does.
-The CPU fake computes CK's formula, so the outcomes below are those of the cluster.
+ROCm/composable_kernel); with a sink AITER runs Triton kernels that add ``-slope * |q + Skv -
+Sq - kv|`` for every mask (ROCm/aiter ``_compute_alibi_block``).  A proven ALiBi hook adds
+``slope * (kv - q)``: the kernels agree with it after the softmax wherever no key lies right of
+the diagonal, and differ for every key that does; a hook proven symmetric,
+``score - slope * |q - kv|``, is what they compute on every mask.  The CPU fake computes the
+kernels' formulas, so the outcomes below are those of the cluster.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from .fuzz import oracle
 from .helpers import adapter, facts, qkv, settings
 
 ALIBI = {"turbo_flex_attention_score_mod": "tests.hook_examples:alibi"}
+SYMMETRIC = {"turbo_flex_attention_score_mod": "tests.hook_examples:symmetric_alibi"}
 FULL = dict(causal=False, attn_mask_type="no_mask")
 HEADS = 4
 
@@ -28,10 +32,13 @@ def slopes() -> torch.Tensor:
     return torch.tensor(hook_examples.SLOPES[:HEADS], dtype=torch.float32)
 
 
-def hook_oracle(q, k, v, *, causal: bool) -> torch.Tensor:
-    """The hook as written, ``score + slope * (kv - q)``, in float64."""
+def hook_oracle(q, k, v, *, causal: bool, symmetric: bool = False, sink=None) -> torch.Tensor:
+    """The hook as written, ``score + slope * (kv - q)`` (or ``score - slope * |q - kv|``), in float64."""
     mask = oracle.flash_mask(q.shape[1], k.shape[1], causal=causal, window=(-1, -1), align="top_left")
-    return oracle.attention(q, k, v, mask, alibi=slopes().double())[0]
+    if symmetric:
+        distance = (torch.arange(k.shape[1]).view(1, -1) - torch.arange(q.shape[1]).view(-1, 1)).abs().double()
+        return oracle.attention(q, k, v, mask, bias=-slopes().double().view(1, -1, 1, 1) * distance, sink=sink)[0]
+    return oracle.attention(q, k, v, mask, alibi=slopes().double(), sink=sink)[0]
 
 
 def test_the_fake_adds_cks_symmetric_bias_off_the_causal_case():
@@ -58,7 +65,7 @@ def test_a_causal_alibi_hook_runs_on_turbo_and_equals_the_hook():
     ({"turbo_flex_attention_mask_mod": "primus_ext.attention.masks:sliding_window",
       "turbo_flex_attention_mask_mod_kwargs": {"left": 4, "right": 4}}, FULL, "B35"),  # a two-sided band
     ({}, {"window_size": (4, 2), **FULL}, "B35"),                              # a window with a right bound
-    ({"use_sink_attention": True}, {}, "B35-sink"),                            # the Triton sink kernels
+    ({"use_sink_attention": True}, FULL, "B35"),                               # Triton's ALiBi is symmetric too
 ])
 def test_alibi_hooks_the_kernels_would_compute_otherwise_are_refused_on_turbo(keys, layer, code):
     with fake_primus_turbo():
@@ -74,21 +81,44 @@ def test_a_full_attention_alibi_hook_on_the_reference_equals_the_hook():
     torch.testing.assert_close(run(q, k, v), hook_oracle(q, k, v, causal=False))
 
 
-@pytest.mark.parametrize("call, code", [
-    (dict(causal=False), "B35"),
-    (dict(causal=False, window_size=(3, 3)), "B35"),
-    (dict(causal=True, return_lse=True), "B35"),
-    (dict(causal=True, sink=torch.zeros(HEADS)), "B35-sink"),
-])
-def test_explicit_alibi_slopes_are_refused_on_turbo_where_ck_differs(call, code):
+@pytest.mark.parametrize("call", [dict(causal=False), dict(causal=False, window_size=(3, 3)),
+                                  dict(causal=True, return_lse=True)])
+def test_explicit_alibi_slopes_are_refused_on_turbo_where_the_kernels_differ(call):
     q, k, v = qkv(dtype=torch.bfloat16)
-    sink = "sink" in call
     with fake_primus_turbo():
-        run = adapter(settings(turbo_flex_attention_backend="turbo", use_sink_attention=sink),
-                      facts(**({} if call["causal"] else FULL)))
+        run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(**({} if call["causal"] else FULL)))
         with pytest.raises(UnsupportedInputError) as err:
             run(q, k, v, alibi_slopes=slopes(), **call)
-        assert code in err.value.codes and "alibi_slopes" in err.value.settings
+        assert "B35" in err.value.codes and "alibi_slopes" in err.value.settings
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_symmetric_alibi_hook_runs_on_turbo_for_every_mask_and_equals_the_hook(causal):
+    q, k, v = qkv(dtype=torch.float32)
+    with fake_primus_turbo():
+        run = adapter(settings(turbo_flex_attention_backend="turbo", **SYMMETRIC), facts(**({} if causal else FULL)))
+        assert run.plan.score_recognised == "alibi-symmetric"
+        out = run(q, k, v, causal=causal)
+        if not causal:  # full attention takes q_len != kv_len on turbo, but not with ALiBi: aligned otherwise
+            with pytest.raises(UnsupportedInputError, match="q_len=16 != kv_len=12"):
+                run(q, k[:, :12], v[:, :12])
+    torch.testing.assert_close(out.double(), hook_oracle(q, k, v, causal=causal, symmetric=True),
+                               atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_alibi_with_a_sink_runs_on_the_triton_kernels_and_equals_the_hook(symmetric):
+    """With a sink AITER runs Triton kernels, whose ALiBi is -slope * |q - kv| for every mask: the
+    causal hook and the symmetric hook both equal it on a causal layer, sink and all."""
+    q, k, v = qkv(dtype=torch.float32)
+    sink = torch.randn(HEADS, generator=torch.Generator().manual_seed(4))
+    with fake_primus_turbo(arch="gfx942") as fake:
+        run = adapter(settings(turbo_flex_attention_backend="turbo", use_sink_attention=True,
+                               **(SYMMETRIC if symmetric else ALIBI)), facts(head_dim=8, packed=False))
+        out = run(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, sink=sink)
+        assert fake.calls[-1].backend == "AITER"
+    want = hook_oracle(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, symmetric=symmetric, sink=sink.double())
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_explicit_causal_alibi_slopes_run_on_turbo_as_on_the_reference():

@@ -56,6 +56,8 @@ ROWS = {
     "logit softcap": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:softcap"}, hook=True),
     "ALiBi score hook, full attention": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:alibi"},
                                             facts=NO_MASK, hook=True),
+    "symmetric ALiBi score hook, full attention": Row(
+        {"turbo_flex_attention_score_mod": "tests.hook_examples:symmetric_alibi"}, facts=NO_MASK, hook=True),
     "ALiBi score hook + learned sinks": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:alibi",
                                              "use_sink_attention": True}, hook=True),
     "fp8 + deterministic": Row({"enable_turbo_attention_float8": True, "deterministic_mode": True}),

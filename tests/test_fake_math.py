@@ -47,30 +47,34 @@ def window_mask(q_len: int, kv_len: int, left: int, right: int, shift: int) -> t
     return torch.tensor(cells, dtype=torch.bool).view(q_len, kv_len)
 
 
-def ck_alibi(i: int, j: int, sq: int, skv: int, left: int, right: int) -> int:
-    """CK fmha's ALiBi coefficient of one cell (ROCm/composable_kernel block_position_encoding.hpp):
-    ``VERTICAL`` (+j) for a plain causal mask, else ``FROM_BOTTOM_RIGHT``, symmetric."""
+def ck_alibi(i: int, j: int, sq: int, skv: int, left: int, right: int, triton: bool = False) -> int:
+    """The kernels' ALiBi coefficient of one cell: CK fmha's (ROCm/composable_kernel
+    block_position_encoding.hpp), ``VERTICAL`` (+j) for a plain causal mask, else
+    ``FROM_BOTTOM_RIGHT``, symmetric; with a sink (``triton``) aiter's Triton kernels'
+    ``-|i + Skv - Sq - j|`` whatever the mask."""
+    if triton:
+        return -abs(i + skv - sq - j)
     if left < 0 and right == 0:
         return j
     return -abs(i + max(skv - sq, 0) - j - max(sq - skv, 0))
 
 
-def ck_alibi_grid(sq: int, skv: int, left: int, right: int) -> torch.Tensor:
+def ck_alibi_grid(sq: int, skv: int, left: int, right: int, triton: bool = False) -> torch.Tensor:
     """`ck_alibi` of every cell, ``[Sq, Skv]`` float64, written out cell by cell."""
-    cells = [ck_alibi(i, j, sq, skv, left, right) for i in range(sq) for j in range(skv)]
+    cells = [ck_alibi(i, j, sq, skv, left, right, triton) for i in range(sq) for j in range(skv)]
     return torch.tensor(cells, dtype=F64).view(sq, skv)
 
 
 def dense_reference(q, k, v, allowed, *, scale=None, sink=None, slopes=None, bias=None, window=(-1, -1)):
     """float64 attention by autograd: the sink is an extra logit column whose probability is dropped;
-    ALiBi is CK's for the mask ``window`` (`ck_alibi`)."""
+    ALiBi is the kernels' for the mask ``window`` (`ck_alibi`; Triton's with a sink)."""
     batch, q_len, hq, d = q.shape
     kv_len, hkv = k.shape[1], k.shape[2]
     head_of = torch.tensor([h * hkv // hq for h in range(hq)])
     kk, vv = k.index_select(2, head_of), v.index_select(2, head_of)
     s = torch.einsum("bihd,bjhd->bhij", q, kk) * (d ** -0.5 if scale is None else scale)
     if slopes is not None:
-        s = s + slopes.view(1, -1, 1, 1) * ck_alibi_grid(q_len, kv_len, *window)
+        s = s + slopes.view(1, -1, 1, 1) * ck_alibi_grid(q_len, kv_len, *window, triton=sink is not None)
     if bias is not None:
         s = s + bias
     s = s.masked_fill(~allowed, -math.inf)
@@ -125,7 +129,8 @@ def test_dense_forward_matches_the_per_cell_oracle(case):
     def extras(s, b, h, i, j):
         s = s + (bias.detach()[i, j] if bias is not None else 0.0)
         if slopes is not None:
-            s = s + float(slopes[h]) * ck_alibi(int(i), int(j), sq, skv, window.left, window.right)
+            s = s + float(slopes[h]) * ck_alibi(int(i), int(j), sq, skv, window.left, window.right,
+                                                 kw["sink"] is not None)
         return s
 
     want = oracle.attention(
@@ -134,7 +139,8 @@ def test_dense_forward_matches_the_per_cell_oracle(case):
         score_mod=extras if bias is not None or slopes is not None else None)
     torch.testing.assert_close(out, want, **OUT_TOL)
     mask = fuzz_oracle.flash_mask(sq, skv, causal=False, window=window.window, align="bottom_right")
-    ck = None if slopes is None else slopes.view(1, -1, 1, 1) * ck_alibi_grid(sq, skv, window.left, window.right)
+    ck = None if slopes is None else slopes.view(1, -1, 1, 1) * ck_alibi_grid(sq, skv, window.left, window.right,
+                                                                              triton=kw["sink"] is not None)
     total = None if bias is None and ck is None else (bias if ck is None else ck if bias is None else bias + ck)
     _, want_lse = fuzz_oracle.attention(q, k, v, mask, scale=kw["scale"], sink=kw["sink"], bias=total)
     assert lse.dtype == torch.float32 and lse.shape == (2, q.shape[2], sq)

@@ -83,6 +83,7 @@ class TurboFlexAttention:
         # unchanged; the reference evaluates the hooks themselves and needs no check.
         self._assumptions = () if self.backend.name == "reference" else tuple(plan.hook_assumptions)
         self._fast: Optional[CallMemo] = None  # the last validated call (`call_memo`)
+        self._symmetric_alibi = plan.score_recognised == "alibi-symmetric"  # runs on every mask (B35)
 
     # -- per-call checks -----------------------------------------------------
     def _dense_pattern(self, causal: bool, window_size: Tuple[int, int],
@@ -229,7 +230,8 @@ class TurboFlexAttention:
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q)
             if alibi_slopes is not None and self._routes is not None and pattern is not None:
-                check_kernel_alibi(pattern, sink, return_lse)
+                check_kernel_alibi(pattern, return_lse, symmetric=self._symmetric_alibi and alibi_arg is None,
+                                   lengths=(q_len, kv_len))
         if self._routes is not None and pattern is not None:
             self._routes.check("varlen" if pattern.documents else "dense", q, k, v, pattern.right == 0,
                                pattern.window, sink, dropout, deterministic, alibi_slopes, bias, scale)
@@ -288,7 +290,7 @@ class TurboFlexAttention:
         if self._routes is not None:
             call = _flash_pattern(flag, window)
             if alibi_slopes is not None:
-                check_kernel_alibi(call, sink, return_lse)
+                check_kernel_alibi(call, return_lse)  # a packed call takes no hook: explicit slopes only
             self._routes.check("varlen", q, k, v, call.right == 0, call.window, sink, dropout, deterministic,
                                alibi_slopes, None, scale)
         out = run_packed(self.handle, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, sink, alibi_slopes, flag,

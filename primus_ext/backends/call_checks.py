@@ -143,25 +143,29 @@ def check_alibi(slopes: Any, q: Tensor, *, kernel_dtype: bool) -> None:
                       "pass the slopes in float32.")
 
 
-def check_kernel_alibi(pattern: Pattern, sink: Optional[Tensor], return_lse: bool) -> None:
-    """ALiBi on Primus-Turbo only where its kernels compute ``score + slope * (kv - q)`` (B35).
+def check_kernel_alibi(pattern: Pattern, return_lse: bool, *, symmetric: bool = False,
+                       lengths: Optional[Tuple[int, int]] = None) -> None:
+    """ALiBi on Primus-Turbo only where its kernels compute the hook's (or the slopes') bias (B35).
 
-    AITER's CK kernels add ``-slope * |q - kv|`` for any mask but plain causal (composable_kernel
-    ``block_position_encoding.hpp``), and ``+slope * kv`` for plain causal: equal after the softmax
-    wherever no key lies right of the diagonal, but not in the lse.  With a sink the Triton kernels
-    run, whose ALiBi formula is not modelled.
+    AITER's CK kernels add ``-slope * |q - kv|`` for any mask but plain causal and ``+slope * kv`` for
+    plain causal; with a sink its Triton kernels add ``-slope * |q + Skv - Sq - kv|`` for every mask
+    (composable_kernel ``block_position_encoding.hpp``; aiter ``_compute_alibi_block``).  So ALiBi
+    ``slope * (kv - q)`` (explicit slopes mean that here, as on the reference) runs where no key lies
+    right of the diagonal, the symmetric form on every mask; both with equal q and kv lengths (the
+    kernels align it bottom-right, a hook top-left); the lse never (plain causal CK adds ``slope * q``).
     """
-    if pattern.right != 0:
+    if not symmetric and pattern.right != 0:
         raise UnsupportedInputError(Reason(
             ("alibi_slopes", "causal", "window_size"), f"alibi_slopes with a {pattern.describe()} mask, which reaches "
             "right of the diagonal: Primus-Turbo's ALiBi kernels add the symmetric -slope * |q - kv| there, the "
             "project's ALiBi (and the reference backend) slope * (kv - q).",
-            "use ALiBi with a causal mask (right bound 0), or turbo_flex_attention_backend: reference.", "B35"))
-    if sink is not None:
+            "use ALiBi with a causal mask (right bound 0), a symmetric ALiBi score hook, or "
+            "turbo_flex_attention_backend: reference.", "B35"))
+    if lengths is not None and lengths[0] != lengths[1]:
         raise UnsupportedInputError(Reason(
-            ("alibi_slopes", "use_sink_attention"), "alibi_slopes with a sink: Primus-Turbo then runs AITER's Triton "
-            "kernels, whose ALiBi formula is not modelled.",
-            "drop the sink or the slopes, or use turbo_flex_attention_backend: reference.", "B35-sink"))
+            ("alibi_slopes", "turbo_flex_attention_score_mod"), f"ALiBi with q_len={lengths[0]} != kv_len={lengths[1]}: "
+            "Primus-Turbo's kernels measure the distance bottom-right aligned, a hook (and the reference) top-left.",
+            "use equal q and kv lengths, or turbo_flex_attention_backend: reference.", "B35"))
     if return_lse:
         raise UnsupportedInputError(Reason(
             ("alibi_slopes", "return_lse"), "return_lse with ALiBi on Primus-Turbo: the causal ALiBi kernel adds "

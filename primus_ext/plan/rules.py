@@ -310,16 +310,12 @@ RULES: Tuple[Rule, ...] = (
          lambda c: c.on_turbo and _score_kind(c) == "other"),
     Rule("B35", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
          "the ALiBi score hook {score} on a mask reaching right of the diagonal ({alibi_masks}): Primus-Turbo's "
-         "ALiBi kernels (AITER's CK fmha) add the symmetric -slope * |q - kv| off the causal case, while the hook "
-         "adds slope * (kv - q), so every key right of the diagonal would get another bias.",
-         "set turbo_flex_attention_backend: reference, or use ALiBi only on causal layers (windows with right "
-         "bound 0).",
+         "ALiBi kernels (AITER's CK fmha, and its Triton kernels with a sink) add the symmetric -slope * |q - kv| "
+         "there, while the hook adds slope * (kv - q), so every key right of the diagonal would get another bias.",
+         "write the hook in the symmetric form, score - slope * |q_idx - kv_idx|, if that is what is meant (it runs "
+         "on turbo for every mask); set turbo_flex_attention_backend: reference; or use this ALiBi only on causal "
+         "layers (windows with right bound 0).",
          lambda c: c.on_turbo and _score_kind(c) == "alibi" and bool(_alibi_right_masks(c))),
-    Rule("B35-sink", ("turbo_flex_attention_score_mod", "use_sink_attention"),
-         "the ALiBi score hook {score} with a learned sink: with a sink Primus-Turbo runs AITER's Triton kernels, "
-         "whose ALiBi formula is not modelled, so the attention they compute is not known to be the hook's.",
-         "set turbo_flex_attention_backend: reference, or drop the sink or the ALiBi hook.",
-         lambda c: c.on_turbo and _score_kind(c) == "alibi" and c.sink),
     Rule("B13", ("use_sink_attention",),
          "a learned sink is configured but the installed dense entry ({dense_entry}) has no "
          "`sink` parameter; the sink would be dropped.",

@@ -143,7 +143,6 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
         pattern = pattern_from_flash_args(bool(a["causal"]), window)  # type: ignore[arg-type]
         extra = dispatch.dense(a, q, k, v, pattern, a["softmax_scale"]) if dispatch else frozenset()
         _check_sink(name, a.get("sink"), hq, d_qk, d_v)
-        _fake_math.check_alibi_modelled(a["alibi_slopes"], a.get("sink"), name)
         return _fake_math.attention(
             q, k, v, window=pattern, scale=a["softmax_scale"], alibi_slopes=a["alibi_slopes"],
             bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
@@ -171,7 +170,6 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
     pattern = pattern_from_flash_args(causal, window)
     extra = dispatch.varlen(a, q, k, v, pattern, scale, bq, bk) if dispatch else frozenset()
     _check_sink(name, a.get("sink"), hq, d_qk, d_v)
-    _fake_math.check_alibi_modelled(a["alibi_slopes"], a.get("sink"), name)
     # Each segment pair is one problem, its window aligned bottom-right inside the pair;
     # lse comes back as [Hq, T], the flash-attn varlen layout (AITER).
     result = _fake_math.varlen_attention(

@@ -19,9 +19,9 @@ The algorithm is the flash-attention one, run on CPU tensors:
 
 Conventions kept from the fake's contract: a window is a flash-convention `Pattern`
 whose query ``i`` sits at key ``i + Skv - Sq`` (bottom-right, per document for thd);
-ALiBi is CK's (`_alibi_distance`: ``+slope[h] * kv`` on a plain causal mask, the symmetric
-``-slope[h] * |q - kv|``, bottom-right aligned, on every other; positions inside each
-document for thd); GQA
+ALiBi is the kernels' (`_alibi_distance`: CK's ``+slope[h] * kv`` on a plain causal mask and
+the symmetric ``-slope[h] * |q - kv|``, bottom-right aligned, on every other; with a sink the
+Triton kernels' symmetric form on every mask; positions inside each document for thd); GQA
 query head ``h`` reads key/value head ``h // (Hq // Hkv)``; a row with nothing allowed
 gives zeros (``lse = -inf`` without a sink).  Dropout (``p > 0``) takes a simple path
 instead: whole-row softmax, ``torch.nn.functional.dropout`` on the probabilities and
@@ -51,17 +51,28 @@ SINK_BACKWARD_IGNORES_RIGHT_WINDOW = "sink_backward_ignores_right_window"
 with a sink and a right bound > 0 the forward is right, the gradients are computed as if
 the right bound were -1 (unbounded), normalised by the forward's (correct) lse."""
 
-FAULTS = frozenset({SINK_BACKWARD_IGNORES_RIGHT_WINDOW})
+FLYDSL_NARROW_WINDOW_BACKWARD_NAN = "flydsl_narrow_window_backward_nan"
+"""FlyDSL's backward with a left window narrower than 64 (``0 <= left < 64``): its kv band is
+narrower than a q block, so the dQ reduce sums workspace no block wrote and dQ is NaN
+(``_MIN_FLYDSL_WINDOW``, attention_impl.py l.46-50 at a6a16cd).  The dispatcher sends such
+windows to AITER; FlyDSL's kernel-level functions do not check them (`._fake_flydsl`)."""
+
+HIPKITTENS_FORWARD_SKIPS_ROWS = "hipkittens_forward_skips_rows_above_skv"
+"""HipKittens' forward with ``Sq > Skv`` returns early for the leading ``Sq - Skv`` query rows
+(bottom-right causal: they see no key) before their store, so those rows of ``out`` and ``lse``
+are uninitialised memory (the note on the ``Sq > Skv`` check of ``hipkittens_attn_supported``,
+primus_turbo/hipkittens/attention/attention.py at a6a16cd).  The check refuses the shape; the
+fault is a build or caller without it: the check lets it pass and the rows come back NaN
+(`._fake_hipkittens`)."""
+
+FAULTS = frozenset({SINK_BACKWARD_IGNORES_RIGHT_WINDOW, FLYDSL_NARROW_WINDOW_BACKWARD_NAN,
+                    HIPKITTENS_FORWARD_SKIPS_ROWS})
+
+FAULT_BACKEND = {SINK_BACKWARD_IGNORES_RIGHT_WINDOW: "AITER", FLYDSL_NARROW_WINDOW_BACKWARD_NAN: "FlyDSL",
+                 HIPKITTENS_FORWARD_SKIPS_ROWS: "HipKittens"}
+"""The kernel backend whose defect each fault reproduces."""
 
 _NEG_INF = float("-inf")
-
-
-def check_alibi_modelled(slopes: Optional[Tensor], sink: Optional[Tensor], where: str) -> None:
-    """ALiBi with a sink runs AITER's Triton kernels, whose ALiBi formula is not read: the fake
-    refuses to guess it (a guess could be kinder than the real kernel)."""
-    if slopes is not None and sink is not None:
-        raise NotImplementedError(f"{where}: ALiBi with a sink runs AITER's Triton kernels, whose ALiBi formula "
-                                  "the fake does not model")
 
 
 def check_faults(faults: Iterable[str]) -> frozenset[str]:
@@ -82,6 +93,7 @@ class _Spec:
     q_shift: int           # query i sits at key i + q_shift for the mask
     scale: float
     block: int
+    triton_alibi: bool = False  # AITER's sink path: Triton kernels, whose ALiBi is always symmetric
 
 
 def _unbounded(window: Pattern) -> bool:
@@ -111,12 +123,17 @@ def _alibi_distance(q_pos: Tensor, kv_pos: Tensor, spec: _Spec) -> Tensor:
     * any other mask, and no mask, ``FROM_BOTTOM_RIGHT``: ``-|q + max(Skv - Sq, 0) - kv -
       max(Sq - Skv, 0)|``, symmetric, so keys right of the diagonal are penalised too.
 
-    Positions are those inside the sequence (each document's own, for varlen).
+    With a sink AITER runs Triton kernels instead (``aiter/ops/triton/_triton_kernels/attention/
+    mha.py`` ``_compute_alibi_block`` and ``mha_onekernel_bwd.py``, ROCm/aiter e4048607): always
+    ``-|q + Skv - Sq - kv|``, whatever the mask.  Positions are those inside the sequence (each
+    document's own, for varlen).
     """
+    shift = spec.q_shift  # Skv - Sq
+    if spec.triton_alibi:
+        return -(q_pos + shift - kv_pos).abs()
     window = spec.window
     if window.left < 0 and window.right == 0:
         return kv_pos.expand(q_pos.shape[0], kv_pos.shape[1])
-    shift = spec.q_shift  # Skv - Sq
     return -(q_pos + max(shift, 0) - kv_pos - max(-shift, 0)).abs()
 
 
@@ -288,7 +305,7 @@ def _spec(window: Pattern, q_len: int, kv_len: int, scale: Optional[float],
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     return _Spec(window, backward_window, kv_len - q_len,
-                 head_dim ** -0.5 if scale is None else float(scale), int(block))
+                 head_dim ** -0.5 if scale is None else float(scale), int(block), triton_alibi=sink is not None)
 
 
 # ----------------------------------------------------------------------------- entries
@@ -359,5 +376,6 @@ def kernel_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             None if d_bias is None else d_bias.to(bias.dtype))  # type: ignore[union-attr]
 
 
-__all__ = ["BLOCK_KV", "FAULTS", "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_alibi_modelled", "check_faults",
+__all__ = ["BLOCK_KV", "FAULTS", "FAULT_BACKEND", "FLYDSL_NARROW_WINDOW_BACKWARD_NAN", "HIPKITTENS_FORWARD_SKIPS_ROWS",
+           "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_faults",
            "kernel_backward", "kernel_forward", "varlen_attention"]

@@ -41,7 +41,8 @@ class MaskSpec:
 @dataclass(frozen=True)
 class ScoreSpec:
     kind: str
-    """``identity``, ``alibi``, ``softcap``, ``other``."""
+    """``identity``, ``alibi`` (``score + slope * (kv - q)``), ``alibi-symmetric``
+    (``score - slope * |q - kv|``), ``softcap``, ``other``."""
     reads: Optional[str] = None
 
 
@@ -195,7 +196,7 @@ def score_spec(spec: Optional[str], kwargs: Optional[dict], heads: int) -> Optio
     module, _, name = spec.partition(":")
     assert module == USER, spec
     kw = kwargs or {}
-    fixed = {"identity": "identity", "alibi": "alibi", "alibi_third": "other", "symmetric_distance": "other",
+    fixed = {"identity": "identity", "alibi": "alibi", "alibi_third": "other", "symmetric_distance": "alibi-symmetric",
              "softcap": "softcap", "doubled": "other", "hard_clamp": "other"}
     if name in fixed:
         return ScoreSpec(fixed[name])

@@ -219,7 +219,6 @@ def expect_build(case: Case) -> BuildExpectation:
         "B35": on_turbo and score == "alibi" and not (mspec is not None and mspec.provable is not True) and (
             (may_dense and dense_mask_reaches_right(case, mspec))
             or (may_pack and flash_right(layer_causal(case), window or (-1, -1)))),
-        "B35-sink": on_turbo and score == "alibi" and sink,
         "B31-score": on_turbo and score == "other",
         # Builds without flex entries run on flash_attn_func (which takes a sink) and
         # flash_attn_varlen_func (which takes one only where the build has varlen sinks).
@@ -240,11 +239,11 @@ def expect_build(case: Case) -> BuildExpectation:
     # batch index, head of the layer and position; otherwise it is refused at build time.
     if on_turbo and not exp.hook_refused and mspec is not None and mspec.provable is False:
         exp.must.add("B31")
+    undecided = on_turbo and mspec is not None and mspec.provable is None
     if case.level == "megatron" and cp > 1 and not exp.must and not exp.hook_refused and not undecided:
         # The fuzzer's world has one process, so no context-parallel group of that size: a layer planned
         # for a split the process groups do not make is refused when it is built (B22).
         exp.must = {"B22"}
-    undecided = on_turbo and mspec is not None and mspec.provable is None
     exp.certain = not exp.must and not exp.hook_refused and not undecided
     return exp
 
@@ -281,7 +280,7 @@ def expect_call(case: Case) -> CallExpectation:
     proven = turbo and mspec is not None and mspec.provable is True
     mutated = (c.get("mutate") or {}).get("target")
     if mutated and turbo and ((proven and mspec.reads == mutated) or (
-            sspec is not None and sspec.reads == mutated and sspec.kind in ("identity", "alibi"))):
+            sspec is not None and sspec.reads == mutated and sspec.kind in ("identity", "alibi", "alibi-symmetric"))):
         exp.must.append(f"{mutated}, read by a proof, changed after the build")
     if turbo and mspec is not None and mspec.provable is None:
         exp.may = True  # not claimed either way: refused at build, or runs as proven
@@ -302,14 +301,19 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("packed q and kv documents of different lengths on turbo")
         if not c["thd"] and hooked and (causal or window != (-1, -1)):
             exp.must.append("hook plus call causal/window")
-        if c["alibi"] and sspec is not None and sspec.kind == "alibi":
+        alibi_hook = sspec is not None and sspec.kind in ("alibi", "alibi-symmetric")
+        if c["alibi"] and alibi_hook:
             exp.must.append("explicit alibi plus ALiBi hook")
-        alibi_on_turbo = turbo and (c["alibi"] or (sspec is not None and sspec.kind == "alibi"))
+        # On turbo the kernels' ALiBi is symmetric right of the diagonal, bottom-right aligned, and CK's plain
+        # causal lse is offset: ALiBi (slope * (kv - q)) needs a mask with right bound 0, any ALiBi equal
+        # lengths and no return_lse (B35); explicit slopes mean slope * (kv - q) too.
+        symmetric = sspec is not None and sspec.kind == "alibi-symmetric" and not c["alibi"]
         call_right = (dense_mask_reaches_right(case, mspec) if hooked and not c["thd"]
                       else flash_right(causal, window))
         sink_passed = c["sink"] == "unplanned" or (c["sink"] == "planned" and planned_sink(case))
-        if alibi_on_turbo and (call_right or c["return_lse"] or sink_passed):
-            exp.must.append("ALiBi on turbo right of the diagonal, with a sink, or with return_lse (B35)")
+        if turbo and (c["alibi"] or alibi_hook) and ((call_right and not symmetric) or c["return_lse"] or (
+                not c["thd"] and c["q_len"] != c["kv_len"])):
+            exp.must.append("ALiBi on turbo right of the diagonal, with unequal lengths, or with return_lse (B35)")
         full = not causal and window == (-1, -1)
         if not c["thd"] and turbo and not hooked and c["q_len"] != c["kv_len"] and not full:
             exp.must.append("q_len != kv_len on turbo")

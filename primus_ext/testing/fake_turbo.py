@@ -20,7 +20,11 @@ entries that:
 While a fake is installed, AITER's kernel-level ops
 (``torch.ops.primus_turbo.attention_aiter_{,varlen_}{forward,backward}_impl``, real
 argument names, the backward's undeclared ``dsink``/``dbias`` writes included) run on
-the fake's math too and are recorded like the entries (`._fake_kernels`).
+the fake's math too and are recorded like the entries (`._fake_kernels`), and so do the
+gfx950 backends' kernel levels under their upstream module names: FlyDSL's ops and
+``_impl`` wrappers (``primus_turbo.pytorch.kernels.attention.attention_flydsl_impl``,
+`._fake_flydsl`) and HipKittens' layer and ``_impl`` wrappers (``primus_turbo.hipkittens.attention``,
+``...kernels.attention.attention_hipkittens_impl``, `._fake_hipkittens`).
 
 The keyword knobs pick which build is imitated, because the project must adapt to
 each by inspecting signatures rather than version strings::
@@ -52,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ..backends.arch import presenting
-from . import _fake_backend_manager, _fake_kernels
+from . import _fake_backend_manager, _fake_gfx950, _fake_kernels
 from ._call_log import DEFAULT_CAPACITY, CallLog
 from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
@@ -267,7 +271,7 @@ class FakeTurbo:
         pytorch.core, core.backend = core, backend  # type: ignore[attr-defined]
         _fake_backend_manager.GlobalBackendManager.reset()  # a fresh process: no backend set in code
         return {**dict(zip(_PACKAGES, (root, pytorch, ops, self.module))), core.__name__: core,
-                backend.__name__: backend}
+                backend.__name__: backend, **_fake_gfx950.kernel_modules(root, pytorch, _new_module)}
 
 
 def _new_module(name: str) -> types.ModuleType:
@@ -311,11 +315,15 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     build that exists instead (`BUILDS`: ``main``, ``old``, ``flex``, ``flex-deterministic``,
     ``newest``) and then sets all four knobs.
 
-    ``faults`` (default none) switches on known silent defects; the one modelled is
-    ``"sink_backward_ignores_right_window"``: AITER's sink path runs Triton kernels whose
-    backward takes only the left window edge, so with a sink and a right window bound
-    > 0 the forward is right and the gradients are computed as if the right bound were
-    -1.  Unknown names are a ``ValueError``.
+    ``faults`` (default none) switches on known silent defects, one per kernel backend
+    (`FAULTS`): ``"sink_backward_ignores_right_window"`` (AITER: its sink path runs Triton
+    kernels whose backward takes only the left window edge, so with a sink and a right
+    window bound > 0 the forward is right and the gradients are computed as if the right
+    bound were -1); ``"flydsl_narrow_window_backward_nan"`` (FlyDSL's kernel-level backward
+    with a left window below 64 returns NaN dQ; with an arch set it always does);
+    ``"hipkittens_forward_skips_rows_above_skv"`` (HipKittens' check lets ``Sq > Skv``
+    through and its forward leaves the leading rows unwritten).  Unknown names are a
+    ``ValueError``.
 
     ``arch`` ("gfx942" | "gfx950"; default None, no dispatch modelled) makes
     ``flash_attn_func``, ``flash_attn_varlen_func`` and the flex entries pick a kernel

@@ -68,22 +68,28 @@ RNG_STATES: list = []
 """The ``rng_state`` each recorded AITER backward call got, from the latest `run`."""
 
 
-def run(path: str, arch: Optional[str], compiled: bool) -> tuple[Counter, Any]:
+SHAPES = {"gqa2-d16": {}, "gqa8-d64": dict(hidden_size=512, num_attention_heads=8, num_query_groups=1, kv_channels=64)}
+"""The small default, and the acceptance shape: 8 query heads per key/value head, head dim 64."""
+
+
+def run(path: str, arch: Optional[str], compiled: bool, shape: str = "gqa2-d16") -> tuple[Counter, Any]:
     with fake_primus_turbo(build="main", arch=arch) as fake:
-        model = model_on(PATHS[path], arch, torch.bfloat16)
+        model = model_on(PATHS[path], arch, torch.bfloat16, **SHAPES[shape])
         fn = torch.compile(model, backend="aot_eager") if compiled else model
         result = steps(model, fn)
         RNG_STATES[:] = [c.args["rng_state"] for c in fake.calls_to("attention_aiter_backward_impl")]
         return counted(fake), result
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_compiled_step_runs_one_attention_forward_per_layer_and_micro_batch(path, megatron_without_tp_group_warning):
-    eager_calls, (eager_losses, eager_grads) = run(path, "gfx942", compiled=False)
+def test_compiled_step_runs_one_attention_forward_per_layer_and_micro_batch(path, shape,
+                                                                            megatron_without_tp_group_warning):
+    eager_calls, (eager_losses, eager_grads) = run(path, "gfx942", compiled=False, shape=shape)
     assert eager_calls == {"flash_attn_func": LAYERS * MICRO_BATCHES}, eager_calls
 
     torch._dynamo.reset()
-    calls, (losses, grads) = run(path, "gfx942", compiled=True)
+    calls, (losses, grads) = run(path, "gfx942", compiled=True, shape=shape)
     forwards = sum(n for entry, n in calls.items() if entry in FORWARD_ENTRIES)
     assert forwards == LAYERS * MICRO_BATCHES, calls
     assert calls == {"attention_aiter_forward_impl": LAYERS * MICRO_BATCHES,

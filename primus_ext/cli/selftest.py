@@ -29,12 +29,14 @@ DEFAULT_CONFIG = {  # a small layer with a sink and a two-sided window (the rout
 
 
 @contextlib.contextmanager
-def _turbo(faults: Sequence[str]) -> Iterator[str]:
+def _turbo(faults: Sequence[str], arch: Optional[str]) -> Iterator[str]:
     if not turbo_import_problem() and not faults:
         yield "installed Primus-Turbo"
         return
-    with fake_primus_turbo(faults=tuple(faults)):
-        yield "the CPU fake of Primus-Turbo" + (f" with faults {', '.join(faults)}" if faults else "")
+    # The fake presents --arch, so its calls are dispatched to the kernel backends that arch has.
+    with fake_primus_turbo(faults=tuple(faults), arch=arch):
+        yield (f"the CPU fake of Primus-Turbo{f' as {arch}' if arch else ''}"
+               + (f" with faults {', '.join(faults)}" if faults else ""))
 
 
 def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequence[str] = (),
@@ -46,7 +48,7 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
     if settings is None:
         return REFUSED
     clear()
-    with _turbo(faults) as what:
+    with _turbo(faults, arch) as what:
         outcomes = _plans(settings, config)
         refused = [o for _, o in outcomes if isinstance(o, UnsupportedConfigError)]
         if refused:

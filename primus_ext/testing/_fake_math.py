@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +65,28 @@ primus_turbo/hipkittens/attention/attention.py at a6a16cd).  The check refuses t
 fault is a build or caller without it: the check lets it pass and the rows come back NaN
 (`._fake_hipkittens`)."""
 
+CORRUPT_OUTPUT = {"aiter_corrupt_output": "AITER", "flydsl_corrupt_output": "FlyDSL",
+                  "hipkittens_corrupt_output": "HipKittens"}
+"""Injected faults, not known defects: every entry call the named kernel backend takes (an arch
+set, so that calls are dispatched) returns its last query head's output negated.  They let a
+test show that the self-test reaches, and catches a fault in, each backend a layer's calls reach."""
+
 FAULTS = frozenset({SINK_BACKWARD_IGNORES_RIGHT_WINDOW, FLYDSL_NARROW_WINDOW_BACKWARD_NAN,
-                    HIPKITTENS_FORWARD_SKIPS_ROWS})
+                    HIPKITTENS_FORWARD_SKIPS_ROWS, *CORRUPT_OUTPUT})
 
 FAULT_BACKEND = {SINK_BACKWARD_IGNORES_RIGHT_WINDOW: "AITER", FLYDSL_NARROW_WINDOW_BACKWARD_NAN: "FlyDSL",
-                 HIPKITTENS_FORWARD_SKIPS_ROWS: "HipKittens"}
+                 HIPKITTENS_FORWARD_SKIPS_ROWS: "HipKittens", **CORRUPT_OUTPUT}
 """The kernel backend whose defect each fault reproduces."""
+
+
+def corrupt_output(result: Any) -> Any:
+    """`CORRUPT_OUTPUT`'s corruption of an entry's result (``out`` or ``(out, lse, ...)``, out
+    ``[..., H, D]``): the last head negated, differentiably, so gradients are wrong too."""
+    out = result[0] if isinstance(result, tuple) else result
+    sign = torch.ones(out.shape[-2], 1, dtype=out.dtype, device=out.device)
+    sign[-1] = -1
+    out = out * sign
+    return (out, *result[1:]) if isinstance(result, tuple) else out
 
 _NEG_INF = float("-inf")
 
@@ -376,6 +392,6 @@ def kernel_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             None if d_bias is None else d_bias.to(bias.dtype))  # type: ignore[union-attr]
 
 
-__all__ = ["BLOCK_KV", "FAULTS", "FAULT_BACKEND", "FLYDSL_NARROW_WINDOW_BACKWARD_NAN", "HIPKITTENS_FORWARD_SKIPS_ROWS",
-           "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_faults",
+__all__ = ["BLOCK_KV", "CORRUPT_OUTPUT", "FAULTS", "FAULT_BACKEND", "FLYDSL_NARROW_WINDOW_BACKWARD_NAN", "HIPKITTENS_FORWARD_SKIPS_ROWS",
+           "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_faults", "corrupt_output",
            "kernel_backward", "kernel_forward", "varlen_attention"]

@@ -60,7 +60,7 @@ from . import _fake_backend_manager, _fake_gfx950, _fake_kernels
 from ._call_log import DEFAULT_CAPACITY, CallLog
 from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
 from ._fake_entries import Body, dense_flash, flex_dense, flex_varlen, varlen_flash
-from ._fake_math import FAULTS, SINK_BACKWARD_IGNORES_RIGHT_WINDOW, check_faults
+from ._fake_math import CORRUPT_OUTPUT, FAULTS, SINK_BACKWARD_IGNORES_RIGHT_WINDOW, check_faults, corrupt_output
 from ._fake_masks import MaskClassifier
 
 _ROOT = "primus_turbo"
@@ -229,6 +229,7 @@ class FakeTurbo:
             routed["dispatch"] = Dispatcher(self.options.arch, ran_on)
         body = _BODIES[name](name, faults=self.options.faults, **routed)
         classifier = self._classifier
+        corrupted = {backend for fault, backend in CORRUPT_OUTPUT.items() if fault in self.options.faults}
 
         def entry(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -240,7 +241,8 @@ class FakeTurbo:
             current[0] = Call(name, arguments)
             record.append(current[0])
             try:
-                return body(arguments, classifier)
+                result = body(arguments, classifier)
+                return corrupt_output(result) if current[0].backend in corrupted else result
             finally:
                 current[0] = None  # only the log keeps a call (and its tensors) alive
 
@@ -322,8 +324,10 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     bound were -1); ``"flydsl_narrow_window_backward_nan"`` (FlyDSL's kernel-level backward
     with a left window below 64 returns NaN dQ; with an arch set it always does);
     ``"hipkittens_forward_skips_rows_above_skv"`` (HipKittens' check lets ``Sq > Skv``
-    through and its forward leaves the leading rows unwritten).  Unknown names are a
-    ``ValueError``.
+    through and its forward leaves the leading rows unwritten).  Injected faults, for testing a
+    harness: ``"aiter_corrupt_output"``, ``"flydsl_corrupt_output"``,
+    ``"hipkittens_corrupt_output"`` negate the last head of every entry call that backend takes
+    (with an arch set).  Unknown names are a ``ValueError``.
 
     ``arch`` ("gfx942" | "gfx950"; default None, no dispatch modelled) makes
     ``flash_attn_func``, ``flash_attn_varlen_func`` and the flex entries pick a kernel

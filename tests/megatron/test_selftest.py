@@ -63,3 +63,68 @@ def test_selftest_runs_each_distinct_route_once_per_process():
 def test_auto_is_off_without_a_gpu():
     assert selftest.selftest_enabled("auto") is False
     assert selftest.selftest_enabled("true") and not selftest.selftest_enabled("false")
+
+
+# -- the self-test reaches each kernel backend a layer's calls reach (issue: self-test reach) -------
+GQA8_D64 = dict(hidden_size=512, num_attention_heads=8, num_query_groups=1, kv_channels=64)
+GQA2_D64 = dict(hidden_size=256, num_attention_heads=4, num_query_groups=2, kv_channels=64)
+REACH = [  # (arch, packed, shape, pin, backends the layer's calls reach)
+    ("gfx942", False, GQA8_D64, None, {"AITER"}),
+    ("gfx942", True, GQA8_D64, None, {"AITER"}),
+    ("gfx950", False, GQA8_D64, None, {"FlyDSL"}),      # Megatron's sbhd storage, GQA 8: FlyDSL
+    ("gfx950", False, GQA2_D64, None, {"AITER"}),       # GQA 2 leaves FlyDSL
+    ("gfx950", True, GQA8_D64, None, {"FlyDSL", "AITER"}),  # equal documents FlyDSL, unequal AITER
+    ("gfx950", False, GQA8_D64, "hipkittens", {"HipKittens"}),
+]
+CORRUPT = {"AITER": "aiter_corrupt_output", "FlyDSL": "flydsl_corrupt_output",
+           "HipKittens": "hipkittens_corrupt_output"}
+
+
+def build_on(arch, packed, shape, flex, **keys):
+    import torch
+
+    cfg = gpt.config(params_dtype=torch.bfloat16, bf16=True, **shape)
+    cfg.packed_sequences = packed
+    path = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="turbo") if flex else {}
+    return PrimusTurboLocalAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self",
+                                     settings=gpt.settings(turbo_selftest="true", turbo_arch=arch, **path, **keys))
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["direct", "flex-turbo"])
+@pytest.mark.parametrize("arch, packed, shape, pin, reached", REACH,
+                         ids=[f"{a}-{'packed' if p else 'dense'}-{'gqa8' if s is GQA8_D64 else 'gqa2'}-{pin or 'default'}"
+                              for a, p, s, pin, _ in REACH])
+def test_the_selftest_catches_a_fault_in_each_backend_the_layers_calls_reach(arch, packed, shape, pin, reached, flex,
+                                                                            monkeypatch):
+    """With Megatron's layouts and the model's dtype, the self-test runs the kernels the layer will:
+    a corruption injected into each backend the layer's calls reach refuses the build, one injected
+    into any other backend does not (it is not reached), and the healthy fake passes."""
+    if pin:
+        monkeypatch.setenv("PRIMUS_TURBO_ATTN_BACKEND", pin)
+    selftest.clear()
+    with fake_primus_turbo(arch=arch) as fake:
+        build_on(arch, packed, shape, flex)
+        assert {c.backend for c in fake.calls} == reached  # the self-test's calls reached these backends
+    for backend, fault in CORRUPT.items():
+        selftest.clear()
+        with fake_primus_turbo(arch=arch, faults=(fault,)):
+            if backend in reached:
+                with pytest.raises(UnsupportedConfigError, match="self-test of route") as err:
+                    build_on(arch, packed, shape, flex)
+                assert "turbo_selftest" in err.value.settings
+            else:
+                build_on(arch, packed, shape, flex)
+
+
+def test_selftest_cli_runs_the_fake_as_the_arch_asked(tmp_path, capsys):
+    """``--arch gfx950`` dispatches the fake's calls as gfx950 does, so a FlyDSL fault is caught there
+    and not on gfx942 (no FlyDSL)."""
+    config = tmp_path / "flydsl.yaml"
+    config.write_text("bf16: true\nnum_layers: 1\nhidden_size: 512\nnum_attention_heads: 8\nnum_query_groups: 1\n"
+                      "kv_channels: 64\nseq_length: 256\npacked_sequences: false\nuse_turbo_attention: true\n")
+    fault = ["--fault", "flydsl_corrupt_output", str(config)]
+    assert main(["selftest", "--arch", "gfx950", *fault]) == 2
+    assert "self-test of route" in capsys.readouterr().err
+    assert main(["selftest", "--arch", "gfx942", *fault]) == 0
+    assert main(["selftest", "--arch", "gfx950", str(config)]) == 0

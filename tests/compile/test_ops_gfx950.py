@@ -311,7 +311,7 @@ def test_each_kernel_backend_has_a_fault_switch():
     from primus_ext.testing import _fake_math
 
     assert set(_fake_math.FAULT_BACKEND) == _fake_math.FAULTS
-    assert sorted(_fake_math.FAULT_BACKEND.values()) == ["AITER", "FlyDSL", "HipKittens"]
+    assert set(_fake_math.FAULT_BACKEND.values()) == {"AITER", "FlyDSL", "HipKittens"}
     with pytest.raises(ValueError, match="unknown"):
         with fake_primus_turbo(faults=("flydsl_is_slow",)):
             pass

@@ -260,7 +260,8 @@ class TurboFlexAttention:
             return
         cu_q, cu_kv, max_q, max_kv = packed
         self._fast = CallMemo(q, k, v, key, sink_arg, run, packed=True, same_cu=cu_q is cu_kv,
-                              max_given=(max_q is not None, max_kv is not None))
+                              max_given=(max_q is not None, max_kv is not None),
+                              equal_documents=self.plan.equal_documents)
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
                 bias: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: Optional[float], dropout: float,
@@ -282,7 +283,8 @@ class TurboFlexAttention:
         # A missing max_seqlen is bounded by the token count: valid for the kernels and,
         # unlike reading the boundaries, free of a host sync.
         cu_seqlens_q, cu_seqlens_kv, max_q, max_kv = check_packed(q, k, cu_seqlens_q, cu_seqlens_kv,
-                                                                  max_seqlen_q, max_seqlen_kv)
+                                                                  max_seqlen_q, max_seqlen_kv,
+                                                                  equal_documents=plan.equal_documents)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q)
         flag, window = _flash_args(causal, window_size)
@@ -311,7 +313,9 @@ class PlanTarget:
     def __init__(self, plan: Any, backend: AttentionBackend) -> None:
         self.plan = plan
         self.backend = backend
-        self.routes = CallRoutes(plan.arch, plan.selection) if backend.name == "turbo" else None
+        # A hook plan takes no packed calls (B17), so its varlen calls are its own documents, not declared ones.
+        self.routes = CallRoutes(plan.arch, plan.selection, plan.equal_documents and plan.mask_mod is None
+                                 ) if backend.name == "turbo" else None
         # The turbo kernels take ALiBi as slopes; the reference runs the score_mod itself.
         self.score_mod = plan.score_mod if backend.name == "reference" else None
         # The reference evaluates every user hook itself at every call, proven or not, so

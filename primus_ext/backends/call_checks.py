@@ -260,12 +260,15 @@ def _max_seqlen(name: str, value: Any, tokens: int) -> Any:
     return value
 
 
-def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv: Any
-                 ) -> Tuple[Tensor, Tensor, Any, Any]:
+def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv: Any, *,
+                 equal_documents: bool = False) -> Tuple[Tensor, Tensor, Any, Any]:
     """Validated ``(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)`` of a thd call.
 
     The same object comes back for q and kv when one tensor was given for both, so a
-    kernel (and `turbo`'s same-boundaries check) still sees one tensor.
+    kernel (and `turbo`'s same-boundaries check) still sees one tensor.  With
+    ``equal_documents`` (``packed_equal_documents``, B36) every document must be
+    ``max_seqlen`` long: ``documents * max_seqlen == tokens`` here, from the shapes, and
+    the on-device check that no document is longer make that exact, without a host read.
     """
     same = cu_q is cu_kv
     if same and k.shape[0] != q.shape[0]:
@@ -279,11 +282,32 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
                       f"cu_seqlens_kv {cu_kv.numel() - 1}; q and kv need the same documents.")
     max_q = _max_seqlen("max_seqlen_q", max_q, q.shape[0])
     max_kv = _max_seqlen("max_seqlen_kv", max_kv, k.shape[0])
+    if equal_documents:
+        _check_equal_documents("q", cu_q, q.shape[0], max_q)
+        _check_equal_documents("kv", cu_kv, k.shape[0], max_kv)
     assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
     if not same:
         assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
     cu_q = _int32(cu_q)
     return cu_q, (cu_q if same else _int32(cu_kv)), max_q, max_kv
+
+
+def _check_equal_documents(side: str, cu: Tensor, tokens: int, longest: Any) -> None:
+    documents = cu.numel() - 1
+    if isinstance(longest, Tensor):
+        raise UnsupportedInputError(Reason(
+            ("packed_equal_documents", f"max_seqlen_{side}"),
+            f"packed_equal_documents is true, but max_seqlen_{side} is a tensor: the documents' one length "
+            "cannot be checked without reading it on the host.",
+            f"pass max_seqlen_{side} as an int (the length of every document).", "B36"))
+    if documents * longest != tokens:
+        raise UnsupportedInputError(Reason(
+            ("packed_equal_documents", f"max_seqlen_{side}", f"cu_seqlens_{side}"),
+            f"packed_equal_documents is true, but {documents} documents of max_seqlen_{side}={longest} tokens make "
+            f"{documents * longest}, not the {tokens} tokens given: the documents are not all of one length "
+            "(or max_seqlen is not it).",
+            f"pack documents of one length with max_seqlen_{side} equal to it, or set packed_equal_documents: false.",
+            "B36"))
 
 
 def tensor_version(t: Tensor) -> Optional[int]:

@@ -28,10 +28,11 @@ class CallMemo:
     """The last validated call of one adapter, and the runner that makes it again."""
 
     __slots__ = ("q_shape", "k_shape", "v_shape", "dtype", "device", "strides", "scalars", "sink_shape",
-                 "sink_dtype", "sink_cast", "same_cu", "max_given", "run")
+                 "sink_dtype", "sink_cast", "same_cu", "max_given", "equal_documents", "run")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, scalars: tuple, sink: Optional[Tensor], run: Runner,
-                 packed: bool = False, same_cu: bool = False, max_given: tuple = ()) -> None:
+                 packed: bool = False, same_cu: bool = False, max_given: tuple = (), equal_documents: bool = False
+                 ) -> None:
         tail = slice(1, None) if packed else slice(None)
         self.q_shape, self.k_shape, self.v_shape = q.shape[tail], k.shape[tail], v.shape[tail]
         self.dtype, self.device = q.dtype, q.device
@@ -43,6 +44,7 @@ class CallMemo:
         self.sink_dtype = None if sink is None else sink.dtype
         self.sink_cast = sink is not None and sink.dtype is not torch.float32
         self.same_cu, self.max_given, self.run = same_cu, max_given, run
+        self.equal_documents = equal_documents  # packed_equal_documents (B36): checked as `check_packed` does
 
     def _tensors(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor]) -> bool:
         """dtype, device and sink of q, k, v as remembered (shapes are the caller's part)."""
@@ -106,6 +108,9 @@ class CallMemo:
         max_kv = k.shape[0] if max_kv is None else max_kv
         if not (_positive_int(max_q) and _positive_int(max_kv)):
             return MISS
+        if self.equal_documents and ((cu_q.shape[0] - 1) * max_q != q.shape[0]
+                                     or (cu_kv.shape[0] - 1) * max_kv != k.shape[0]):
+            return MISS  # the full path refuses it (B36)
         assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
         if cu_kv is not cu_q:
             assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)

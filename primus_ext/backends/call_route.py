@@ -30,9 +30,12 @@ class CallRoutes:
     With the arch unknown only what fails on every arch is checked: a dense call's storage
     layout, which upstream infers from q, k and v and asserts on before any dispatch."""
 
-    def __init__(self, arch: Optional[str], selection: Selection = DEFAULT_ORDER) -> None:
+    def __init__(self, arch: Optional[str], selection: Selection = DEFAULT_ORDER, equal_documents: bool = False) -> None:
         self.arch = arch if arch in ARCHES else None
         self.selection = selection  # the plan's (a pin or autotune, read when the layer was built)
+        # packed_equal_documents (B36): every varlen call's documents are of one length, which
+        # `check_packed` proves per call before the call is routed.
+        self.equal_documents = equal_documents
         self._seen: dict[tuple, tuple[Route, Optional[UnsupportedInputError]]] = {}
 
     def check(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
@@ -78,7 +81,8 @@ class CallRoutes:
             arch=self.arch or "", entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
             head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
             dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
-            default_scale=default_scale(scale, int(d)), equal_documents=None, sbhd_storage=sbhd,
+            default_scale=default_scale(scale, int(d)),
+            equal_documents=True if self.equal_documents and entry == "varlen" else None, sbhd_storage=sbhd,
             contiguous_sbhd=contiguous, contiguous_bshd=bshd), self.selection)
         layout = () if entry != "dense" or sbhd else (
             "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)

@@ -98,11 +98,12 @@ class DirectTarget:
     """What a direct-path op handle runs (see `primus_ext.backends.ops`); on a known ``arch`` a call
     routed to AITER, FlyDSL or HipKittens gets that backend's kernel-level pair in compiled steps."""
 
-    def __init__(self, runner: DirectRunner, arch: Optional[str] = None, selection: Selection = DEFAULT_ORDER) -> None:
+    def __init__(self, runner: DirectRunner, arch: Optional[str] = None, selection: Selection = DEFAULT_ORDER,
+                 equal_documents: bool = False) -> None:
         self.runner = runner
         plain = runner.entries.dense == "flash_attn_func"
         self.kernels = discover_kernels() if plain else None
-        self.routes = CallRoutes(arch, selection) if plain else None
+        self.routes = CallRoutes(arch, selection, equal_documents) if plain else None
 
     def check(self, a: CallArgs) -> None:
         """Refuse a call the kernels would fail or compute wrongly (its route on the plan's arch,

@@ -112,8 +112,8 @@ FLYDSL = KernelBackend(
               ("num_attention_heads", "num_query_groups"), "use 8 to 256 query heads per key/value group"),
         Check(lambda f: f.entry != DENSE or f.sbhd_storage, "FlyDSL dense needs sbhd storage (or batch 1)"),
         Check(lambda f: f.entry != VARLEN or f.equal_documents is True,
-              "FlyDSL varlen needs every document of the same length", ("packed_sequences",),
-              "pack documents of equal length"),
+              "FlyDSL varlen needs every document of the same length", ("packed_sequences", "packed_equal_documents"),
+              "pack documents of equal length and say so with packed_equal_documents: true"),
     ),
     # The gate reads the layout order only; the kernel wrapper then asserts contiguity, with
     # no fallback (attention_impl.py l.147-186, attention_flydsl_impl.py l.37-39, 55-58 at a6a16cd).
@@ -163,8 +163,8 @@ AITER_VARLEN = KernelBackend(
         Check(lambda f: f.dtype in ("bf16", "fp16"), "AITER takes fp16 or bf16 only", _DTYPE,
               "train in bf16 (bf16: true) or fp16"),
         Check(lambda f: not f.sink, "AITER varlen takes no sink", ("use_sink_attention", "packed_sequences"),
-              "drop the sink for packed batches, or on gfx950 pack documents of equal length with 8 to "
-              "256 query heads per key/value group in bf16 (FlyDSL)"),
+              "drop the sink for packed batches, or on gfx950 pack documents of equal length "
+              "(packed_equal_documents: true) with 8 to 256 query heads per key/value group in bf16 (FlyDSL)"),
     ),
     fact="primus_turbo_dispatch.md §1, AITER varlen row",
 )

@@ -89,7 +89,7 @@ class TurboAttentionCore:
             entries = choose_direct(load_ops(), fp8=self.settings.enable_turbo_attention_float8,
                                     context_parallel=self.cp is not None)
             self.runner = DirectRunner(load_ops(), entries)
-            self.direct = DirectTarget(self.runner, self.plan.arch, self.plan.selection)
+            self.direct = DirectTarget(self.runner, self.plan.arch, self.plan.selection, self.plan.equal_documents)
             self.handle = register_target(self.direct, owner=self)
 
     @property
@@ -254,7 +254,8 @@ class TurboAttentionCore:
             return self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
                                 deterministic=self.plan.deterministic, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
                                 max_seqlen_q=max_q, max_seqlen_kv=max_kv)
-        cu_q, cu_kv, max_q, max_kv = check_packed(q, k, cu_q, cu_kv, max_q, max_kv)  # as the adapter does
+        cu_q, cu_kv, max_q, max_kv = check_packed(q, k, cu_q, cu_kv, max_q, max_kv,  # as the adapter does
+                                                  equal_documents=self.plan.equal_documents)
         self.direct.check(CallArgs(q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, None, causal, window,
                                    self.plan.scale, dropout_p, self.plan.deterministic))
         return run_packed(self.handle, q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, causal, window,

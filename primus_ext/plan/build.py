@@ -171,6 +171,7 @@ def build_plan(
         selection=selection,
         storage=_storage(ctx, arch, routes),
         dtype=facts.dtype,
+        equal_documents=settings.packed_equal_documents,
         bind_call=_call_binder(settings, facts, backend) if flex and mask_mod is None else None,
     )
     if flex:
@@ -189,7 +190,8 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
     return layer_routes(
         ctx.facts, arch, dense_pattern=mask_proof.pattern if (ctx.flex and mask_proof) else None,
         window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
-        alibi=bool(score_proof and score_proof.kind in ALIBI_FORMS), selection=selection)
+        alibi=bool(score_proof and score_proof.kind in ALIBI_FORMS), selection=selection,
+        equal_documents=ctx.settings.packed_equal_documents)
 
 
 def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:

@@ -58,6 +58,9 @@ class AttentionPlan:
     selection: Selection = DEFAULT_ORDER
     """How Primus-Turbo picks the kernel backend of each call (a pin, autotune, the default order),
     as the installed build reported it when the layer was built; ``kernels`` hold for it."""
+    equal_documents: bool = False
+    """``packed_equal_documents``: every packed call's documents have one length, ``max_seqlen``
+    (checked per call, B36); packed calls are routed so."""
     dtype: Optional[str] = None
     """What the layer computes in (`LayerFacts.dtype`: ``bf16``, ``fp16``, ``fp32``); None if not known."""
     storage: str = "as-given"

@@ -40,24 +40,26 @@ def arch_reasons(setting: str) -> list[Reason]:
 
 
 def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sink: bool,
-              deterministic: bool, alibi: bool, dropout: float) -> CallFeatures:
+              deterministic: bool, alibi: bool, dropout: float, equal_documents: bool = False) -> CallFeatures:
     return CallFeatures(
         arch=arch, entry=entry, dtype=facts.dtype or "bf16", head_dim=facts.head_dim,
         head_dim_v=facts.v_dim, heads=facts.num_heads, kv_heads=facts.kv_heads,
         causal=pattern.right == 0, window=pattern.window, sink=sink,
         dropout=dropout, alibi=alibi, deterministic=deterministic,
         default_scale=default_scale(facts.softmax_scale, facts.head_dim),
-        equal_documents=None, sbhd_storage=True,
+        equal_documents=True if equal_documents and entry == VARLEN else None, sbhd_storage=True,
     )
 
 
 def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optional[Pattern],
                  window: Optional[Tuple[int, int]], sink: bool, deterministic: bool,
-                 alibi: bool, selection: Selection = DEFAULT_ORDER) -> Tuple[Tuple[str, Route], ...]:
+                 alibi: bool, selection: Selection = DEFAULT_ORDER,
+                 equal_documents: bool = False) -> Tuple[Tuple[str, Route], ...]:
     """``(("dense" | "packed", route), ...)`` for the calls this layer can make on ``arch``.
 
     ``dense_pattern``: the dense calls' mask (None: the caller's causal / window).
-    Packed calls use the configured window inside each document.  A layer with dropout also
+    Packed calls use the configured window inside each document, with documents of one length
+    when ``equal_documents`` (``packed_equal_documents``, checked per call).  A layer with dropout also
     makes calls without it (evaluation): those can reach another kernel backend, so they are
     routed too (kinds ``"dense in eval"``, ``"packed in eval"``) where they fare otherwise.
     """
@@ -70,7 +72,8 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
         when = " in eval" if rate == 0.0 and len(rates) > 1 else ""
         common = dict(sink=sink, deterministic=deterministic, alibi=alibi, dropout=rate)
         if facts.packed is not False:
-            out.append(("packed" + when, route(_features(facts, arch, VARLEN, flash, **common), selection)))
+            out.append(("packed" + when, route(_features(facts, arch, VARLEN, flash, equal_documents=equal_documents,
+                                                         **common), selection)))
         if facts.packed is not True:
             pattern = dense_pattern or flash
             entry = VARLEN if pattern.documents else DENSE

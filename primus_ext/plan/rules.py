@@ -272,6 +272,11 @@ RULES: Tuple[Rule, ...] = (
          "set enable_turbo_attention_float8: false, or use_turbo_flex_attention: false for "
          "the direct fp8 path.",
          lambda c: c.flex and c.settings.enable_turbo_attention_float8),
+    Rule("B36", ("packed_equal_documents", "packed_sequences"),
+         "packed_equal_documents declares the lengths of packed documents, but packed_sequences is false: "
+         "this layer gets no packed batches, so the declaration would be ignored.",
+         "set packed_sequences: true (or leave it out), or packed_equal_documents: false.",
+         lambda c: c.settings.packed_equal_documents and c.facts.packed is False),
     Rule("B25", ("reset_attention_mask", "packed_sequences"),
          "reset_attention_mask=True carries document boundaries in a dense attention_mask "
          "tensor that no Primus-Turbo entry can take; the boundaries would be ignored.",

@@ -131,6 +131,10 @@ class TurboAttentionSettings:
         "How batches reach attention: true = packed THD only (cu_seqlens), false = dense only, null = "
         "either; the plan checks those calls' kernels, and a call of the other kind is refused.",
         "bool | null", "B25, B33, B34"))
+    packed_equal_documents: bool = field(default=False, metadata=_meta(
+        "Every packed document has the same length, max_seqlen (checked per call, without a host read of "
+        "the boundaries); lets FlyDSL take packed calls on gfx950, its varlen sink included.",
+        "bool", "B36"))
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in SETTING_KEYS}

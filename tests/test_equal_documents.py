@@ -149,3 +149,23 @@ def test_a_megatron_packed_sink_layer_on_gfx950_runs_on_flydsl_with_the_declarat
         with pytest.raises(UnsupportedInputError, match="not all of one length"):
             module(q, k, v, None, packed_seq_params=unequal)
     assert out.shape == (T, 1, HQ * D)
+
+
+def test_the_fake_drops_flydsls_dsink_as_upstream_does_where_max_seqlen_is_looser():
+    """Upstream FlyDSL computes dsink only when documents * max_seqlen == tokens: with equal documents
+    but a looser max_seqlen the sink silently gets no gradient.  The fake does the same, and the
+    declaration's call check refuses exactly those calls."""
+    q, k, v = (t.to(BF16).requires_grad_(True) for t in packed_qkv(T, HQ, HKV, D))
+    cu = torch.tensor([0, 32, 64], dtype=torch.int32)
+    with fake_primus_turbo(arch="gfx950") as fake:
+        import primus_turbo.pytorch.ops as ops
+
+        grads = {}
+        for longest in (32, 40):
+            sink = torch.zeros(HQ, requires_grad=True)
+            out = ops.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, sink=sink)
+            assert fake.calls[-1].backend == "FlyDSL"
+            out.float().sum().backward()
+            grads[longest] = sink.grad
+        assert grads[32] is not None and grads[32].abs().sum() > 0
+        assert grads[40] is None  # the real library's silent defect, reproduced

@@ -37,6 +37,26 @@ def test_a_pin_is_the_backend_or_upstreams_value_error():
     assert route(features(entry=VARLEN), Selection(pin="HIPKITTENS")).failure == "not registered"
 
 
+def test_hipkittens_takes_no_query_longer_than_the_keys_nor_a_value_head_dim_of_its_own():
+    """hipkittens_attn_supported: v shaped as k and Sq <= Skv; pinned, such a call has no backend,
+    and the fake raises upstream's ValueError for it, as the plan's per-call route says."""
+    pin = Selection(pin="HIPKITTENS")
+    assert route(features(), pin).backend == "HipKittens"
+    for over in (dict(q_within_kv=False), dict(head_dim_v=128)):
+        found = route(features(**over), pin)
+        assert found.backend is None and "Sq <= Skv" in found.problem(), over
+    q = torch.randn(32, 1, 16, 64).to(BF16).transpose(0, 1)
+    k = torch.randn(16, 1, 2, 64).to(BF16).transpose(0, 1)
+    with fake_primus_turbo(arch="gfx950") as fake:
+        import primus_turbo.pytorch.ops as ops
+        from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+
+        GlobalBackendManager.set_attn_backend(BackendType.HIPKITTENS)
+        with pytest.raises(ValueError, match="cannot handle"):
+            ops.flash_attn_func(q, k, k, causal=True)
+        assert fake.calls[-1].backend is None
+
+
 def test_autotune_answers_for_every_backend_that_takes_the_call():
     det_sink = features(sink=True, deterministic=True)
     assert route(det_sink).ok  # FlyDSL takes deterministic + sink ...

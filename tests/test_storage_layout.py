@@ -188,5 +188,8 @@ def test_on_gfx942_strided_views_are_refused_for_aiters_backward_and_contiguous_
         assert "B33" in err.value.codes
         with pytest.raises(NotImplementedError, match="cannot reproduce"):
             fake.module.flash_attn_func(*views, causal=True)
+        with pytest.raises(NotImplementedError, match="cannot reproduce"):  # the kernel level too (compiled pair)
+            torch.ops.primus_turbo.attention_aiter_forward_impl(*views, 0.0, D ** -0.5, True, -1, 0, None, None,
+                                                                False, False)
         run(*(t.contiguous() for t in views), causal=True)  # what the modules pass on gfx942
         assert fake.calls[-1].backend == "AITER"

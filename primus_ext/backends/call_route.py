@@ -66,8 +66,9 @@ class CallRoutes:
                 sink: Any, dropout: float, deterministic: bool, alibi: Any,
                 bias: Any, scale: Optional[float]) -> tuple[Route, Optional[UnsupportedInputError]]:
         sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" else (True, True, True)
+        within = entry != "dense" or q.shape[1] <= k.shape[1]  # bshd: Sq <= Skv
         key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, sink is not None,
-               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd, contiguous, bshd)
+               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd, contiguous, bshd, within)
         found = self._seen.get(key)
         if found is None:
             if len(self._seen) >= _MEMO_MAX:
@@ -76,14 +77,15 @@ class CallRoutes:
         return found
 
     def _route(self, key: tuple) -> tuple[Route, Optional[UnsupportedInputError]]:
-        entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd = key
+        (entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd,
+         within) = key
         found = route(CallFeatures(
             arch=self.arch or "", entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
             head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
             dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
             default_scale=default_scale(scale, int(d)),
             equal_documents=True if self.equal_documents and entry == "varlen" else None, sbhd_storage=sbhd,
-            contiguous_sbhd=contiguous, contiguous_bshd=bshd), self.selection)
+            contiguous_sbhd=contiguous, contiguous_bshd=bshd, q_within_kv=within), self.selection)
         layout = () if entry != "dense" or sbhd else (
             "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
         reason = found.reason("this call", alternatives=layout)

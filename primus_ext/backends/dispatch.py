@@ -55,6 +55,8 @@ class CallFeatures:
     megatron-core's key and value, is not)."""
     contiguous_bshd: bool = True
     """Dense: q, k and v are each contiguous as bshd (not the strided view of sbhd memory)."""
+    q_within_kv: bool = True
+    """Dense: the query is no longer than the key/value sequence (``Sq <= Skv``)."""
 
     @property
     def group(self) -> int:
@@ -178,8 +180,11 @@ HIPKITTENS = KernelBackend(
         Check(lambda f: f.window[1] in (0, -1) and f.head_dim in (64, 128), "HipKittens: right bound 0, D 64/128"),
         Check(lambda f: f.entry == DENSE and f.sbhd_storage and f.contiguous_sbhd,
               "HipKittens needs contiguous sbhd q, k and v"),
+        # hipkittens_attn_supported: v shaped as k, and Sq <= Skv (its forward skips rows otherwise).
+        Check(lambda f: f.head_dim_v == f.head_dim and f.q_within_kv,
+              "HipKittens needs v shaped as k and a query no longer than the keys (Sq <= Skv)"),
     ),
-    fact="primus_turbo_dispatch.md §1, HipKittens row",
+    fact="primus_turbo_dispatch.md §1, HipKittens row; hipkittens_attn_supported (primus_turbo/hipkittens/attention/attention.py at a6a16cd)",
 )
 ORDER = {DENSE: (FLYDSL, AITER_DENSE, HIPKITTENS), VARLEN: (FLYDSL, AITER_VARLEN)}
 """The dispatcher's order: FlyDSL (the default), then the fallbacks (§1, step 3)."""

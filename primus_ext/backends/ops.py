@@ -17,7 +17,8 @@ traces nor guards on it.  The implementations run eagerly: the reference math on
 any device (so the ops work in CPU tests), or Primus-Turbo's entries.
 
 Where the target has a kernel-level pair for the call (`OpTarget.pair`: Primus-Turbo's
-AITER ops, or the reference's blockwise math), the forward op returns that kernel's
+AITER ops, FlyDSL's or HipKittens' ``_impl`` wrappers on gfx950 (`turbo_pairs_gfx950`), or the
+reference's blockwise math), the forward op returns that kernel's
 ``(out, lse, rng_state)`` and the backward op hands them back to the kernel-level
 backward, so a compiled step runs attention's forward once.  Otherwise the backward op recomputes
 the forward with autograd; ``rng_state`` is then the generator state captured before

@@ -194,7 +194,7 @@ def _features(arch: str, a: CallArgs, causal: bool, window: tuple[int, int],
         causal=causal, window=window, sink=a.sink is not None, dropout=a.dropout_p, bias=a.bias is not None,
         alibi=a.alibi is not None, deterministic=a.deterministic, default_scale=default_scale(a.scale, d),
         equal_documents=equal_documents, sbhd_storage=sbhd, contiguous_sbhd=contiguous,
-        contiguous_bshd=bshd)
+        contiguous_bshd=bshd, q_within_kv=a.cu_q is not None or a.q.shape[1] <= a.k.shape[1])
 
 
 def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, int]) -> Optional[str]:

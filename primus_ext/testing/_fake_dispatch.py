@@ -89,7 +89,8 @@ class Dispatcher:
             return self._run(self._features(VARLEN, a, q, k, v, pattern, scale, equal_documents=equal_lengths(bounds)))
         _, sbhd, contiguous, bshd = storage_features(q, k, v)
         return self._run(self._features(DENSE, a, q, k, v, pattern, scale, sbhd_storage=sbhd,
-                                        contiguous_sbhd=contiguous, contiguous_bshd=bshd))
+                                        contiguous_sbhd=contiguous, contiguous_bshd=bshd,
+                                        q_within_kv=q.shape[1] <= k.shape[1]))
 
     def varlen(self, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
                scale: Optional[float], bounds_q: Sequence[int], bounds_k: Sequence[int]) -> frozenset[str]:

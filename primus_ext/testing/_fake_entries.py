@@ -169,12 +169,18 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
     _check_alibi(name, a["alibi_slopes"], hq)
     pattern = pattern_from_flash_args(causal, window)
     extra = dispatch.varlen(a, q, k, v, pattern, scale, bq, bk) if dispatch else frozenset()
-    _check_sink(name, a.get("sink"), hq, d_qk, d_v)
+    sink = a.get("sink")
+    _check_sink(name, sink, hq, d_qk, d_v)
+    if (sink is not None and dispatch is not None and dispatch.last == "FlyDSL"
+            and not _uniform_shape(len(bq) - 1, a["max_seqlen_q"], q.shape[0], a["max_seqlen_k"], k.shape[0])):
+        # FlyDSL's varlen backward computes dsink only where documents * max_seqlen is the token
+        # count (its host-only `_uniform_shape`); otherwise the sink silently gets no gradient.
+        sink = sink.detach()
     # Each segment pair is one problem, its window aligned bottom-right inside the pair;
     # lse comes back as [Hq, T], the flash-attn varlen layout (AITER).
     result = _fake_math.varlen_attention(
         q, k, v, bq, bk, window=pattern, scale=scale,
-        alibi_slopes=a["alibi_slopes"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
+        alibi_slopes=a["alibi_slopes"], sink=sink, dropout_p=float(a["dropout_p"]),
         return_lse=bool(a["return_lse"]), faults=frozenset(faults) | extra,
     )
     if a["return_lse"] and dispatch is not None and dispatch.last == "FlyDSL":
@@ -182,6 +188,10 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
         out, lse = result
         return out, lse.reshape(hq, len(bq) - 1, -1).transpose(0, 1)
     return result
+
+
+def _uniform_shape(documents: int, max_q: Any, tokens_q: int, max_k: Any, tokens_k: int) -> bool:
+    return documents * int(max_q) == tokens_q and documents * int(max_k) == tokens_k
 
 
 def varlen_flash(name: str, *, faults: Iterable[str] = (), dispatch: Optional["Dispatcher"] = None) -> Body:

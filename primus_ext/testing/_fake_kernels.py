@@ -72,7 +72,9 @@ def _aiter(fake: Any, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool,
                             head_dim_v=int(v.shape[-1]), heads=int(q.shape[-2]), kv_heads=int(k.shape[-2]),
                             causal=causal, window=window, sink=sink is not None, bias=bias is not None,
                             alibi=alibi is not None, deterministic=deterministic,
-                            default_scale=default_scale(scale, int(q.shape[-1])))
+                            default_scale=default_scale(scale, int(q.shape[-1])),
+                            # gfx942's v3 backward mishandles the strided bshd view (a defect row)
+                            contiguous_bshd=entry != DENSE or all(t.is_contiguous() for t in (q, k, v)))
     found = route_on(features, backend)
     if found is None:
         why = "; ".join(c.text for c in backend.takes if not c.ok(features))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from primus_ext.cli import main
@@ -356,3 +357,30 @@ def test_a_hook_naming_a_program_is_refused_and_never_run(tmp_path, capsys):
     assert code == 2
     assert "turbo_flex_attention_mask_mod" in err and "'subprocess:run'" in err
     assert "standard-library" in err and "(B32)" in err and "Alternative:" in err
+
+
+@pytest.mark.parametrize("arch", [None, "gfx942", "gfx950"])
+@pytest.mark.parametrize("example", [p for p in EXAMPLES if not is_refused_example(p)], ids=lambda p: p.name)
+def test_check_and_the_megatron_model_built_from_the_example_agree(example, arch, capsys):
+    """What ``check [--arch]`` prints for an example is what building megatron-core's GPTModel from
+    it (the demo's own config reading, the fake presenting that arch) gives: the same per-layer
+    kernels, or a refusal in both."""
+    from primus_ext.cli.check import _plans
+    from primus_ext.cli.demo_model import build_gpt, layer_plans, single_process_world, transformer_config
+
+    config = yaml.safe_load(example.read_text())
+    if arch is not None:
+        config["turbo_arch"] = arch
+    settings = TurboAttentionSettings.from_dict(config)
+    with fake_primus_turbo(arch=arch):
+        checked = _plans(settings, config)
+        with single_process_world():
+            try:
+                model = build_gpt(transformer_config(config), settings, vocab_size=64,
+                                  seq_length=int(config.get("seq_length") or 64), seed=0, device=torch.device("cpu"))
+            except UnsupportedConfigError as refusal:
+                assert any(isinstance(o, UnsupportedConfigError) for _, o in checked), refusal
+                return
+    assert not any(isinstance(o, UnsupportedConfigError) for _, o in checked), checked
+    assert [p.kernels for p in layer_plans(model)] == [o.kernels for _, o in checked]
+    assert [p.storage for p in layer_plans(model)] == [o.storage for _, o in checked]

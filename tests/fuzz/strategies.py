@@ -438,8 +438,11 @@ def megatron_cases(draw) -> Case:
     flex = not draw(one_in(3))
     thd = draw(one_in(3))
     dtype = draw(pick(*("float32", "float32", "float64", "bfloat16")))
+    equal_declared = draw(one_in(6))  # B36: documents declared of one length, kept (mostly) or broken
     if thd:
         docs = document_lengths(draw)
+        if equal_declared and not draw(one_in(3)):
+            docs = [max(max(docs), 1)] * len(docs)
         batch, q_len = 1, sum(docs)
     else:
         docs = None
@@ -457,6 +460,8 @@ def megatron_cases(draw) -> Case:
     declared = draw(weighted(("unset", 8), ("match", 2), ("other", 1)))  # packed_sequences vs the call
     if declared != "unset":
         keys["packed_sequences"] = thd if declared == "match" else not thd
+    if equal_declared:
+        keys["packed_equal_documents"] = True
     layer["params_bf16"] = draw(one_in(6))
     padded = draw(weighted(("none", 6), ("same", 1), ("different", 1), ("kv_clone", 1)))
     call = {

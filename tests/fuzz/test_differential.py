@@ -198,6 +198,7 @@ def expect_build(case: Case) -> BuildExpectation:
                                                                             "all_gather"),
         "B9": on_direct and fp8 and window is not None and window != (-1, -1),
         "B30-cp": turbo_path and cp > 1 and layer["attention_dropout"] > 0.0,
+        "B36": turbo_path and s.get("packed_equal_documents", False) and packed is False,
         "cp-fp8": on_direct and cp > 1 and fp8,
         "cp-packed": turbo_path and cp > 1 and packed is True,
         "B24-fp8": on_direct and fp8 and s["deterministic_mode"],
@@ -342,6 +343,8 @@ def expect_call(case: Case) -> CallExpectation:
     if c["thd"]:
         if c["padded"] == "different":
             exp.must.append("padded boundaries differ")
+        if case.settings.get("packed_equal_documents") and len(set(c["docs_q"])) > 1 and c["packed_params"] == "thd":
+            exp.must.append("packed_equal_documents with documents of several lengths (B36)")
         if hooked or scored:
             exp.must.append("hook on a packed call")
         # the direct path and the turbo backend pack on flash_attn_varlen_func (B7)

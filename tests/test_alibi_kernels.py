@@ -1,7 +1,7 @@
 """ALiBi runs on Primus-Turbo only where its kernels compute the hook's bias (B35).
 
 AITER's CK fmha kernels add ``-slope * |q - kv|`` (symmetric, bottom-right aligned) for every
-mask but plain causal, and ``+slope * kv`` for plain causal (upstream_facts.md §8, read from
+mask but plain causal, and ``+slope * kv`` for plain causal (docs/fidelity.md, fact `ck-alibi`, read from
 ROCm/composable_kernel); with a sink AITER runs Triton kernels that add ``-slope * |q + Skv -
 Sq - kv|`` for every mask (ROCm/aiter ``_compute_alibi_block``).  A proven ALiBi hook adds
 ``slope * (kv - q)``: the kernels agree with it after the softmax wherever no key lies right of

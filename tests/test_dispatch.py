@@ -1,6 +1,7 @@
 """B33: the model of Primus-Turbo's per-arch kernel dispatch, and the plan's refusals from it.
 
-Each row restates one fact of primus_turbo_dispatch.md §1 as an expected outcome, written
+Each row restates one fact of Primus-Turbo's dispatch (``attention_impl.py`` at a6a16cd, cited in
+`primus_ext.backends.dispatch`) as an expected outcome, written
 here independently of `primus_ext.backends.dispatch`.
 """
 

@@ -148,7 +148,7 @@ def test_fake_runs_or_refuses_as_routed_and_the_plan_agrees(arch, dtype, sink, w
         assert (refusal is not None) is fake_fails_or_is_wrong
 
 
-# -- hand-written rows: the dispatch facts of primus_turbo_dispatch.md §1, written out -------------
+# -- hand-written rows: the dispatch facts cited in primus_ext.backends.dispatch, written out -------
 def _run(arch, q, k, v, entry="flash_attn_func", *args, **kw):
     if arch == "gfx942":  # contiguous bshd, as the modules pass it there (strided views: test_storage_layout)
         q, k, v = (t.contiguous() for t in (q, k, v))
@@ -302,7 +302,8 @@ def test_context_parallel_rows_are_refused_exactly_where_ulysses_cannot_carry_th
 
 
 def test_fake_flex_varlen_refuses_a_sink_with_documents_of_unequal_length():
-    """Facts §4: the flex layer refuses it on any arch; the fake is never kinder."""
+    """No backend takes it on any arch (attention_impl.py l.331-334, l.375-394 at a6a16cd), so the flex layer
+    refuses it; the fake is never kinder."""
     q, k, v = sbhd_qkv(1, 8, 1, BF16)
     with fake_primus_turbo():
         import primus_turbo.pytorch.ops as ops

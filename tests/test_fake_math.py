@@ -174,7 +174,7 @@ def test_gradcheck_of_the_hand_written_backward():
 
 
 def test_alibi_slopes_get_no_gradient_as_on_aiter():
-    """AITER's backward returns no ALiBi gradient (dispatch facts §2): neither does the fake."""
+    """AITER's backward returns no ALiBi gradient (flash_attn_interface.py l.58-60 at a6a16cd): neither does the fake."""
     q, k, v = tensors((1, 4, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4), seed=5)
     (slopes,) = tensors((2,), seed=6)
     out = fm.attention(q, k, v, window=Pattern(-1, 0), alibi_slopes=slopes, block=2)

@@ -274,7 +274,8 @@ def test_flex_score_mod_and_other_checks() -> None:
         with pytest.raises(ValueError, match="softcap"):
             ops.flex_attention_bshd(q, k, v, softcap=30.0, enable_gqa=True)
         out = ops.flex_attention_bshd(q, k, v, alibi_slopes=slopes, enable_gqa=True)
-    # full attention reaches AITER's CK kernels, whose ALiBi is symmetric off the causal case (facts §8)
+    # full attention reaches AITER's CK kernels, whose ALiBi is symmetric off the causal case (docs/fidelity.md,
+    # fact `ck-alibi`)
     distance = (torch.arange(8).view(1, 8) - torch.arange(8).view(8, 1)).abs().to(q.dtype)
     torch.testing.assert_close(out, exact.attention(q, k, v, bias=-slopes.view(1, -1, 1, 1).to(q.dtype) * distance))
 

@@ -3,7 +3,8 @@
 Upstream's dispatcher asks ``GlobalBackendManager`` at every call: a backend set in code or in
 ``PRIMUS_TURBO_ATTN_BACKEND`` first (it must take the call, or ``ValueError``), then autotune
 (``PRIMUS_TURBO_AUTO_TUNE=1``, which Primus's ``use_turbo_autotune`` sets), which keeps the fastest
-backend that takes the call, then FlyDSL and the fallbacks in order (upstream_facts.md §3).  So
+backend that takes the call, then FlyDSL and the fallbacks in order (docs/fidelity.md, facts `dispatch-order`,
+`pin-cannot-handle`, `autotune-any`).  So
 the plan routes each call with the installed build's selection, and under autotune it must
 hold for every backend that takes the call.  The fake's dispatcher reads the same manager.
 """

@@ -3,7 +3,8 @@
 Upstream infers one storage layout from the strides of all three tensors and asserts on any
 other (``_infer_qkv_format``); FlyDSL's gate reads the layout order only, and its kernel
 wrapper then asserts that q, k and v are contiguous sbhd, with no fallback
-(upstream_facts.md §7).  megatron-core 0.16.1 hands core attention a contiguous query (and key,
+(docs/fidelity.md, facts `flydsl-gate-order`, `flydsl-contiguous`).
+megatron-core 0.16.1 hands core attention a contiguous query (and key,
 after RoPE) but a value that is a ``torch.split`` view of the fused QKV projection.  So:
 
 * the fake asserts what upstream asserts;

@@ -4,7 +4,7 @@ Megatron gives each context-parallel (CP) rank a load-balanced part of every seq
 (``megatron.core.utils.get_batch_on_this_cp_rank``): the sequence is cut into ``2 * CP``
 equal chunks and rank ``r`` holds chunks ``r`` and ``2 * CP - 1 - r``, in that order, so
 causal work is spread evenly.  Primus-Turbo's own context-parallel entries join the
-shards in rank order, which is another token order (upstream_facts.md §4), so they are
+shards in rank order, which is another token order (docs/fidelity.md, fact `cp-shard-order`), so they are
 not used.  `Ulysses` instead does, per layer call:
 
 1. `Ulysses.scatter_heads`: one all-to-all over the CP group per tensor turns this rank's

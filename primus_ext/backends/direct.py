@@ -6,7 +6,7 @@ fp8, B18).  Which entries take ``sink`` is read from their signatures (B13).
 
 Context parallelism does not use Primus-Turbo's ``*_usp_func`` entries: they join the
 sequence shards in rank order, while Megatron splits each sequence load-balanced
-(upstream_facts.md §4), and none takes a sink.  At CP > 1 the Megatron core runs
+(docs/fidelity.md, fact `cp-shard-order`), and none takes a sink.  At CP > 1 the Megatron core runs
 primus_ext's own Ulysses all-to-all (`primus_ext.backends.context_parallel`) around the
 same per-rank entries, with this rank's heads of the whole sequence; so a runner here
 never takes process groups.  fp8 with CP stays refused (``cp-fp8``).

@@ -4,8 +4,8 @@
 FlyDSL first, then the fallbacks in order (dense: AITER, then HipKittens; varlen:
 AITER), or ``ValueError("No compatible backend found ...")``.  A backend that takes
 a call can still assert on it, or compute it wrongly.  A signature says none of this,
-so the rows below model it, each citing the reference facts (``primus_turbo_dispatch.md``
-§1, Primus-Turbo main 2026-08-21).  `route` answers for one call's features: which
+so the rows below model it, each citing its upstream source (Primus-Turbo at a6a16cd: files
+under ``primus_turbo/pytorch/kernels/attention/``).  `route` answers for one call's features: which
 backend runs, why the others do not, what the chosen one refuses, and which known
 defect applies.  The plan refuses at build time whatever would fail or be wrong.
 """
@@ -127,14 +127,15 @@ FLYDSL = KernelBackend(
               "gfx950 when FlyDSL takes the layer's calls)",
               raises=("AssertionError", "SBHD tensors must be contiguous")),
     ),
-    fact="primus_turbo_dispatch.md §1, FlyDSL row; upstream_facts.md §7",
+    fact="attention_impl.py l.53-100 (gates), l.147-186 (dense), l.320-326, l.375-394 (varlen) at a6a16cd; "
+         "docs/fidelity.md, facts `flydsl-gate-order`, `flydsl-contiguous`",
 )
 AITER_SINK_RIGHT_WINDOW = Check(
     lambda f: not (f.sink and f.window[1] > 0),
     "AITER's sink backward ignores a window's right bound: the gradients would be silently wrong",
     ("use_sink_attention", "window_size", "turbo_flex_attention_mask_mod"),
     "use a window with right bound 0, or use_sink_attention: false")
-# primus_turbo_api.md, hardware facts: upstream feeds contiguous bshd on gfx942 only, for this.
+# docs/fidelity.md, fact `gfx942-strided`: upstream Primus feeds contiguous bshd on gfx942 only, for this.
 AITER_GFX942_STRIDED = Check(
     lambda f: f.arch != "gfx942" or f.contiguous_bshd,
     "on gfx942 AITER's v3 backward mishandles strided q/k/v (the bshd view of sbhd memory) and corrupts the "
@@ -157,7 +158,8 @@ AITER_DENSE = KernelBackend(
               raises=("AssertionError", "deterministic and sink cannot be enabled together currently")),
     ),
     defects=(AITER_SINK_RIGHT_WINDOW, AITER_GFX942_STRIDED),
-    fact="primus_turbo_dispatch.md §1, AITER dense row and consequences",
+    fact="attention_impl.py l.107-110, attention_aiter_impl.py l.102-106 at a6a16cd; docs/fidelity.md, facts "
+         "`aiter-deterministic-sink`, `aiter-sink-right-window`, `gfx942-strided`",
 )
 AITER_VARLEN = KernelBackend(
     "AITER", (VARLEN,),
@@ -168,7 +170,7 @@ AITER_VARLEN = KernelBackend(
               "drop the sink for packed batches, or on gfx950 pack documents of equal length "
               "(packed_equal_documents: true) with 8 to 256 query heads per key/value group in bf16 (FlyDSL)"),
     ),
-    fact="primus_turbo_dispatch.md §1, AITER varlen row",
+    fact="attention_impl.py l.329-334 at a6a16cd; docs/fidelity.md, fact `aiter-varlen-no-sink`",
 )
 HIPKITTENS = KernelBackend(
     "HipKittens", (DENSE,),
@@ -184,15 +186,16 @@ HIPKITTENS = KernelBackend(
         Check(lambda f: f.head_dim_v == f.head_dim and f.q_within_kv,
               "HipKittens needs v shaped as k and a query no longer than the keys (Sq <= Skv)"),
     ),
-    fact="primus_turbo_dispatch.md §1, HipKittens row; hipkittens_attn_supported (primus_turbo/hipkittens/attention/attention.py at a6a16cd)",
+    fact="attention_impl.py l.212-250; hipkittens_attn_supported (primus_turbo/hipkittens/attention/attention.py "
+         "l.124-182) at a6a16cd",
 )
 ORDER = {DENSE: (FLYDSL, AITER_DENSE, HIPKITTENS), VARLEN: (FLYDSL, AITER_VARLEN)}
-"""The dispatcher's order: FlyDSL (the default), then the fallbacks (§1, step 3)."""
+"""The dispatcher's order: FlyDSL (the default), then the fallbacks (docs/fidelity.md, fact `dispatch-order`)."""
 
 
 @dataclass(frozen=True)
 class Selection:
-    """How Primus-Turbo chooses among the backends that take a call (upstream_facts.md §3): a
+    """How Primus-Turbo chooses among the backends that take a call (docs/fidelity.md, fact `dispatch-order`): a
     user pin (``PRIMUS_TURBO_ATTN_BACKEND`` / ``GlobalBackendManager.set_attn_backend``) first,
     then autotune (``PRIMUS_TURBO_AUTO_TUNE=1``, which Primus's ``use_turbo_autotune`` sets),
     then FlyDSL and the fallbacks in order.  Autotune times every backend that takes the call
@@ -316,7 +319,7 @@ def _autotuned(features: CallFeatures, selection: Selection) -> Optional[Route]:
 
 def route(features: CallFeatures, selection: Selection = DEFAULT_ORDER) -> Route:
     """Which backend takes this call on its arch: the pin, else (under autotune) the worst
-    backend that takes it, else the first in the dispatch order (§1)."""
+    backend that takes it, else the first in the dispatch order (docs/fidelity.md, fact `dispatch-order`)."""
     if features.arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {features.arch!r}")
     if selection.pin is not None:

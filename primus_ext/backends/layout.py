@@ -3,7 +3,7 @@
 Upstream infers one storage layout from the strides of all three tensors and asserts on
 any other (``_infer_qkv_format``, ``primus_turbo/pytorch/ops/attention/attention_utils.py``
 l.28-83 at a6a16cd); FlyDSL's gate reads that order (sbhd, or bshd with batch 1) and its
-kernel wrapper then asserts that each tensor is contiguous sbhd (upstream_facts.md §7).
+kernel wrapper then asserts that each tensor is contiguous sbhd (docs/fidelity.md, fact `flydsl-contiguous`).
 Part of the dispatch model (`primus_ext.backends.dispatch`).
 """
 
@@ -51,7 +51,7 @@ class Storage(NamedTuple):
     """Each sbhd view contiguous, as FlyDSL's wrapper then asserts."""
     contiguous_bshd: bool
     """Each tensor contiguous as bshd: what gfx942's AITER backward needs (it corrupts gradients of
-    the strided view of sbhd memory; primus_turbo_api.md, hardware facts)."""
+    the strided view of sbhd memory; docs/fidelity.md, fact `gfx942-strided`)."""
 
 
 def storage_features(q: Any, k: Any, v: Any) -> Storage:

@@ -194,7 +194,8 @@ class TurboBackend:
 
 def varlen_lse_as_heads_tokens(result: Any) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` with lse as ``[Hq, T]``: AITER returns that, FlyDSL ``[B, Hq, Sq]``
-    over its equal-length documents (dispatch facts §1); callers get one layout."""
+    over its equal-length documents (Primus-Turbo ``attention_aiter_impl.py`` l.764, ``flash_attn_interface.py``
+    l.631-632 at a6a16cd); callers get one layout."""
     out, lse = result
     if lse.dim() == 3:
         lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)

@@ -1,7 +1,7 @@
 """Primus-Turbo's kernel-level ops, bound so a compiled backward does not re-run the forward.
 
 ``flash_attn_func`` / ``flash_attn_varlen_func`` are autograd Functions over kernel-level
-functions (dispatch facts §2).  A compiled graph cannot carry an autograd Function's context
+functions (``flash_attn_interface.py`` at a6a16cd).  A compiled graph cannot carry an autograd Function's context
 from primus_ext's forward op to its backward op, so for a call whose kernel backend is known
 the ops call that backend's kernel-level pair themselves: the forward returns ``(out, lse,
 rng_state)``, the backward hands them back.  The eager path keeps the public entries.
@@ -59,7 +59,8 @@ _ARGS = {
                       "window_size_right", "alibi_slopes", "deterministic", "rng_state", "is_v3_atomic_fp32",
                       "how_v3_bf16_cvt"),
 }
-"""The argument names each op must have (Primus-Turbo main, dispatch facts §2); passed by keyword."""
+"""The argument names each op must have (Primus-Turbo ``primus_turbo/pytorch/kernels/attention/attention_aiter_impl.py``
+l.336-354, l.420-450, l.695-715, l.770-799 at a6a16cd); passed by keyword."""
 
 IS_V3_ATOMIC_FP32, HOW_V3_BF16_CVT = True, 1
 """What ``flash_attn_func`` passes the AITER backward by default (fp32 atomics, bf16 conversion

@@ -1,7 +1,8 @@
 """Primus-Turbo's gfx950 kernel levels, FlyDSL and HipKittens, as kernel pairs (`ops.KernelPair`).
 
 Beside AITER's ops (`turbo_kernels`), ``flash_attn_func`` runs two gfx950 backends whose
-forward saves ``(q_s, k_s, v_s, out_s, lse)`` and no random state (upstream_facts.md §2), so a
+forward saves ``(q_s, k_s, v_s, out_s, lse)`` and no random state (Primus-Turbo
+``primus_turbo/pytorch/ops/attention/flash_attn_interface.py`` l.116, l.143 at a6a16cd), so a
 compiled backward can run their kernel-level backward from the forward's output instead of
 running the forward again.  They are bound here from inside primus_ext's own opaque ops:
 

@@ -198,9 +198,10 @@ def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:
     """`AttentionPlan.storage`, decided once per layer so a compiled region sees a constant.
 
     On gfx942 AITER's v3 backward mishandles the strided bshd view of sbhd memory and corrupts
-    gradients, so Turbo kernels get contiguous bshd there (primus_turbo_api.md, hardware facts).
+    gradients, so Turbo kernels get contiguous bshd there (docs/fidelity.md, fact `gfx942-strided`).
     On gfx950 FlyDSL (and HipKittens) assert contiguous sbhd q, k and v, while megatron-core's
-    value (and key without RoPE) is a split view of the fused QKV (upstream_facts.md §7): one
+    value (and key without RoPE) is a split view of the fused QKV (megatron-core 0.16.1
+    transformer/attention.py l.1458-1461; docs/fidelity.md, fact `flydsl-contiguous`): one
     copy per tensor that is not contiguous already.  AITER takes the zero-copy strided view.
     """
     if not (ctx.on_turbo or ctx.on_direct):

@@ -3,7 +3,7 @@
 Each `Rule` names the settings it reads (as the user typed them), why the
 combination cannot run exactly, and what to do instead.  `failing_reasons`
 evaluates the whole table and returns every failure, so the user sees all of
-them in one error instead of fixing one per run.  Codes cite the behaviour spec.
+them in one error instead of fixing one per run.  Codes cite docs/behaviours.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ With ``fake_primus_turbo(arch="gfx942" | "gfx950")`` the entries ``flash_attn_fu
 call (q's dtype, the shapes, the normalised window, the sink, dropout, bias, ALiBi,
 ``deterministic``, the host boundaries, the storage order and contiguity of q, k and v,
 read from all three as upstream reads them) and ask the project's model of the
-dispatcher (`primus_ext.backends.dispatch.route`, primus_turbo_dispatch.md §1) which
+dispatcher (`primus_ext.backends.dispatch.route`, docs/fidelity.md, fact `dispatch-order`) which
 backend takes it.  Then the fake behaves like real Primus-Turbo:
 
 * no backend takes it: ``ValueError("No compatible backend found for

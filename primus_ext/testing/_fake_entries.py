@@ -184,7 +184,8 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
         return_lse=bool(a["return_lse"]), faults=frozenset(faults) | extra,
     )
     if a["return_lse"] and dispatch is not None and dispatch.last == "FlyDSL":
-        # FlyDSL's varlen lse is [B, Hq, Sq] over its equal-length documents (dispatch facts §1).
+        # FlyDSL's varlen lse is [B, Hq, Sq] over its equal-length documents (Primus-Turbo
+        # flash_attn_interface.py l.631-632 at a6a16cd).
         out, lse = result
         return out, lse.reshape(hq, len(bq) - 1, -1).transpose(0, 1)
     return result

@@ -1,6 +1,6 @@
 """The fake's FlyDSL kernel level: ``primus_turbo.pytorch.kernels.attention.attention_flydsl_impl``.
 
-Upstream (``attention_flydsl_impl.py`` at a6a16cd, upstream_facts.md §2) has four
+Upstream (``attention_flydsl_impl.py`` at a6a16cd, l.31, l.107, l.189, l.367, l.428) has four
 ``torch.library`` ops, ``primus_turbo::flash_attn_{sbhd,varlen}_flydsl_{forward,backward}``
 (``mutates_args=()``, tagged ``cudagraph_unsafe``), and plain-Python ``*_impl`` wrappers that
 assert the kernels' preconditions before calling them.  The fake has both, with the real

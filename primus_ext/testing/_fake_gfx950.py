@@ -2,7 +2,8 @@
 
 Upstream has, beside the public entries, ``primus_turbo.pytorch.kernels.attention`` with
 FlyDSL's and HipKittens' ``_impl`` layers and ``primus_turbo.hipkittens.attention``
-(upstream_facts.md §2).  `kernel_modules` builds the fake's versions (`._fake_flydsl`,
+(Primus-Turbo at a6a16cd: ``attention_flydsl_impl.py``, ``attention_hipkittens_impl.py`` and
+``hipkittens/attention/attention.py``).  `kernel_modules` builds the fake's versions (`._fake_flydsl`,
 `._fake_hipkittens`) for `fake_primus_turbo` to install, and registers FlyDSL's
 ``torch.library`` ops once per process.  Their calls are recorded in the log of the fake of
 the innermost ``with`` block (the one AITER's kernel-level ops report to, `._fake_kernels`).

@@ -1,7 +1,7 @@
 """The fake's HipKittens kernel level: ``primus_turbo.hipkittens.attention`` and its ``_impl`` layer.
 
 Upstream (``primus_turbo/hipkittens/attention/attention.py`` and
-``pytorch/kernels/attention/attention_hipkittens_impl.py`` at a6a16cd, upstream_facts.md §2)
+``pytorch/kernels/attention/attention_hipkittens_impl.py`` at a6a16cd; attention.py l.124-336)
 has no ``torch.library`` op at the Python layer: plain functions check the envelope, pad, own
 the workspaces and fill caller-allocated buffers through C++ ops.  The fake has the same
 functions with the same signatures, written from that reading:

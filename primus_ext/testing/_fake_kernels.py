@@ -1,8 +1,9 @@
 """The fake's kernel-level AITER ops: ``torch.ops.primus_turbo.attention_aiter_*_impl``.
 
 Real Primus-Turbo registers these ``torch.library`` ops under the ``primus_turbo``
-namespace and builds ``flash_attn_func`` / ``flash_attn_varlen_func`` on them (dispatch
-facts §2).  The fake registers the same four ops with the same argument names, on the
+namespace and builds ``flash_attn_func`` / ``flash_attn_varlen_func`` on them (Primus-Turbo
+``primus_turbo/pytorch/kernels/attention/attention_aiter_impl.py`` l.336-799 at a6a16cd).  The fake
+registers the same four ops with the same argument names, on the
 first `fake_primus_turbo` block of a process, and they behave like the real ones:
 
 * the forward returns ``(out, softmax_lse, S_dmask, rng_state)``; ``out`` is allocated in

@@ -132,7 +132,7 @@ def _positions(q_len: int, j0: int, n: int, device: torch.device) -> tuple[Tenso
 
 def _alibi_distance(q_pos: Tensor, kv_pos: Tensor, spec: _Spec) -> Tensor:
     """What CK's fmha kernels (AITER's ALiBi path) multiply each slope by, from
-    ``block_position_encoding.hpp`` (ROCm/composable_kernel, upstream_facts.md §8):
+    ``block_position_encoding.hpp`` (ROCm/composable_kernel at fe6e4fb; docs/fidelity.md, fact `ck-alibi`):
 
     * a plain causal mask (left unbounded, right bound 0) is ``AlibiMode::VERTICAL``: ``+kv``,
       a per-row constant away from ``kv - q`` (equal after the softmax, not in the lse);
@@ -275,8 +275,8 @@ class _Blockwise(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out, _d_lse):  # type: ignore[override]
         q, k, v, sink, slopes, bias, out, lse = ctx.saved_tensors
-        # No gradient for ALiBi slopes: AITER's backward returns none (dispatch facts §2), and the
-        # fake is never kinder than the real library.
+        # No gradient for ALiBi slopes: AITER's backward returns none (Primus-Turbo flash_attn_interface.py
+        # l.58-60 at a6a16cd), and the fake is never kinder than the real library.
         needs = ctx.needs_input_grad[:4] + (False,) + ctx.needs_input_grad[5:]
         grads = _backward_bshd(d_out, q, k, v, out, lse, ctx.spec, sink, slopes, bias, needs[3:6])
 

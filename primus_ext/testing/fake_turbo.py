@@ -300,7 +300,9 @@ BUILDS: dict[str, dict[str, bool]] = {
     # The newest flex layer: deterministic and the layout-native flex_attention_bshd.
     "newest": dict(flex=True, flex_bshd=True, flex_deterministic=True, varlen_sink=True),
 }
-"""The Primus-Turbo builds users have (primus_turbo_dispatch.md, header), as knob settings."""
+"""The Primus-Turbo builds users have, as knob settings: "main" is a6a16cd (flash_attn_varlen_func takes
+``sink``, flash_attn_interface.py l.763-780), "old" is v0.4.0 (it does not), "flex" is PR #472's head 9ee6421
+(flex_attention.py, no ``deterministic``); the last two have no upstream commit to cite."""
 
 
 @contextlib.contextmanager

@@ -88,7 +88,8 @@ FIDELITY: tuple[Fact, ...] = (
          f"{_IFACE} l.505-565", "drops it", "refused at build (B24-fp8)"),
     Fact("gfx942-strided", "On gfx942 AITER's v3 backward mishandles the strided bshd view of sbhd memory and "
          "corrupts gradients; upstream Primus feeds contiguous bshd there.",
-         "primus_turbo_api.md, hardware facts", "refuses to compute it (cannot reproduce the corruption)",
+         "AMD-AGI/Primus primus/backends/megatron/core/extensions/primus_turbo_local_spec.py l.159-166, l.204-206 "
+         "at fd1eeab", "refuses to compute it (cannot reproduce the corruption)",
          "modules copy to contiguous bshd on gfx942; drop-in calls refused (B33)"),
     Fact("ck-alibi", "CK fmha's ALiBi: +slope*kv for plain causal, -slope*|q + max(Sk-Sq,0) - kv - max(Sq-Sk,0)| "
          "for any other mask.", "composable_kernel include/ck_tile/ops/fmha/block/block_position_encoding.hpp",

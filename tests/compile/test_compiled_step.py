@@ -95,7 +95,7 @@ def test_compiled_step_runs_one_attention_forward_per_layer_and_micro_batch(path
     assert calls == {"attention_aiter_forward_impl": LAYERS * MICRO_BATCHES,
                      "attention_aiter_backward_impl": LAYERS * MICRO_BATCHES}, calls
     # The sink path's Triton backward asserts the forward's own rng_state: CPU int64 [2]
-    # (upstream_facts.md §1), handed from the forward op to the backward op through the graph.
+    # (docs/fidelity.md, fact `aiter-rng-sink`), handed from the forward op to the backward op through the graph.
     assert RNG_STATES and all(isinstance(r, torch.Tensor) and r.device.type == "cpu" and r.dtype == torch.int64
                               and tuple(r.shape) == (2,) for r in RNG_STATES), RNG_STATES
 

@@ -5,7 +5,7 @@ explicit grid; the softmax is written out; autograd through it gives the expecte
 gradients.  It is vectorised (unlike ``tests/oracle.py``, a per-cell loop) so that
 thousands of generated cases fit in a test run.
 
-Conventions, each taken from the behaviour spec or the kernel contract:
+Conventions, each taken from docs/behaviours.md or the kernel contract:
 
 * window (flash-attention): key ``kv`` is visible from query ``q`` iff
   ``q - left <= kv <= q + right``; ``-1`` leaves that side unbounded; ``causal``

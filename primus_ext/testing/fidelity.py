@@ -74,8 +74,9 @@ FIDELITY: tuple[Fact, ...] = (
     Fact("flydsl-varlen-equal", "FlyDSL varlen takes only documents of one length (a host check).",
          "PT primus_turbo/pytorch/kernels/attention/attention_flydsl_impl.py l.71-81", "routes others to AITER",
          "unknown document lengths are not assumed equal"),
-    Fact("aiter-varlen-no-sink", "AITER varlen refuses a sink at can_handle.", f"{_AITER} l.331-334",
-         "no backend: ValueError 'No compatible backend'", "a packed sink refused at build unless FlyDSL takes it"),
+    Fact("aiter-varlen-no-sink", "AITER varlen refuses a sink at can_handle.", f"{_IMPL} l.331-334",
+         "no backend: ValueError 'No compatible backend'", "a packed sink refused at build unless FlyDSL takes it "
+         "(equal documents declared with packed_equal_documents, B36)"),
     Fact("dispatch-order", "A user pin (code or PRIMUS_TURBO_ATTN_BACKEND) first, then autotune "
          "(PRIMUS_TURBO_AUTO_TUNE=1), then FlyDSL, then the fallbacks in order.", f"{_BACKEND} l.635-680",
          "its GlobalBackendManager and dispatcher do the same", "the plan routes with the build's selection"),

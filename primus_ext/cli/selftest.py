@@ -41,7 +41,8 @@ def _turbo(faults: Sequence[str], arch: Optional[str]) -> Iterator[str]:
 
 def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequence[str] = (),
                  out=None, err=None) -> int:
-    """Print one row per route; 0 when every route agrees with the reference, else 2."""
+    """Print one row per route (under autotune, per route and candidate backend, the route naming the
+    backend it pinned); 0 when every route agrees with the reference, else 2."""
     out, err = out or sys.stdout, err or sys.stderr
     config = _load(path) if path else dict(DEFAULT_CONFIG)
     settings = settings_for(config, arch, err)
@@ -60,7 +61,7 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
     print(f"primus-ext selftest: {path or 'default config'} against {what}", file=out)
     columns = ("route", "kernels", "fwd error", "bwd error", "ms", "verdict")
     rows = [(r.route, r.kernels, f"{r.forward_error:.2e}", f"{r.backward_error:.2e}", f"{r.ms:.0f}",
-              "ok" if r.ok else "FAILED") for r in results]
+             "FAILED" if not r.ok else "skipped (does not take the call)" if r.skipped else "ok") for r in results]
     print(format_table(rows, columns), file=out)
     if not results:
         print("no Turbo route to test (reference backend, or context-parallel / fp8 entries)", file=out)

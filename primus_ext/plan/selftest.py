@@ -10,17 +10,22 @@ is a strided view), stored as the plan decides (`AttentionPlan.storage`, the sam
 the modules), in the model's dtype, long enough to reach past the widest window, and for
 packed calls each document split the dispatch model tells apart (equal lengths, which FlyDSL
 takes, and unequal ones).  Results are kept per process, keyed by everything that decides the
-kernel (route, arch, selection, storage, dtype, length, split), so a model of many layers
-with one pattern pays for one test.  On CPU it runs against whatever ``primus_turbo`` is
-importable (the CPU fake in tests).
+kernel (route, arch, selection, storage, dtype, length, split, pinned backend), so a model of
+many layers with one pattern pays for one test.  Under autotune (`Selection.autotune`, no pin)
+any backend that takes a call may run it, so each route runs once per candidate the dispatch
+model names (`Route.candidates`), pinned for that run through the installed build's
+``GlobalBackendManager.set_attn_backend`` and restored after (`pinned_backend`).  On CPU it runs
+against whatever ``primus_turbo`` is importable (the CPU fake in tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -28,13 +33,16 @@ from ..attention.pattern import pattern_from_flash_args
 from ..backends import make_backend
 from ..backends.adapter import TurboFlexAttention
 from ..backends.direct import DirectRunner, choose_direct
-from ..backends.layout import kernel_views
+from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Selection, default_scale
+from ..backends.dispatch import route as dispatch_route
+from ..backends.layout import kernel_views, storage_features
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError
 from .plan import AttentionPlan
 
 MIN_SEQ = 64
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-4, torch.float64: 1e-9}
 """Max error, relative to the largest reference value, that a route may show per dtype
 (bf16's 8-bit mantissa rounds each product to ~4e-3; blockwise and one-pass softmax
@@ -43,7 +51,10 @@ round differently, and errors add over a 64-key row)."""
 
 @dataclass(frozen=True)
 class RouteResult:
-    """One route's self-test: ``error`` is set when it could not run or disagreed."""
+    """One route's self-test: ``error`` is set when it could not run or disagreed.  ``pinned``: the
+    kernel backend pinned for the run (autotune), "" when the dispatcher chose; ``skipped``: why a
+    pinned backend did not run (upstream's "cannot handle" ``ValueError``: it does not take the
+    call, so autotune cannot keep it either), which is no failure."""
 
     route: str
     kernels: str
@@ -51,6 +62,8 @@ class RouteResult:
     backward_error: float
     ms: float
     error: str = ""
+    pinned: str = ""
+    skipped: str = ""
 
     @property
     def ok(self) -> bool:
@@ -77,21 +90,23 @@ def splits(plan: AttentionPlan, packed: bool, seq: int) -> list[Optional[tuple[i
 
 
 def _key(plan: AttentionPlan, packed: bool, device: torch.device, dtype: torch.dtype, seq: int,
-         split: Optional[tuple[int, ...]]) -> tuple:
+         split: Optional[tuple[int, ...]], pinned: Optional[str] = None) -> tuple:
     return (plan.path, plan.pattern if not packed else plan.window, plan.causal, plan.window, plan.sink,
             plan.alibi_slopes, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.head_dim_v, plan.scale,
             plan.deterministic, plan.mask_hook, plan.score_hook, packed, str(device), dtype, plan.arch,
-            plan.selection, plan.storage, seq, split)
+            plan.selection, plan.storage, seq, split, pinned)
 
 
-def _describe(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]], dtype: torch.dtype) -> str:
+def _describe(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]], dtype: torch.dtype,
+              pinned: Optional[str] = None) -> str:
     inside = pattern_from_flash_args(plan.causal, plan.window).describe()
     what = f"{plan.path} {'packed' if packed else 'dense'}: {plan.pattern_text if not packed else inside}"
     extras = [x for x, on in (("sink", plan.sink), ("ALiBi", plan.alibi_slopes is not None)) if on]
     if split is not None:
         extras.append(f"documents {list(split)}")
     extras.append(str(dtype).replace("torch.", ""))
-    return what + ", " + ", ".join(extras) + f", heads {plan.num_heads}/{plan.num_kv_heads}"
+    pin = f", pinned {pinned} (autotune candidate)" if pinned else ""
+    return what + ", " + ", ".join(extras) + f", heads {plan.num_heads}/{plan.num_kv_heads}" + pin
 
 
 def megatron_qkv(fused: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,32 +187,126 @@ def _calls(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]]):
     return direct, through(reference)
 
 
+def _call_features(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]],
+                   dtype: torch.dtype) -> CallFeatures:
+    """The self-test's Turbo call as upstream's dispatcher reads it: the same storage (from the
+    layer's own views), dtype, heads, mask and document split."""
+    seq = seq_length(plan)
+    fused, views, _, _ = _inputs(plan, packed, torch.device("cpu"), dtype, seq)
+    flash = pattern_from_flash_args(plan.causal, plan.window)
+    common: dict[str, Any] = dict(
+        arch=plan.arch, dtype=_DTYPE_NAMES.get(dtype, str(dtype)), head_dim=plan.head_dim,
+        head_dim_v=plan.head_dim_v, heads=plan.num_heads, kv_heads=plan.num_kv_heads, sink=plan.sink,
+        dropout=0.0, alibi=plan.alibi_slopes is not None, deterministic=plan.deterministic,
+        default_scale=default_scale(plan.scale, plan.head_dim))
+    equal = lambda b: len({y - x for x, y in zip(b, b[1:])}) <= 1  # noqa: E731
+    pattern = plan.pattern if plan.flex and not packed and plan.pattern is not None else flash
+    if packed or pattern.documents:  # a flex documents mask reaches the varlen kernel
+        bounds = split or pattern.at_length(seq).boundaries or (0, seq)
+        return CallFeatures(entry=VARLEN, causal=pattern.right == 0, window=pattern.window,
+                            equal_documents=equal(bounds), **common)
+    _, sbhd, contiguous_sbhd, contiguous_bshd = storage_features(*views(fused))
+    return CallFeatures(entry=DENSE, causal=pattern.right == 0, window=pattern.window, sbhd_storage=sbhd,
+                        contiguous_sbhd=contiguous_sbhd, contiguous_bshd=contiguous_bshd, **common)
+
+
+def candidates(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]],
+               dtype: torch.dtype) -> tuple[str, ...]:
+    """Under autotune with no pin, the kernel backends the dispatch model says take the self-test's
+    call on the plan's arch (`Route.candidates`: any of them may run the layer's calls); else ()."""
+    selection = plan.selection
+    if not selection.autotune or selection.pin is not None or plan.arch not in ARCHES or _core() is None:
+        return ()  # without the manager (older builds) nothing can be pinned: the route runs as dispatched
+    return dispatch_route(_call_features(plan, packed, split, dtype), Selection(autotune=True)).candidates
+
+
+_MISSING = object()
+
+
+def _core() -> Any:
+    """The installed ``primus_turbo.pytorch.core.backend`` with its manager, or None."""
+    try:
+        core = importlib.import_module("primus_turbo.pytorch.core.backend")
+        core.GlobalBackendManager.set_attn_backend, core.BackendType, core.PrecisionType  # noqa: B018
+    except (ImportError, AttributeError):
+        return None
+    return core
+
+
+@contextlib.contextmanager
+def pinned_backend(name: Optional[str]) -> Iterator[None]:
+    """Pin attention to kernel backend ``name`` (`dispatch` spelling: ``FlyDSL``, ``AITER``, ``HipKittens``)
+    through the installed build's ``GlobalBackendManager.set_attn_backend``, and restore what was in
+    force after, whatever happens.  Upstream's ``set_attn_backend(None)`` clears the code setting (the
+    environment rules again) while the fake's sets "no backend" for every precision, so the manager's
+    code setting (``_attn_backend``) is put back as it was where it has one; else the public call is
+    used and checked.  ``name`` None: nothing is pinned."""
+    if name is None:
+        yield
+        return
+    core = _core()
+    manager, precision = core.GlobalBackendManager, core.PrecisionType.BF16_FP16_FP32
+    saved = getattr(manager, "_attn_backend", _MISSING)
+    saved = dict(saved) if isinstance(saved, dict) else saved
+    try:
+        before = manager.get_attn_backend(precision)
+    except Exception:  # noqa: BLE001 - an unreadable environment: restored with the code setting alone
+        before = _MISSING
+    manager.set_attn_backend(core.BackendType[name.upper()])
+    try:
+        yield
+    finally:
+        if saved is not _MISSING:
+            manager._attn_backend = saved
+        else:
+            manager.set_attn_backend(None)
+            if before is not _MISSING and manager.get_attn_backend(precision) != before:
+                manager.set_attn_backend(before)
+
+
+def _cannot_handle(exc: BaseException) -> bool:
+    """Upstream's answer when a pinned backend does not take the call (``ValueError("User specified
+    backend ... cannot handle ...")``)."""
+    return isinstance(exc, ValueError) and "User specified backend" in str(exc) and "cannot handle" in str(exc)
+
+
 def check_route(plan: AttentionPlan, packed: bool, device: torch.device, dtype: torch.dtype,
-                split: Optional[tuple[int, ...]] = None) -> RouteResult:
-    """Run one route on Turbo and on the reference; cached per process."""
+                split: Optional[tuple[int, ...]] = None, pinned: Optional[str] = None) -> RouteResult:
+    """Run one route on Turbo (with kernel backend ``pinned``, if given) and on the reference;
+    cached per process."""
     seq = seq_length(plan)
     split = split if split is not None or not packed else splits(plan, packed, seq)[0]
-    key = _key(plan, packed, device, dtype, seq, split)
+    key = _key(plan, packed, device, dtype, seq, split, pinned)
     if key in _DONE:
         return _DONE[key]
-    route, kernels = _describe(plan, packed, split, dtype), "; ".join(plan.kernels) or "-"
+    route, kernels = _describe(plan, packed, split, dtype, pinned), "; ".join(plan.kernels) or "-"
     plan = dataclasses.replace(plan, dropout=0.0)  # numbers are compared, so no random drops
     start = time.perf_counter()
+    ms = lambda: 1e3 * (time.perf_counter() - start)  # noqa: E731
+    if pinned is not None and pinned.upper() not in _core().BackendType.__members__:
+        result = _DONE[key] = RouteResult(route, kernels, float("nan"), float("nan"), ms(), pinned=pinned,
+                                          skipped=f"this Primus-Turbo has no BackendType.{pinned.upper()}")
+        return result
     try:
         turbo, reference = _calls(plan, packed, split)
         fused, views, grad, sink = _inputs(plan, packed, device, dtype, seq)
-        out, grads = _run(turbo, fused, views, grad, sink)
+        with pinned_backend(pinned):
+            out, grads = _run(turbo, fused, views, grad, sink)
         want, want_grads = _run(reference, fused, views, grad, sink)
         fwd = _error(out, want)
         bwd = max(_error(g, w) for g, w in zip(grads, want_grads))
     except Exception as exc:  # noqa: BLE001 - whatever the kernel raises is the finding
-        result = RouteResult(route, kernels, float("nan"), float("nan"), 1e3 * (time.perf_counter() - start),
-                             f"{type(exc).__name__}: {exc}")
+        if pinned is not None and _cannot_handle(exc):
+            result = RouteResult(route, kernels, float("nan"), float("nan"), ms(), pinned=pinned,
+                                 skipped=f"{pinned} does not take the call: {exc}")
+        else:
+            result = RouteResult(route, kernels, float("nan"), float("nan"), ms(), f"{type(exc).__name__}: {exc}",
+                                 pinned=pinned or "")
     else:
         tol = TOLERANCE.get(dtype, 1e-3)
         bad = [name for name, err in (("forward", fwd), ("backward", bwd)) if not err <= tol]
         why = f"{' and '.join(bad)} differ from the reference by more than {tol:g}" if bad else ""
-        result = RouteResult(route, kernels, fwd, bwd, 1e3 * (time.perf_counter() - start), why)
+        result = RouteResult(route, kernels, fwd, bwd, ms(), why, pinned=pinned or "")
     _DONE[key] = result
     return result
 
@@ -214,7 +323,8 @@ def routes_of(plan: AttentionPlan) -> list[bool]:
 def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] = None,
               dtype: Optional[torch.dtype] = None) -> list[RouteResult]:
     """Each distinct route of ``plans`` once, in each plan's own dtype (else bf16 on a GPU, float32
-    on CPU), each packed route on each document split."""
+    on CPU), each packed route on each document split; under autotune once per candidate kernel
+    backend (`candidates`), each pinned for its run."""
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     results: dict[str, RouteResult] = {}
     for plan in plans:
@@ -222,8 +332,9 @@ def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] 
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         for packed in routes_of(plan):
             for split in splits(plan, packed, seq_length(plan)):
-                found = check_route(plan, packed, device, chosen, split)
-                results.setdefault(found.route, found)
+                for pinned in candidates(plan, packed, split, chosen) or (None,):
+                    found = check_route(plan, packed, device, chosen, split, pinned)
+                    results.setdefault(found.route, found)
     return list(results.values())
 
 
@@ -252,4 +363,5 @@ def clear() -> None:
     _DONE.clear()
 
 
-__all__ = ["RouteResult", "check_route", "clear", "refuse_failures", "routes_of", "self_test", "selftest_enabled"]
+__all__ = ["RouteResult", "candidates", "check_route", "clear", "pinned_backend", "refuse_failures", "routes_of",
+           "self_test", "selftest_enabled"]

@@ -128,3 +128,123 @@ def test_selftest_cli_runs_the_fake_as_the_arch_asked(tmp_path, capsys):
     assert "self-test of route" in capsys.readouterr().err
     assert main(["selftest", "--arch", "gfx942", *fault]) == 0
     assert main(["selftest", "--arch", "gfx950", str(config)]) == 0
+
+
+# -- under autotune each candidate kernel backend is pinned for its own run (issue: autotune reach) ------
+AUTOTUNED = [  # (packed, flex, backends that take the self-test's calls on gfx950 under autotune)
+    (False, False, {"FlyDSL", "AITER", "HipKittens"}),  # dense, GQA 8, D 64: all three take it
+    (True, False, {"FlyDSL", "AITER"}),                 # packed: FlyDSL (equal documents), AITER; HipKittens: no varlen
+    (False, True, {"FlyDSL", "AITER", "HipKittens"}),
+]
+
+
+@pytest.mark.parametrize("packed, flex, reached", AUTOTUNED,
+                         ids=[f"{'packed' if p else 'dense'}-{'flex-turbo' if f else 'direct'}"
+                              for p, f, _ in AUTOTUNED])
+def test_under_autotune_the_selftest_pins_and_catches_each_candidate_backend(packed, flex, reached):
+    """Autotune may keep any backend that takes a call, so the self-test runs each route once per
+    candidate, pinned: a corruption in any of them refuses the build, the healthy fake passes, and a
+    backend no call reaches (HipKittens has no varlen kernel) is not blamed."""
+    selftest.clear()
+    with fake_primus_turbo(arch="gfx950") as fake:
+        layer = build_on("gfx950", packed, GQA8_D64, flex, use_turbo_autotune=True)
+        assert layer.plan.selection.autotune and layer.plan.selection.pin is None
+        assert {c.backend for c in fake.calls} == reached
+    for backend, fault in CORRUPT.items():
+        selftest.clear()
+        with fake_primus_turbo(arch="gfx950", faults=(fault,)):
+            if backend in reached:
+                with pytest.raises(UnsupportedConfigError, match=f"pinned {backend} ") as err:
+                    build_on("gfx950", packed, GQA8_D64, flex, use_turbo_autotune=True)
+                assert "turbo_selftest" in err.value.settings
+            else:
+                build_on("gfx950", packed, GQA8_D64, flex, use_turbo_autotune=True)
+
+
+def test_selftest_cli_under_autotune_catches_a_fault_in_every_candidate(tmp_path, capsys):
+    config = tmp_path / "autotune.yaml"
+    config.write_text("bf16: true\nnum_layers: 1\nhidden_size: 512\nnum_attention_heads: 8\nnum_query_groups: 1\n"
+                      "kv_channels: 64\nseq_length: 256\npacked_sequences: false\nuse_turbo_attention: true\n"
+                      "use_turbo_autotune: true\n")
+    assert main(["selftest", "--arch", "gfx950", str(config)]) == 0
+    table = capsys.readouterr().out
+    assert all(f"pinned {b} (autotune candidate)" in table for b in CORRUPT)
+    for backend, fault in CORRUPT.items():
+        assert main(["selftest", "--arch", "gfx950", "--fault", fault, str(config)]) == 2, fault
+        assert f"pinned {backend} (autotune candidate)] (kernels" in capsys.readouterr().err
+
+
+def _manager():
+    from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
+
+    return GlobalBackendManager, BackendType, PrecisionType
+
+
+@pytest.mark.parametrize("fault", [None, "aiter_corrupt_output"], ids=["passes", "refuses"])
+def test_the_selftest_restores_the_backend_setting_in_force_before_it(fault, monkeypatch):
+    """The pins are the self-test's own: a code setting for another precision survives it, and where
+    nothing was set in code the environment rules again after it, whether the build passes or not."""
+    for in_code in (True, False):
+        selftest.clear()
+        with fake_primus_turbo(arch="gfx950", faults=(fault,) if fault else ()):
+            manager, backend, precision = _manager()
+            if in_code:
+                manager.set_attn_backend(backend.AITER, precision=precision.FP8)
+            else:
+                monkeypatch.setenv("PRIMUS_TURBO_ATTN_BACKEND", "fp8:aiter")
+            if fault:
+                with pytest.raises(UnsupportedConfigError, match="pinned AITER"):
+                    build_on("gfx950", False, GQA8_D64, False, use_turbo_autotune=True)
+            else:
+                build_on("gfx950", False, GQA8_D64, False, use_turbo_autotune=True)
+            assert manager.get_attn_backend(precision.FP8) is backend.AITER
+            assert manager.get_attn_backend(precision.BF16_FP16_FP32) is None
+            if not in_code:  # no code setting was left behind: the environment is read again
+                monkeypatch.setenv("PRIMUS_TURBO_ATTN_BACKEND", "fp8:hipkittens")
+                assert manager.get_attn_backend(precision.FP8) is backend.HIPKITTENS
+                monkeypatch.delenv("PRIMUS_TURBO_ATTN_BACKEND")
+
+
+def test_pinned_backend_restores_after_an_error_and_through_the_public_call(monkeypatch):
+    """`pinned_backend` restores on an exception too; on a manager whose code setting it cannot read
+    (upstream's ``set_attn_backend(None)`` clears it) it restores through the public call."""
+    with fake_primus_turbo(arch="gfx950"):
+        manager, backend, precision = _manager()
+        with pytest.raises(RuntimeError):
+            with selftest.pinned_backend("HipKittens"):
+                assert manager.get_attn_backend(precision.BF16_FP16_FP32) is backend.HIPKITTENS
+                raise RuntimeError("the kernel failed")
+        assert manager._attn_backend is None
+
+    class Upstream:  # set_attn_backend(None) resets to the environment; the setting is not readable
+        _pins: dict = {}
+
+        @classmethod
+        def set_attn_backend(cls, value=None, precision=None):
+            cls._pins = {} if value is None else {"all": value}
+
+        @classmethod
+        def get_attn_backend(cls, precision):
+            return cls._pins.get("all")
+
+    core = type("core", (), dict(GlobalBackendManager=Upstream, BackendType=backend, PrecisionType=precision))
+    monkeypatch.setattr(selftest, "_core", lambda: core)
+    for before in (None, backend.FLYDSL):
+        Upstream.set_attn_backend(before)
+        with selftest.pinned_backend("AITER"):
+            assert Upstream.get_attn_backend(None) is backend.AITER
+        assert Upstream.get_attn_backend(None) is before
+
+
+def test_a_pinned_candidate_that_cannot_take_the_call_is_skipped_not_failed():
+    """Upstream's ``ValueError("User specified backend ... cannot handle ...")`` says the backend does not
+    take the call, so autotune cannot keep it either: a skipped row, no failure.  A sink keeps HipKittens
+    out of the candidates; pinned anyway, it is skipped."""
+    import torch
+
+    selftest.clear()
+    with fake_primus_turbo(arch="gfx950"):
+        layer = build_on("gfx950", False, GQA8_D64, False, use_turbo_autotune=True, use_sink_attention=True)
+        assert set(selftest.candidates(layer.plan, False, None, torch.bfloat16)) == {"FlyDSL", "AITER"}
+        found = selftest.check_route(layer.plan, False, torch.device("cpu"), torch.bfloat16, pinned="HipKittens")
+        assert found.ok and found.pinned == "HipKittens" and "cannot handle" in found.skipped

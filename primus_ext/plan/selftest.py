@@ -237,10 +237,11 @@ def _core() -> Any:
 def pinned_backend(name: Optional[str]) -> Iterator[None]:
     """Pin attention to kernel backend ``name`` (`dispatch` spelling: ``FlyDSL``, ``AITER``, ``HipKittens``)
     through the installed build's ``GlobalBackendManager.set_attn_backend``, and restore what was in
-    force after, whatever happens.  Upstream's ``set_attn_backend(None)`` clears the code setting (the
-    environment rules again) while the fake's sets "no backend" for every precision, so the manager's
-    code setting (``_attn_backend``) is put back as it was where it has one; else the public call is
-    used and checked.  ``name`` None: nothing is pinned."""
+    force after, whatever happens.  Upstream's ``set_attn_backend(None)`` forgets every code setting (the
+    environment rules again), which would also drop one set for another precision (fp8), and older
+    fakes read it as "no backend" for every precision; so the manager's code setting (``_attn_backend``)
+    is put back as it was where it has one, else the public call is used and checked.  ``name`` None:
+    nothing is pinned."""
     if name is None:
         yield
         return

@@ -313,3 +313,41 @@ def test_fake_flex_varlen_refuses_a_sink_with_documents_of_unequal_length():
             ops.flex_attention_varlen(q[0], k[0], v[0], unequal, unequal, 11, 11, causal=True, sink=torch.zeros(8))
         equal = torch.tensor(EQUAL, dtype=torch.int32)
         ops.flex_attention_varlen(q[0], k[0], v[0], equal, equal, 8, 8, causal=True, sink=torch.zeros(8))
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_a_sink_with_a_left_window_of_zero_is_attended_unbounded_by_aiter_and_refused(arch):
+    """aiter's Triton sink kernels apply the left bound only when it is > 0: a window (0, 0) with a
+    sink attends causally.  The fake computes that (never kinder), and the plan refuses the layer."""
+    q, k, v = (t.contiguous() for t in sbhd_qkv(2, 4, 2, BF16))
+    sink = rand(4, dtype=torch.float32, seed=9)
+    with fake_primus_turbo(arch=arch) as fake:
+        import primus_turbo.pytorch.ops as ops
+
+        out = ops.flash_attn_func(q, k, v, causal=True, window_size=(0, 0), sink=sink)
+        assert fake.calls[-1].backend == "AITER"
+        want = oracle.attention(q, k, v, oracle.window(-1, 0), sink=sink.tolist())  # the kernel's answer
+        torch.testing.assert_close(out.double(), want, **OUT_TOL)
+        with pytest.raises(UnsupportedConfigError, match="left window bound of 0") as err:
+            build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch=arch, use_sink_attention=True,
+                                turbo_flex_attention_mask_mod="primus_ext.attention.masks:sliding_window",
+                                turbo_flex_attention_mask_mod_kwargs={"left": 0, "right": 0}),
+                       facts(num_heads=4, num_kv_heads=2, head_dim=D, seq_length=S, dtype="bf16", packed=False))
+        assert "B33" in err.value.codes
+
+
+def test_flydsl_takes_a_value_head_dim_of_its_own_and_reads_it_wrong_so_it_is_refused():
+    """FlyDSL's gate reads q's head dim only: D 128 with Dv 64 is taken, and its output is allocated
+    like q.  The fake will not compute what it cannot reproduce; the plan refuses the call."""
+    q = rand(1, S, 8, 128, dtype=BF16, seed=0)
+    k = rand(1, S, 1, 128, dtype=BF16, seed=1)
+    v = rand(1, S, 1, 64, dtype=BF16, seed=2)
+    found = route(CallFeatures(arch="gfx950", entry=DENSE, dtype="bf16", head_dim=128, head_dim_v=64, heads=8,
+                               kv_heads=1))
+    assert found.backend == "FlyDSL" and not found.ok
+    with fake_primus_turbo(arch="gfx950") as fake:
+        import primus_turbo.pytorch.ops as ops
+
+        with pytest.raises(NotImplementedError, match="cannot reproduce"):
+            ops.flash_attn_func(q, k, v, causal=True)
+        assert fake.calls[-1].backend == "FlyDSL"

@@ -301,6 +301,41 @@ def _():
     assert torch.equal(chunks[:, [0, 3]].reshape(1, -1), torch.tensor([[0, 1, 6, 7]]))
 
 
+@check("aiter-sink-left-zero")
+def _():
+    q, k, v = (t.contiguous() for t in sbhd())
+    sink = torch.zeros(4)
+    with fake_primus_turbo(arch="gfx942"):
+        zero = aiter_forward(q, k, v, sink=sink, window=(0, 0))[0]
+        causal = aiter_forward(q, k, v, sink=sink, window=(-1, 0))[0]
+        with pytest.raises(UnsupportedConfigError) as err:
+            build_plan(settings(turbo_flex_attention_backend="turbo", use_sink_attention=True,
+                                turbo_flex_attention_mask_mod="primus_ext.attention.masks:sliding_window",
+                                turbo_flex_attention_mask_mod_kwargs={"left": 0, "right": 0}),
+                       facts(dtype="bf16", packed=False))
+    torch.testing.assert_close(zero, causal)  # the kernel's answer: no left bound
+    assert "B33" in err.value.codes
+
+
+@check("autotune-cache-key")
+def _():
+    tuned = Selection(autotune=True)
+    found = route(features(dropout=0.1), tuned)
+    assert "FlyDSL" in found.candidates and not found.ok and "autotune may cache FlyDSL" in found.problem()
+    assert route(features(dropout=0.1)).backend == "AITER"  # without autotune, AITER takes dropout
+
+
+@check("flydsl-dv")
+def _():
+    found = route(features(head_dim=128, head_dim_v=64))
+    assert found.backend == "FlyDSL" and found.defects
+    q = torch.randn(1, 8, 16, 128).to(BF16)
+    k, v = torch.randn(1, 8, 2, 128).to(BF16), torch.randn(1, 8, 2, 64).to(BF16)
+    with fake_primus_turbo(arch="gfx950") as fake:
+        with pytest.raises(NotImplementedError, match="cannot reproduce"):
+            fake.module.flash_attn_func(q, k, v, causal=True)
+
+
 def test_every_fact_has_a_check_and_every_check_a_fact():
     ids = [f.id for f in FIDELITY]
     assert len(ids) == len(set(ids))

@@ -117,3 +117,23 @@ def test_a_pin_set_in_code_and_an_unreadable_one(monkeypatch):
     with fake_primus_turbo(arch="gfx950"):
         with pytest.raises(UnsupportedConfigError, match="cuda"):
             build_plan(settings(turbo_flex_attention_backend="turbo"), facts(**FLYDSL_LAYER))
+
+
+def test_autotune_plans_for_a_backend_cached_for_the_calls_shape_that_would_run_it_unchecked():
+    """Upstream's autotune cache key leaves out dropout, the scale, ALiBi, bias and the value head dim,
+    and a cache hit skips can_handle: on gfx950 an eval call (no dropout) may cache FlyDSL, which then
+    runs the training calls and drops their dropout.  So the plan refuses autotune there."""
+    tuned = Selection(autotune=True)
+    train = route(features(dropout=0.1), tuned)
+    assert "FlyDSL" in train.candidates and not train.ok
+    assert "use_turbo_autotune" in train.reason("dense calls").settings
+    assert not route(features(default_scale=False), tuned).ok  # FlyDSL would assert on the scale
+    assert route(features(), tuned).ok
+    gfx942 = features(arch="gfx942", dropout=0.1)
+    assert route(gfx942, tuned).ok and route(gfx942, tuned).candidates == ("AITER",)  # nothing else there
+    layer = dict(FLYDSL_LAYER, attention_dropout=0.1)
+    with fake_primus_turbo(arch="gfx950"):
+        with pytest.raises(UnsupportedConfigError, match="autotune may cache FlyDSL") as err:
+            build_plan(settings(use_turbo_autotune=True, turbo_flex_attention_backend="turbo"), facts(**layer))
+        assert "use_turbo_autotune" in err.value.settings
+        build_plan(settings(turbo_flex_attention_backend="turbo"), facts(**layer))  # no autotune: AITER, fine

@@ -194,3 +194,31 @@ def test_on_gfx942_strided_views_are_refused_for_aiters_backward_and_contiguous_
                                                                 False, False)
         run(*(t.contiguous() for t in views), causal=True)  # what the modules pass on gfx942
         assert fake.calls[-1].backend == "AITER"
+
+
+def test_packed_megatron_calls_reach_the_varlen_kernel_contiguous_where_the_plan_copies():
+    """megatron-core's packed value is a split view too; where the plan stores q/k/v contiguous (gfx942,
+    as upstream Primus always does) the varlen entry gets contiguous thd tensors."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_ext.megatron import PrimusTurboLocalAttention
+
+    from .megatron import gpt
+
+    cfg = gpt.config(hidden_size=HQ * D, num_attention_heads=HQ, num_query_groups=HKV, kv_channels=D,
+                     params_dtype=BF16, bf16=True)
+    group = HQ // HKV
+    fused = torch.randn(S, 1, HKV, (group + 2) * D).to(BF16)
+    q, k, v = fused.split([group * D, D, D], dim=-1)
+    q = q.reshape(S, 1, HQ, D)
+    cu = torch.tensor([0, S // 2, S], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S // 2,
+                             max_seqlen_kv=S // 2)
+    with fake_primus_turbo(arch="gfx942") as fake:
+        module = PrimusTurboLocalAttention(cfg, 1, AttnMaskType.causal, "self",
+                                           settings=gpt.settings(packed_sequences=True))
+        module(q, k, v, None, packed_seq_params=params)
+        call = fake.calls[-1]
+        assert call.entry == "flash_attn_varlen_func"
+        assert all(call.args[name].is_contiguous() for name in ("q", "k", "v"))

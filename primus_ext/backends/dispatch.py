@@ -104,7 +104,8 @@ FLYDSL = KernelBackend(
         Check(lambda f: f.arch == "gfx950", "FlyDSL runs only on gfx950"),
         Check(lambda f: f.dtype == "bf16", "FlyDSL takes bf16 only", _DTYPE, "train in bf16"),
         Check(lambda f: f.causal, "FlyDSL takes causal attention only"),
-        Check(lambda f: f.head_dim in (64, 128) and f.head_dim_v == f.head_dim, "FlyDSL takes head dim 64 or 128"),
+        # _flydsl_common_ok reads q's head dim only (attention_impl.py l.87-92 at a6a16cd).
+        Check(lambda f: f.head_dim in (64, 128), "FlyDSL takes head dim 64 or 128"),
         Check(_flydsl_window, "FlyDSL takes a window only with right bound 0 and left bound >= 64"),
         Check(lambda f: f.default_scale, "FlyDSL takes only the default softmax scale 1/sqrt(D)"),
         Check(lambda f: f.dropout == 0, "FlyDSL takes no dropout"),
@@ -127,6 +128,14 @@ FLYDSL = KernelBackend(
               "gfx950 when FlyDSL takes the layer's calls)",
               raises=("AssertionError", "SBHD tensors must be contiguous")),
     ),
+    # Its forward allocates out like q and reads v with q's head dim (attention_flydsl_impl.py l.51-68,
+    # l.376-398 at a6a16cd): a value head dim of its own is read out of bounds.
+    defects=(
+        Check(lambda f: f.head_dim_v == f.head_dim,
+              "FlyDSL takes the value head dim to be q's (its output is allocated like q), so a value head dim of "
+              "its own is read out of bounds", ("kv_channels",),
+              "use one head dim for q, k and v, or turbo_flex_attention_backend: reference"),
+    ),
     fact="attention_impl.py l.53-100 (gates), l.147-186 (dense), l.320-326, l.375-394 (varlen) at a6a16cd; "
          "docs/fidelity.md, facts `flydsl-gate-order`, `flydsl-contiguous`",
 )
@@ -135,6 +144,14 @@ AITER_SINK_RIGHT_WINDOW = Check(
     "AITER's sink backward ignores a window's right bound: the gradients would be silently wrong",
     ("use_sink_attention", "window_size", "turbo_flex_attention_mask_mod"),
     "use a window with right bound 0, or use_sink_attention: false")
+# aiter's Triton forward (the sink path) sets sliding_window = max(left, 0) and masks only when it is > 0,
+# and its backward gets the same (aiter ops/triton/attention/mha.py l.110, _triton_kernels/attention/mha.py
+# l.195 at e4048607; Primus-Turbo attention_aiter_impl.py l.323 at a6a16cd): a left bound of 0 is none.
+AITER_SINK_LEFT_ZERO = Check(
+    lambda f: not (f.sink and f.window[0] == 0),
+    "AITER's sink path (Triton kernels) takes a left window bound of 0 as no bound: the layer would attend "
+    "further left than asked", ("use_sink_attention", "window_size", "turbo_flex_attention_mask_mod"),
+    "use a left window bound of at least 1, or use_sink_attention: false")
 # docs/fidelity.md, fact `gfx942-strided`: upstream Primus feeds contiguous bshd on gfx942 only, for this.
 AITER_GFX942_STRIDED = Check(
     lambda f: f.arch != "gfx942" or f.contiguous_bshd,
@@ -157,7 +174,7 @@ AITER_DENSE = KernelBackend(
               "when its other conditions hold)",
               raises=("AssertionError", "deterministic and sink cannot be enabled together currently")),
     ),
-    defects=(AITER_SINK_RIGHT_WINDOW, AITER_GFX942_STRIDED),
+    defects=(AITER_SINK_RIGHT_WINDOW, AITER_SINK_LEFT_ZERO, AITER_GFX942_STRIDED),
     fact="attention_impl.py l.107-110, attention_aiter_impl.py l.102-106 at a6a16cd; docs/fidelity.md, facts "
          "`aiter-deterministic-sink`, `aiter-sink-right-window`, `gfx942-strided`",
 )
@@ -308,9 +325,38 @@ def _pinned(features: CallFeatures, selection: Selection) -> Route:
     return dataclasses.replace(taken, selection=selection)
 
 
+def _cache_key_features(features: CallFeatures) -> CallFeatures:
+    """The most permissive call with ``features``' autotune cache key: the key (``make_key``,
+    attention_impl.py l.283-312 at a6a16cd) holds shapes, dtype, causal, window, layout, sink and
+    return_softmax, not dropout, the scale, ALiBi, bias, deterministic or the value head dim."""
+    return dataclasses.replace(features, dropout=0.0, default_scale=True, bias=False, alibi=False,
+                               deterministic=False, head_dim_v=features.head_dim)
+
+
+def _cached_unchecked(features: CallFeatures, backend: KernelBackend) -> Route:
+    """``backend`` runs a call it does not take: a tuned cache hit is returned without can_handle
+    (core/backend.py l.550-554 at a6a16cd), and FlyDSL's and HipKittens' entries read neither dropout,
+    ALiBi nor bias (flash_attn_interface.py l.102-151)."""
+    missed = [c for c in backend.takes if not c.ok(features)]
+    why = "; ".join(c.text for c in missed)
+    check = Check(lambda f: False, f"autotune may cache {backend.name} for this call's shape (its cache key leaves "
+                  f"out dropout, the scale, ALiBi, bias and the value head dim) and then run this call on it "
+                  f"unchecked, though {why}", tuple(s for c in missed for s in c.settings) + ("use_turbo_autotune",),
+                  "set use_turbo_autotune: false")
+    return Route(features, backend.name, defects=(check.text,), blocking=(check,))
+
+
 def _autotuned(features: CallFeatures, selection: Selection) -> Optional[Route]:
-    """Autotune may keep any backend that takes the call: the worst of them answers for all."""
-    taken = [r for r in (route_on(features, b) for b in ORDER[features.entry]) if r is not None]
+    """Autotune may keep any backend that takes a call with this call's cache key (docs/fidelity.md,
+    fact `autotune-cache-key`): the worst of them answers for all."""
+    relaxed = _cache_key_features(features)
+    taken = []
+    for backend in ORDER[features.entry]:
+        found = route_on(features, backend)
+        if found is None and route_on(relaxed, backend) is not None:
+            found = _cached_unchecked(features, backend)
+        if found is not None:
+            taken.append(found)
     if not taken:
         return None
     worst = next((r for r in taken if not r.ok), taken[0])

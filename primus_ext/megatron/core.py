@@ -186,6 +186,8 @@ class TurboAttentionCore:
         if packed is not None:
             squeeze = query.dim() == 4
             q, k, v = (t.squeeze(1) if squeeze else t for t in (query, key, value))
+            if self.storage != "as-given":  # as upstream Primus does; megatron-core's value is a split view
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             out = self._packed(q, k, v, packed, dropout_p, causal, window, sink)
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out

@@ -35,14 +35,16 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
-from ..backends.dispatch import AITER_SINK_RIGHT_WINDOW, ARCHES, DENSE, VARLEN, CallFeatures, Route, default_scale, route
+from ..backends.dispatch import (AITER_SINK_LEFT_ZERO, AITER_SINK_RIGHT_WINDOW, ARCHES, DENSE, VARLEN, CallFeatures,
+                                 Route, default_scale, route)
 from ..backends.layout import LayoutError, infer_qkv_format, storage_features
 from ._fake_backend_manager import selection_now
-from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW
+from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW, SINK_LEFT_WINDOW_ZERO_UNBOUNDED
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 _DISPATCHER = {DENSE: "FlashAttnDenseDispatcher", VARLEN: "FlashAttnVarlenDispatcher"}
-_FAULT_OF_DEFECT = {AITER_SINK_RIGHT_WINDOW.text: SINK_BACKWARD_IGNORES_RIGHT_WINDOW}
+_FAULT_OF_DEFECT = {AITER_SINK_RIGHT_WINDOW.text: SINK_BACKWARD_IGNORES_RIGHT_WINDOW,
+                    AITER_SINK_LEFT_ZERO.text: SINK_LEFT_WINDOW_ZERO_UNBOUNDED}
 """Each known silent defect of the dispatch model -> the `._fake_math` fault reproducing it."""
 
 DISPATCHED = ("flash_attn_func", "flash_attn_varlen_func", "flex_attention", "flex_attention_bshd",

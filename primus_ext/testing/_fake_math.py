@@ -51,6 +51,11 @@ SINK_BACKWARD_IGNORES_RIGHT_WINDOW = "sink_backward_ignores_right_window"
 with a sink and a right bound > 0 the forward is right, the gradients are computed as if
 the right bound were -1 (unbounded), normalised by the forward's (correct) lse."""
 
+SINK_LEFT_WINDOW_ZERO_UNBOUNDED = "sink_left_window_zero_unbounded"
+"""AITER's sink path (Triton kernels) with a left window bound of 0: ``sliding_window = max(left, 0)``
+is applied only when > 0 (aiter ops/triton/attention/mha.py l.110, _triton_kernels/attention/mha.py
+l.195 at e4048607), forward and backward, so the call attends as if the left bound were -1."""
+
 FLYDSL_NARROW_WINDOW_BACKWARD_NAN = "flydsl_narrow_window_backward_nan"
 """FlyDSL's backward with a left window narrower than 64 (``0 <= left < 64``): its kv band is
 narrower than a q block, so the dQ reduce sums workspace no block wrote and dQ is NaN
@@ -71,10 +76,11 @@ CORRUPT_OUTPUT = {"aiter_corrupt_output": "AITER", "flydsl_corrupt_output": "Fly
 set, so that calls are dispatched) returns its last query head's output negated.  They let a
 test show that the self-test reaches, and catches a fault in, each backend a layer's calls reach."""
 
-FAULTS = frozenset({SINK_BACKWARD_IGNORES_RIGHT_WINDOW, FLYDSL_NARROW_WINDOW_BACKWARD_NAN,
+FAULTS = frozenset({SINK_BACKWARD_IGNORES_RIGHT_WINDOW, SINK_LEFT_WINDOW_ZERO_UNBOUNDED, FLYDSL_NARROW_WINDOW_BACKWARD_NAN,
                     HIPKITTENS_FORWARD_SKIPS_ROWS, *CORRUPT_OUTPUT})
 
-FAULT_BACKEND = {SINK_BACKWARD_IGNORES_RIGHT_WINDOW: "AITER", FLYDSL_NARROW_WINDOW_BACKWARD_NAN: "FlyDSL",
+FAULT_BACKEND = {SINK_BACKWARD_IGNORES_RIGHT_WINDOW: "AITER", SINK_LEFT_WINDOW_ZERO_UNBOUNDED: "AITER",
+                 FLYDSL_NARROW_WINDOW_BACKWARD_NAN: "FlyDSL",
                  HIPKITTENS_FORWARD_SKIPS_ROWS: "HipKittens", **CORRUPT_OUTPUT}
 """The kernel backend whose defect each fault reproduces."""
 
@@ -315,6 +321,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, spec: _Spec, sink: Optional[Tensor],
 
 def _spec(window: Pattern, q_len: int, kv_len: int, scale: Optional[float],
           head_dim: int, block: int, sink: Optional[Tensor], faults: frozenset[str]) -> _Spec:
+    if SINK_LEFT_WINDOW_ZERO_UNBOUNDED in faults and sink is not None and window.left == 0:
+        window = dataclasses.replace(window, left=-1)
     backward_window = window
     if SINK_BACKWARD_IGNORES_RIGHT_WINDOW in faults and sink is not None and window.right > 0:
         backward_window = dataclasses.replace(window, right=-1)
@@ -393,5 +401,5 @@ def kernel_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 
 
 __all__ = ["BLOCK_KV", "CORRUPT_OUTPUT", "FAULTS", "FAULT_BACKEND", "FLYDSL_NARROW_WINDOW_BACKWARD_NAN", "HIPKITTENS_FORWARD_SKIPS_ROWS",
-           "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "attention", "check_faults", "corrupt_output",
+           "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "SINK_LEFT_WINDOW_ZERO_UNBOUNDED", "attention", "check_faults", "corrupt_output",
            "kernel_backward", "kernel_forward", "varlen_attention"]

@@ -44,8 +44,14 @@ FIDELITY: tuple[Fact, ...] = (
          "the mutation.", f"{_AITER} l.419-447", "writes them in place too",
          "both buffers are allocated inside primus_ext's own backward op"),
     Fact("aiter-sink-right-window", "The sink backward passes sliding_window=left only: a window's right bound "
-         "is ignored in the gradients.", f"{_AITER} l.323",
+         "is ignored in the gradients (aiter at e4048607 goes further: its Triton forward raises ValueError for any "
+         "right bound but -1, aiter ops/triton/attention/mha.py l.108-109).", f"{_AITER} l.323",
          "fault sink_backward_ignores_right_window, on by the arch", "refused at build and per call (B33)"),
+    Fact("aiter-sink-left-zero", "The sink path's Triton kernels take sliding_window = max(left, 0) and mask only "
+         "when it is > 0: a left bound of 0 is no bound, forward and backward.",
+         f"aiter aiter/ops/triton/attention/mha.py l.110, _triton_kernels/attention/mha.py l.195 at e4048607; "
+         f"{_AITER} l.323", "fault sink_left_window_zero_unbounded, on by the arch",
+         "refused at build and per call (B33)"),
     Fact("aiter-deterministic-sink", "FlashAttnFunc asserts not (deterministic and sink) on the AITER path.",
          f"{_IFACE} l.153-156", "AssertionError", "refused where AITER takes the call (B33)"),
     Fact("aiter-varlen-int32", "The varlen op's can_handle needs int32 cu_seqlens.", f"{_AITER} l.543-549",
@@ -85,6 +91,15 @@ FIDELITY: tuple[Fact, ...] = (
          "refused at build (B33)"),
     Fact("autotune-any", "Autotune keeps the fastest backend that takes a call.", f"{_BACKEND} l.662-667",
          "takes the worst of them (never kinder)", "the plan holds for every backend that takes the call"),
+    Fact("autotune-cache-key", "Autotune caches the backend per key (shapes, dtype, causal, window, layout, sink, "
+         "return_softmax: not dropout, scale, ALiBi, bias, deterministic or Dv) and returns a hit without "
+         "can_handle; FlyDSL's and HipKittens' entries read neither dropout, ALiBi nor bias.",
+         f"{_IMPL} l.283-312; {_BACKEND} l.550-554; {_IFACE} l.102-151",
+         "refuses to compute a call a cached backend would run unchecked",
+         "a backend any call of the key may cache counts as a candidate (B33)"),
+    Fact("flydsl-dv", "FlyDSL's gate reads q's head dim only, and its forward allocates out like q and reads v "
+         "with q's head dim.", f"{_IMPL} l.87-92; {_FLYDSL} l.51-68, l.376-398",
+         "refuses to compute it (cannot reproduce the out-of-bounds read)", "refused at build and per call (B33)"),
     Fact("fp8-deterministic", "flash_attn_fp8_func (and its usp twin) accept deterministic and never pass it on.",
          f"{_IFACE} l.505-565", "drops it", "refused at build (B24-fp8)"),
     Fact("gfx942-strided", "On gfx942 AITER's v3 backward mishandles the strided bshd view of sbhd memory and "

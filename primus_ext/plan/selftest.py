@@ -227,8 +227,10 @@ def _core() -> Any:
     """The installed ``primus_turbo.pytorch.core.backend`` with its manager, or None."""
     try:
         core = importlib.import_module("primus_turbo.pytorch.core.backend")
-        core.GlobalBackendManager.set_attn_backend, core.BackendType, core.PrecisionType  # noqa: B018
-    except (ImportError, AttributeError):
+        if not all(hasattr(core, n) for n in ("GlobalBackendManager", "BackendType", "PrecisionType")) or not hasattr(
+                core.GlobalBackendManager, "set_attn_backend"):
+            return None
+    except ImportError:
         return None
     return core
 

@@ -52,9 +52,21 @@ def aiter_forward(q, k, v, sink=None, fmt="bshd", window=(-1, 0)):
 @check("aiter-can-handle")
 def _():
     q, k, v = (t.contiguous().float() for t in sbhd())
-    with fake_primus_turbo(arch="gfx942"):
-        with pytest.raises(ValueError, match="cannot handle the given inputs"):
+    q8 = torch.randn(2, 8, 4, 12)  # a sink on head dims that are no power of two: can_handle's own refusal
+    with fake_primus_turbo(arch="gfx942") as fake:
+        with pytest.raises(RuntimeError, match="only support fp16, bf16 and fp8_e4m3"):  # aiter's CK forward
             aiter_forward(q, k, v)
+        out, lse = aiter_forward(q.to(BF16), k.to(BF16), v.to(BF16))[:2]
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        with pytest.raises(RuntimeError, match="only support fp16 and bf16"):  # aiter's CK / asm backward
+            aiter_ops().attention_aiter_backward_impl(out.float(), q, k, v, out.float(), lse, *grads, 0.0, 0.25, True,
+                                                      -1, 0, None, None, False, None, True, 1, None, None, None, "bshd")
+        with pytest.raises(RuntimeError, match="cannot say"):  # a sink: aiter's Triton kernels
+            aiter_forward(q, k, v, sink=torch.zeros(4))
+        with pytest.raises(ValueError, match="cannot handle the given inputs"):
+            aiter_forward(q8, torch.randn(2, 8, 4, 12), torch.randn(2, 8, 4, 8), sink=torch.zeros(4))
+        with pytest.raises(ValueError, match="No compatible backend found for FlashAttnDenseDispatcher"):
+            fake.module.flash_attn_func(q, k, v, causal=True)  # the dispatcher's gate does check the dtype
         with pytest.raises(UnsupportedConfigError) as err:
             build_plan(settings(turbo_flex_attention_backend="turbo"), facts(dtype="fp32", packed=False))
     assert "B33" in err.value.codes
@@ -334,6 +346,66 @@ def _():
     with fake_primus_turbo(arch="gfx950") as fake:
         with pytest.raises(NotImplementedError, match="cannot reproduce"):
             fake.module.flash_attn_func(q, k, v, causal=True)
+
+
+def big_logit_rows(s: int = 64, d: int = 64):
+    """bshd views of contiguous sbhd bf16 q, k, v (Hq 8, Hkv 2) whose query row 40 of batch 0, head 1 has
+    logits past 88.7; the online softmax takes them (a softmax with a running max is exact there)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, 2, h, d, generator=gen) for h in (8, 2, 2))
+    q[40, 0, 1] = 30 * k[7, 0, 0]  # s * scale = 30 |k|^2 / 8, about 240
+    return [t.to(BF16).transpose(0, 1) for t in (q, k, v)]
+
+
+@check("hipkittens-zero-max")
+def _():
+    q, k, v = big_logit_rows()
+    with fake_primus_turbo(arch="gfx950") as fake:
+        from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+
+        GlobalBackendManager.set_attn_backend(BackendType.HIPKITTENS)
+        out, lse = fake.module.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert fake.calls[-1].backend == "HipKittens"
+        from primus_turbo.hipkittens.attention import hipkittens_attn_forward
+
+        kernel_out, kernel_lse = hipkittens_attn_forward(*(t.transpose(0, 1) for t in (q, k, v)))
+        build_plan(settings(turbo_flex_attention_backend="turbo"),  # not refused: logits are not known at build
+                   facts(num_heads=8, num_kv_heads=2, head_dim=64, dtype="bf16", packed=False))
+        GlobalBackendManager.set_attn_backend(BackendType.AITER)
+        online = fake.module.flash_attn_func(q, k, v, causal=True)
+    bad = ~torch.isfinite(out).all(-1)
+    assert bad.nonzero().tolist() == [[0, 40, 1]] and bool(out[0, 40, 1].isnan().all()) and lse[0, 1, 40] == float("inf")
+    assert torch.isfinite(online).all()
+    torch.testing.assert_close(kernel_out.transpose(0, 1), out, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(kernel_lse.squeeze(2), lse, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out[~bad], online[~bad], rtol=0, atol=0)  # every other row: the online softmax
+    assert "overflows for large logits" in (DOC.parent / "capabilities.md").read_text()
+
+
+@check("set-attn-backend-none")
+def _():
+    from primus_ext.backends.turbo import kernel_selection
+
+    saved = os.environ.get("PRIMUS_TURBO_ATTN_BACKEND")
+    os.environ["PRIMUS_TURBO_ATTN_BACKEND"] = "aiter"
+    try:
+        with fake_primus_turbo(arch="gfx950"):
+            from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
+
+            bucket = PrecisionType.BF16_FP16_FP32
+            for precision in (None, PrecisionType.FP8, bucket):
+                GlobalBackendManager.set_attn_backend(BackendType.FLYDSL)
+                GlobalBackendManager.set_attn_backend(BackendType.HIPKITTENS, precision=PrecisionType.FP8)
+                assert GlobalBackendManager.get_attn_backend(bucket) is BackendType.FLYDSL
+                GlobalBackendManager.set_attn_backend(None, precision=precision)
+                assert GlobalBackendManager._attn_backend is None
+                assert GlobalBackendManager.get_attn_backend(bucket) is BackendType.AITER  # the environment's
+                assert GlobalBackendManager.get_attn_backend(PrecisionType.FP8) is BackendType.AITER
+                assert kernel_selection().pin == "AITER"
+    finally:
+        os.environ.pop("PRIMUS_TURBO_ATTN_BACKEND", None)
+        if saved is not None:
+            os.environ["PRIMUS_TURBO_ATTN_BACKEND"] = saved
 
 
 def test_every_fact_has_a_check_and_every_check_a_fact():

@@ -3,7 +3,8 @@
 Upstream's ``GlobalBackendManager`` (``primus_turbo/pytorch/core/backend.py`` at a6a16cd) answers
 two questions for attention, re-read at every call:
 
-* ``get_attn_backend(precision)``: a backend set in code (``set_attn_backend``), else the
+* ``get_attn_backend(precision)``: a backend set in code (``set_attn_backend``; with
+  ``backend=None``, with or without a precision, it forgets every code setting, l.291-297), else the
   environment's ``PRIMUS_TURBO_ATTN_BACKEND``, either one name for every precision
   (``aiter``) or ``<precision>:<backend>`` pairs with ``other`` for the rest
   (``bf16:flydsl,other:aiter``); bf16, fp16 and fp32 share one bucket (``BF16_FP16_FP32``);
@@ -80,6 +81,9 @@ class GlobalBackendManager:
     @classmethod
     def set_attn_backend(cls, backend: Optional[BackendType] = None,
                          precision: Optional[PrecisionType] = None) -> None:
+        if backend is None:  # with or without a precision: forget every code setting, the environment rules again
+            cls._attn_backend = None
+            return
         if cls._attn_backend is None:
             cls._attn_backend = {}
         if precision is None:
@@ -106,7 +110,9 @@ class GlobalBackendManager:
 
     @classmethod
     def reset(cls) -> None:
-        """Forget code settings (a fresh process); the environment is read at each call anyway."""
+        """Forget code settings (a fresh process); the environment is read at each call anyway.  Upstream's
+        also clears its parse cache of the environment and every dispatcher's autotune cache (l.381-392),
+        which the fake does not keep."""
         cls._attn_backend = cls._auto_tune = None
 
 

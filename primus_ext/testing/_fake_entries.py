@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..attention.pattern import FULL, pattern_from_flash_args
+from ..attention.pattern import FULL, Pattern, pattern_from_flash_args
 from . import _fake_math
 from ._fake_dispatch import check_layout
 from ._fake_masks import MaskClassifier, score_mod_is_identity
@@ -143,6 +143,10 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
         pattern = pattern_from_flash_args(bool(a["causal"]), window)  # type: ignore[arg-type]
         extra = dispatch.dense(a, q, k, v, pattern, a["softmax_scale"]) if dispatch else frozenset()
         _check_sink(name, a.get("sink"), hq, d_qk, d_v)
+        if dispatch is not None and dispatch.last == "HipKittens":  # its own forward and backward, as upstream's
+            from ._fake_hipkittens import flash_attn                # FlashAttnFunc runs them (zero-max softmax)
+
+            return flash_attn(q, k, v, a["softmax_scale"], bool(a["causal"]), window, bool(a["return_lse"]))
         return _fake_math.attention(
             q, k, v, window=pattern, scale=a["softmax_scale"], alibi_slopes=a["alibi_slopes"],
             bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
@@ -267,11 +271,17 @@ def flex_dense(name: str, layout: str, *, faults: Iterable[str] = (),
                 )
             pattern = classify(block_mask, batch, hq, q_len, kv_len)
         extra = dispatch.dense(a, q, k, v, pattern, a["scale"]) if dispatch else frozenset()
-        result = _fake_math.attention(  # flash alignment (bottom-right), as for the flash entries
-            q, k, v, window=pattern, scale=a["scale"], alibi_slopes=a["alibi_slopes"], bias=a["bias"],
-            sink=a["sink"], dropout_p=float(a["dropout_p"]), return_lse=bool(a["return_lse"]),
-            faults=faults | extra,
-        )
+        if (dispatch is not None and dispatch.last == "HipKittens"  # the same kernels as flash_attn_func's
+                and pattern == Pattern(pattern.left, 0)):
+            from ._fake_hipkittens import flash_attn
+
+            result = flash_attn(q, k, v, a["scale"], True, pattern.window, bool(a["return_lse"]))
+        else:
+            result = _fake_math.attention(  # flash alignment (bottom-right), as for the flash entries
+                q, k, v, window=pattern, scale=a["scale"], alibi_slopes=a["alibi_slopes"], bias=a["bias"],
+                sink=a["sink"], dropout_p=float(a["dropout_p"]), return_lse=bool(a["return_lse"]),
+                faults=faults | extra,
+            )
         out = result[0] if a["return_lse"] else result
         if layout == "bhsd":
             out = out.transpose(1, 2)

@@ -17,6 +17,21 @@ functions with the same signatures, written from that reading:
   ``ValueError``;
 * the ``_impl`` wrappers the dispatcher imports.
 
+The forward's softmax has a *fixed zero reference max*, not a running one
+(csrc/kernels/attention/hipkittens/hk_attn_fwd_d128_gfx950.cu l.49-56, l.845-846, l.947-965, l.446, l.1048,
+l.1131-1140; hk_attn_fwd_d64_gfx950.cu l.764-765, l.867-885, l.399, l.939, l.1025-1034 at a6a16cd): Q is scaled
+once by ``softmax_scale * log2(e)`` and held in bf16, each logit becomes ``P = exp2(S)`` in fp32 (kittens' exp2 is
+``__builtin_amdgcn_exp2f``, the bare ``v_exp_f32``, HazyResearch/HipKittens include/common/base_ops.cuh l.109-126:
+``inf`` from 128 on, i.e. ``s * softmax_scale > 88.7``; no denormal results, so below 2^-126 it is 0), masked
+entries are then *set* to 0, P is converted to bf16, ``l = sum P`` and ``O = P V`` accumulate in fp32, then
+``out = O / l`` and ``lse = ln(l)``.  So a row with a kept logit past ~88.7 comes out NaN with ``lse = inf``;
+a row whose sum alone overflows, zeros (or NaN) with ``lse = inf``; a row whose every kept logit is below
+~-87.3, NaN with ``lse = -inf`` -- where an online softmax is exact.  `_zero_reference` computes that arithmetic and
+`_forward` takes its rows wherever it leaves the exact range (an exp2 past fp32, a flushed weight, a
+non-finite sum), the fake's online softmax elsewhere.  Upstream's ``flash_attn_func`` runs these same
+functions when its dispatcher picks HipKittens (flash_attn_interface.py l.102-123, l.225-239), and so does the
+fake's (`flash_attn`, unrecorded here: the entry records the call).
+
 `HIPKITTENS_FORWARD_SKIPS_ROWS` (opt-in) is the forward kernel's own defect with ``Sq > Skv``:
 the check lets the shape through and the leading ``Sq - Skv`` rows come back unwritten (NaN).
 A call on gfx942 is refused as upstream's check refuses it.  The math is the fake's own
@@ -38,6 +53,11 @@ from ._fake_gfx950 import current, record
 SUPPORTED_HEAD_DIMS = (64, 128)
 _TILE = 128
 """A stand-in for the kernels' Q tile: upstream pads lse to it and returns a view."""
+_KV_TILE = 64
+"""The forward kernels' KV_BLOCK_SIZE: l and O accumulate one KV tile at a time."""
+LOG2E = 1.44269504088896340736
+_FLUSHED = torch.finfo(torch.float32).tiny
+"""``v_exp_f32`` returns no denormal: an exp2 below 2^-126 is 0."""
 
 
 def hipkittens_attn_supported(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window_size: Tuple[int, int] = (-1, -1),
@@ -91,15 +111,47 @@ def _bshd(t: Tensor) -> Tensor:
     return t.transpose(0, 1)
 
 
-def hipkittens_attn_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None,
-                            causal: bool = True, window_size: Tuple[int, int] = (-1, -1)) -> Tuple[Tensor, Tensor]:
-    """``q/k/v`` contiguous sbhd: ``(out, lse [B, Hq, 1, Sq])``, lse a natural log."""
-    record("hipkittens_attn_forward", dict(locals()), "HipKittens")
-    _require_supported(q, k, v, causal, window_size)
+def _zero_reference(q: Tensor, k: Tensor, v: Tensor, window: Pattern, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """The forward kernels' own softmax arithmetic on bshd bf16 q/k/v (see the module's docstring):
+    ``(out fp32 [B, Sq, Hq, D], lse fp32 [B, Hq, Sq], exact [B, Hq, Sq])``, ``exact`` where no kept weight
+    left fp32's normal range and the sums stayed finite (there the online softmax is the same answer)."""
+    batch, s_q, hq, _ = q.shape
+    s_kv, hkv = k.shape[1], k.shape[2]
+    factor = torch.tensor(scale, dtype=torch.float32) * torch.tensor(LOG2E, dtype=torch.float32)
+    qs = (q.transpose(1, 2).float() * factor).to(torch.bfloat16).float()  # scaled once, held in bf16
+    heads = torch.arange(hq, device=q.device) // (hq // hkv)
+    kh, vh = (t.transpose(1, 2).float()[:, heads] for t in (k, v))
+    l = qs.new_zeros(batch, hq, s_q)
+    o = qs.new_zeros(batch, hq, s_q, v.shape[-1])
+    lost = torch.zeros(batch, hq, s_q, dtype=torch.bool, device=q.device)
+    q_pos = torch.arange(s_q, device=q.device).view(s_q, 1) + (s_kv - s_q)
+    for j0 in range(0, s_kv, _KV_TILE):
+        kb, vb = kh[:, :, j0:j0 + _KV_TILE], vh[:, :, j0:j0 + _KV_TILE]
+        keep = window.allows(q_pos, torch.arange(j0, j0 + kb.shape[2], device=q.device).view(1, -1))
+        p = torch.exp2(torch.matmul(qs, kb.transpose(-1, -2)))
+        flushed = p < _FLUSHED
+        lost |= (keep & flushed).any(-1)
+        p = torch.where(keep & ~flushed, p, torch.zeros_like(p))  # masked entries set to 0, after the exp2
+        p = p.to(torch.bfloat16).float()  # the PV operand and the denominator's
+        lost |= torch.isinf(p).any(-1)
+        l = l + p.sum(-1)
+        o = o + torch.matmul(p, vb)
+    exact = ~lost & torch.isfinite(l) & (l > 0) & torch.isfinite(o).all(-1)
+    return (o / l.unsqueeze(-1)).transpose(1, 2), torch.log(l), exact
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
+             window_size: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
+    """The forward's math on contiguous sbhd q/k/v (checked): ``(out [Sq, B, Hq, D], lse [B, Hq, 1, Sq])``."""
     s_q, batch, hq, d = q.shape
     scale = d ** (-0.5) if softmax_scale is None else softmax_scale
-    out_b, lse_b = _fake_math.kernel_forward(_bshd(q), _bshd(k), _bshd(v), window=_pattern(window_size), scale=scale,
+    pattern = _pattern(window_size)
+    out_b, lse_b = _fake_math.kernel_forward(_bshd(q), _bshd(k), _bshd(v), window=pattern, scale=scale,
                                              alibi_slopes=None, bias=None, sink=None)
+    zero_out, zero_lse, exact = _zero_reference(_bshd(q), _bshd(k), _bshd(v), pattern, scale)
+    if not bool(exact.all()):  # the kernels' own answer where their fixed reference overflows or flushes
+        lse_b = torch.where(exact, lse_b, zero_lse)
+        out_b = torch.where(exact.transpose(1, 2).unsqueeze(-1), out_b, zero_out.to(out_b.dtype))
     out = torch.empty_like(q)
     out.copy_(_bshd(out_b))
     lse_pad = torch.empty((batch, hq, 1, -(-s_q // _TILE) * _TILE), dtype=torch.float32, device=q.device)
@@ -112,11 +164,24 @@ def hipkittens_attn_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Opti
     return out, lse
 
 
+def hipkittens_attn_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None,
+                            causal: bool = True, window_size: Tuple[int, int] = (-1, -1)) -> Tuple[Tensor, Tensor]:
+    """``q/k/v`` contiguous sbhd: ``(out, lse [B, Hq, 1, Sq])``, lse a natural log."""
+    record("hipkittens_attn_forward", dict(locals()), "HipKittens")
+    _require_supported(q, k, v, causal, window_size)
+    return _forward(q, k, v, softmax_scale, window_size)
+
+
 def hipkittens_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                              softmax_scale: Optional[float] = None, causal: bool = True,
                              window_size: Tuple[int, int] = (-1, -1)) -> Tuple[Tensor, Tensor, Tensor]:
     """sbhd bf16 ``dout/q/out`` ``[Sq, B, Hq, D]``, ``k/v`` ``[Skv, B, Hkv, D]``: ``(dq, dk, dv)``."""
     record("hipkittens_attn_backward", dict(locals()), "HipKittens")
+    return _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size)
+
+
+def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: Optional[float],
+              causal: bool, window_size: Tuple[int, int]) -> Tuple[Tensor, Tensor, Tensor]:
     _require_supported(q, k, v, causal, window_size)
     if dout.dtype is not torch.bfloat16 or out.dtype is not torch.bfloat16:
         raise NotImplementedError("hipkittens attention is bf16-only")
@@ -133,6 +198,37 @@ def hipkittens_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     g = _fake_math.kernel_backward(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse_flat[:, :, 0],
                                    window=_pattern(window_size), scale=scale, alibi_slopes=None, bias=None, sink=None)
     return tuple(torch.empty_like(t).copy_(_bshd(grad)) for t, grad in zip((q, k, v), g[:3]))  # type: ignore[return-value]
+
+
+class _FlashAttnHipKittens(torch.autograd.Function):
+    """Upstream's ``FlashAttnFunc`` with ``backend=HIPKITTENS`` (flash_attn_interface.py l.102-123, l.225-239 at
+    a6a16cd): bshd views of sbhd memory in, these kernels' forward and backward on the sbhd views."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, window_size):  # type: ignore[override]
+        q_s, k_s, v_s = (t.permute(1, 0, 2, 3) for t in (q, k, v))
+        _require_supported(q_s, k_s, v_s, causal, window_size)
+        out_s, lse = _forward(q_s, k_s, v_s, softmax_scale, window_size)
+        ctx.save_for_backward(q_s, k_s, v_s, out_s, lse)
+        ctx.softmax_scale, ctx.causal, ctx.window_size = softmax_scale, causal, window_size
+        lse = lse.squeeze(2)
+        ctx.mark_non_differentiable(lse)
+        return out_s.permute(1, 0, 2, 3), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        q_s, k_s, v_s, out_s, lse = ctx.saved_tensors
+        grads = _backward(dout.permute(1, 0, 2, 3).contiguous(), q_s, k_s, v_s, out_s, lse, ctx.softmax_scale,
+                          ctx.causal, ctx.window_size)
+        return (*(g.permute(1, 0, 2, 3) for g in grads), None, None, None)
+
+
+def flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool,
+               window_size: Tuple[int, int], return_lse: bool) -> Any:
+    """The fake ``flash_attn_func`` where its dispatcher picked HipKittens (bshd views of sbhd q/k/v):
+    ``out`` or ``(out, lse [B, Hq, Sq])``; not recorded (the entry is)."""
+    out, lse = _FlashAttnHipKittens.apply(q, k, v, softmax_scale, causal, tuple(int(w) for w in window_size))
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- the _impl layer
@@ -182,6 +278,6 @@ def impl_module(name: str, new_module: Callable[[str], types.ModuleType]) -> typ
     return _module(name, new_module, IMPL)
 
 
-__all__ = ["IMPL", "LAYER", "SUPPORTED_HEAD_DIMS", "flash_attn_sbhd_hipkittens_backward_impl",
+__all__ = ["IMPL", "LAYER", "LOG2E", "SUPPORTED_HEAD_DIMS", "flash_attn", "flash_attn_sbhd_hipkittens_backward_impl",
            "flash_attn_sbhd_hipkittens_forward_impl", "hipkittens_attn_backward", "hipkittens_attn_forward",
            "hipkittens_attn_supported", "hipkittens_attn_supported_impl", "impl_module", "layer_module"]

@@ -13,6 +13,8 @@ first `fake_primus_turbo` block of a process, and they behave like the real ones
   mutations) and ``dsink``/``dbias`` in place **without declaring them**, as the real
   op does, so only a caller that owns those buffers is safe;
 * head dims must already be padded to a multiple of 8 (the public entries pad first);
+* the dense ops check no dtype (upstream's ``can_handle`` does not): fp32 / fp64 reach aiter, whose
+  CK kernels raise ``RuntimeError`` (`_dense_dtype`), on any arch;
 * with an arch set, the AITER rows of the dispatch model apply: what AITER does not
   take or refuses raises, and its known silent defect (the sink backward ignoring a
   window's right bound) is reproduced.
@@ -60,8 +62,10 @@ def _fake(name: str, args: dict[str, Any]) -> Any:
 
 def _aiter(fake: Any, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: tuple[int, int],
            sink: Optional[Tensor], bias: Optional[Tensor], alibi: Optional[Tensor], deterministic: bool,
-           scale: float) -> frozenset[str]:
+           scale: float, backward: bool = False) -> frozenset[str]:
     """AITER's own checks on the fake's arch; the faults of its known defects."""
+    if entry == DENSE and q.dtype not in (torch.float16, torch.bfloat16):
+        _dense_dtype(q, v, sink, backward=backward)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[-1] % 8:
             raise RuntimeError(f"AITER kernel: {name} head dim {t.shape[-1]} is not padded to a multiple of 8")
@@ -81,6 +85,27 @@ def _aiter(fake: Any, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool,
         why = "; ".join(c.text for c in backend.takes if not c.ok(features))
         raise ValueError(f"AttnFwdAiterBackend cannot handle the given inputs: {why} (fake Primus-Turbo on {arch})")
     return faults_of(found)
+
+
+def _dense_dtype(q: Tensor, v: Tensor, sink: Optional[Tensor], *, backward: bool) -> None:
+    """The dense ops with a dtype other than fp16/bf16.  Their ``can_handle`` checks only a sink's head dims and
+    qkv_format, not the dtype (attention_aiter_impl.py l.84-111, l.202-236 at a6a16cd), so the call reaches aiter:
+    without a sink its CK ``mha_fwd`` / ``mha_bwd`` (or asm ``fmha_v3_bwd``) refuse it with ``TORCH_CHECK``, a
+    RuntimeError (aiter e4048607: aiter/ops/mha.py l.2097, l.2421-2461; csrc/py_itfs_ck/mha_fwd_kernels.cu l.206-207,
+    mha_bwd_kernels.cu l.43-44, py_itfs_cu/asm_mha_bwd.cu l.38-39); with one, aiter's Triton kernels, which the
+    fake cannot speak for.  The dispatcher's own gate does check the dtype (attention_impl.py l.107-110): that
+    ``No compatible backend`` is `flash_attn_func`'s, not these ops'."""
+    d_qk, d_v = int(q.shape[-1]), int(v.shape[-1])
+    if sink is not None and (d_qk != d_v or d_qk <= 0 or d_qk & (d_qk - 1)):
+        raise ValueError(f"{'AttnBwdAiterBackend' if backward else 'AttnFwdAiterBackend'} cannot handle the given "
+                         f"inputs: a sink needs equal, power-of-two head dims, got {d_qk} and {d_v} (fake Primus-Turbo)")
+    if sink is not None:
+        raise RuntimeError(f"fake Primus-Turbo: with a sink the dense AITER op runs aiter's Triton kernels, and the "
+                           f"fake cannot say what they do with {q.dtype} inputs")
+    if backward:
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type (aiter mha_bwd, fake Primus-Turbo)")
+    raise RuntimeError("FlashAttention only support fp16, bf16 and fp8_e4m3 data type (aiter mha_fwd, "
+                       "fake Primus-Turbo)")
 
 
 def _rng_state(q: Tensor, sink: Optional[Tensor]) -> Tensor:
@@ -146,7 +171,8 @@ def _register() -> None:
             raise AssertionError("Triton backward requires rng_state to be a CPU int64 tensor of shape [2] "
                                  f"(got {_described(rng_state)}; fake attention_aiter_backward_impl)")
         window = (window_size_left, window_size_right)
-        faults = _aiter(fake, DENSE, q, k, v, causal, window, sink, bias, alibi_slopes, deterministic, softmax_scale)
+        faults = _aiter(fake, DENSE, q, k, v, causal, window, sink, bias, alibi_slopes, deterministic, softmax_scale,
+                        backward=True)
         g = _fake_math.kernel_backward(dout, q, k, v, out, softmax_lse, window=pattern_from_flash_args(causal, window),
                                        scale=softmax_scale, alibi_slopes=alibi_slopes, bias=bias, sink=sink,
                                        faults=faults)

@@ -32,8 +32,16 @@ _BACKEND = "PT primus_turbo/pytorch/core/backend.py"
 
 FIDELITY: tuple[Fact, ...] = (
     Fact("aiter-can-handle", "Each AITER kernel-level op checks can_handle first and raises ValueError "
-         "('cannot handle the given inputs'), e.g. for fp32 inputs.", f"{_AITER} l.336-420",
-         "the fake's ops run AITER's dispatch rows and raise ValueError", "fp32/fp64 refused at build (B33)"),
+         "('cannot handle the given inputs'); the dense ops' can_handle checks only a sink's head dims and "
+         "qkv_format, not the dtype (the varlen op's does), so dense fp32 reaches aiter, whose CK mha_fwd / mha_bwd "
+         "raise RuntimeError ('FlashAttention only support fp16, bf16 ...'); with a sink it reaches aiter's Triton "
+         "kernels. The dispatcher's own gate checks fp16/bf16: flash_attn_func finds no backend for fp32.",
+         f"{_AITER} l.84-111, l.202-236, l.336-380, l.543-549; {_IMPL} l.107-110; aiter aiter/ops/mha.py l.2097, "
+         "l.2421-2461, csrc/py_itfs_ck/mha_fwd_kernels.cu l.206-207, mha_bwd_kernels.cu l.43-44, "
+         "py_itfs_cu/asm_mha_bwd.cu l.38-39",
+         "the dense ops raise aiter's RuntimeError for fp32/fp64 (with a sink: a RuntimeError saying the fake cannot "
+         "say what the Triton kernels do); flash_attn_func: ValueError 'No compatible backend'",
+         "fp32/fp64 refused at build (B33)"),
     Fact("aiter-out-layout", "The dense forward allocates out in the storage order qkv_format names.",
          f"{_AITER} l.135-144", "out allocated sbhd / bhsd / bshd as asked",
          "the kernel pair passes the format inferred from q, k and v"),
@@ -117,6 +125,22 @@ FIDELITY: tuple[Fact, ...] = (
          "load-balanced (chunks r and 2*CP-1-r).",
          "PT primus_turbo/pytorch/ops/attention/usp/attention_a2a_helper.py l.82-101; megatron-core utils.py "
          "l.1994-2034", "gathers in rank order", "context parallelism runs on primus_ext's own reordering Ulysses"),
+    Fact("hipkittens-zero-max", "HipKittens' forward softmax has a fixed zero reference max, not an online one: "
+         "P = exp2(s * softmax_scale * log2 e) in fp32 overflows once s * softmax_scale > ~88.7 (that row: out NaN, "
+         "lse inf; a sum that alone overflows: out 0 or NaN, lse inf), and a row whose every kept logit is below "
+         "~-87.3 flushes to 0 (out NaN, lse -inf).",
+         "PT csrc/kernels/attention/hipkittens/hk_attn_fwd_d128_gfx950.cu l.49-56, l.845-846, l.947-965, "
+         "l.1131-1140; hk_attn_fwd_d64_gfx950.cu l.764-765, l.867-885, l.1025-1034",
+         "its kernel level, and flash_attn_func where its dispatcher picks HipKittens, compute those rows as the "
+         "kernels do (the online softmax elsewhere)",
+         "not refused: logits are not known at build; HipKittens runs only pinned (PRIMUS_TURBO_ATTN_BACKEND="
+         "hipkittens) or autotuned on gfx950, and the NaN is visible (docs/capabilities.md)"),
+    Fact("set-attn-backend-none", "GlobalBackendManager.set_attn_backend(None), with or without a precision, "
+         "forgets every code setting (_attn_backend = None): PRIMUS_TURBO_ATTN_BACKEND applies again. reset() also "
+         "clears the environment parse cache and every dispatcher's autotune cache.",
+         f"{_BACKEND} l.290-306, l.381-392",
+         "the same (it keeps no parse or autotune cache)",
+         "kernel_selection reads the manager, so the plan sees the environment's pin again"),
 )
 """Every row; ids are unique and each has a check in tests/test_fidelity.py."""
 

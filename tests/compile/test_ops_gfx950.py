@@ -289,6 +289,45 @@ def test_fake_hipkittens_envelope_and_the_rows_fault(faults):
     assert torch.isnan(out[:8].float()).all() and torch.isfinite(out[8:].float()).all()
 
 
+def test_fake_hipkittens_forward_has_a_fixed_zero_reference_max():
+    """Fact `hipkittens-zero-max`: exp2 of each logit in fp32 with no running max.  Query rows (sbhd, batch 0,
+    head 0) 20: logits of 100 (NaN, lse inf); 60: 61 logits of 85 each, whose sum alone overflows (zeros, lse
+    inf); 40: every logit at -100, flushed (NaN, lse -inf).  Every other row is the online softmax's, the
+    public entry pinned to HipKittens returns the kernel level's answer, and its backward runs from it."""
+    from primus_ext.testing import _fake_hipkittens as hk
+
+    gen = torch.Generator().manual_seed(4)
+    s, d = 96, 64
+    q, k, v = (torch.randn(s, 1, h, d, generator=gen) for h in (4, 2, 2))
+    unit = torch.ones(d) / d ** 0.5
+    k[:64, 0, 0] = 8 * unit + 0.01 * torch.randn(64, d, generator=gen)  # a logit is about (q . unit) against these
+    q[20, 0, 0] = 100 * unit  # causal: row i sees keys 0..i, all of them aligned here
+    q[60, 0, 0] = 85 * unit  # 61 e^85 > FLT_MAX, each term finite
+    q[40, 0, 0] = -100 * unit
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    with fake_primus_turbo(arch="gfx950") as fake:
+        out, lse = hk.hipkittens_attn_forward(q, k, v)
+        from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+
+        GlobalBackendManager.set_attn_backend(BackendType.HIPKITTENS)
+        views = [t.transpose(0, 1).requires_grad_() for t in (q, k, v)]
+        public, public_lse = fake.module.flash_attn_func(*views, causal=True, return_lse=True)
+        public.float().sum().backward()
+        GlobalBackendManager.set_attn_backend(BackendType.AITER)
+        online = fake.module.flash_attn_func(*(t.transpose(0, 1) for t in (q, k, v)), causal=True)
+    rows = out[:, 0, 0].float()
+    assert torch.isnan(rows[20]).all() and lse[0, 0, 0, 20] == float("inf")
+    assert (rows[60] == 0).all() and lse[0, 0, 0, 60] == float("inf")
+    assert torch.isnan(rows[40]).all() and lse[0, 0, 0, 40] == float("-inf")
+    bad = torch.zeros(s, 1, 4, dtype=torch.bool)
+    bad[[20, 40, 60], 0, 0] = True
+    assert torch.isfinite(online).all() and torch.isfinite(out[~bad].float()).all()
+    torch.testing.assert_close(out[~bad], online.transpose(0, 1)[~bad], rtol=0, atol=0)
+    torch.testing.assert_close(public.transpose(0, 1), out, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(public_lse, lse.squeeze(2), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(views[0].grad[0, 20, 0].float()).all()  # the NaN row reaches the gradients too
+
+
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 @pytest.mark.parametrize("env,atomic", [(None, True), ("0", False), ("yes", True)], ids=["unset", "0", "other"])
 def test_aiter_pair_on_gfx950_passes_the_backward_flags_flash_attn_func_would(layout, env, atomic, monkeypatch):

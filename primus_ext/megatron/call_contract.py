@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -47,14 +47,18 @@ def qkv_format(packed_seq_params: Any, default: str) -> str:
 class MaskCheck:
     """Accepts ``attention_mask`` tensors that are provably Megatron's causal mask."""
 
-    def __init__(self, layer_is_causal: bool, what: str) -> None:
+    def __init__(self, layer_is_causal: bool, what: str, alternative: str = _MASK_ALTERNATIVE) -> None:
         self.layer_is_causal = layer_is_causal
+        self.alternative = alternative
         self.what = what  # the layer's attention, for messages
         # The mask last proven, by weak reference and version: a freed mask's address can be
         # reused by another tensor, so identity, not address, says "the same mask".
         self._seen: Optional[Tuple[Any, int]] = None
 
-    def __call__(self, mask: Optional[Any], q_len: int, kv_len: int) -> None:
+    def __call__(self, mask: Optional[Any], q_len: int, kv_len: int,
+                 rows: Optional[Callable[[torch.device], Tensor]] = None) -> None:
+        """``rows``: the query positions of this context-parallel rank's rows (``get_batch_on_this_cp_rank``
+        keeps two chunks of each sequence); ``None``: rows ``0 .. q_len - 1``."""
         if mask is None:
             return
         if not isinstance(mask, Tensor):
@@ -62,16 +66,21 @@ class MaskCheck:
         if not self.layer_is_causal:
             raise refuse(("attention_mask",), f"an attention_mask tensor reached a layer whose attention is "
                          f"{self.what}; the layer cannot apply a mask tensor, and it would be ignored.",
-                         _MASK_ALTERNATIVE)
+                         self.alternative)
+        whose = "Megatron's causal mask" if rows is None else "this context-parallel rank's rows of Megatron's causal mask"
         shape = tuple(mask.shape)
         if (mask.dtype != torch.bool or mask.dim() != 4 or shape[1] != 1 or shape[2:] != (q_len, kv_len)):
-            raise refuse(("attention_mask",), f"attention_mask of dtype {mask.dtype} and shape {shape} is not "
-                         f"Megatron's causal mask (bool [B or 1, 1, {q_len}, {kv_len}]); it would be ignored.",
-                         _MASK_ALTERNATIVE)
-        why = ("attention_mask is not Megatron's causal mask (a document mask from reset_attention_mask, or "
-               "another mask); the layer would ignore it (B25, B34)")
-        expected = lambda: torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).triu(1)  # noqa: E731
-        refusal = lambda: refuse(("attention_mask", "reset_attention_mask"), why + ".", _MASK_ALTERNATIVE)  # noqa: E731
+            settings = ("attention_mask",) if rows is None else ("attention_mask", "context_parallel_size")
+            raise refuse(settings, f"attention_mask of dtype {mask.dtype} and shape {shape} is not {whose} "
+                         f"(bool [B or 1, 1, {q_len}, {kv_len}]); it would be ignored.", self.alternative)
+        why = (f"attention_mask is not {whose} (a document mask from reset_attention_mask, or another mask); "
+               "the layer would ignore it (B25, B34)")
+
+        def expected() -> Tensor:  # True = masked: the keys after each row's position
+            at = torch.arange(q_len, device=mask.device) if rows is None else rows(mask.device)
+            return torch.arange(kv_len, device=mask.device).view(1, -1) > at.view(-1, 1)
+
+        refusal = lambda: refuse(("attention_mask", "reset_attention_mask"), why + ".", self.alternative)  # noqa: E731
         if torch.compiler.is_compiling():  # no memo inside a graph: one fused comparison per call
             assert_on_device((mask == expected()).all(), why, refusal)
             return

@@ -11,8 +11,8 @@ This module binds it to Megatron, on both paths:
   would attend over the wrong tokens, so a mismatch is refused when the layer is built (B22);
 * the plan the per-rank attention runs: this rank's heads (``H_tp / CP`` query and
   ``Hkv_tp / CP`` key/value heads), its ALiBi slopes, and mask and score hooks that see
-  the layer's head numbers (``cp_rank * H_tp / CP + local index``), exactly those they see at
-  CP 1;
+  the model's head numbers (``tp_rank * H_tp + cp_rank * H_tp / CP + local index``,
+  `primus_ext.attention.heads`), exactly those they see at CP 1 and TP 1;
 * the learned sink: the parameter keeps one entry per head of the tensor-parallel rank
   (`primus_ext.megatron.sink`), and each call takes this CP rank's slice.  A CP rank's sink
   gradient is therefore non-zero on its own heads only, and carries the whole sequence's
@@ -25,17 +25,15 @@ This module binds it to Megatron, on both paths:
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..attention.library import library_pattern
-from ..backends.call_checks import assert_on_device, tensor_version
+from ..attention.heads import mask_on_heads, score_on_heads
 from ..backends.context_parallel import Ulysses
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
-from .call_contract import refuse
+from .call_contract import MaskCheck, refuse
 
 _MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader), or the causal "
                      "mask split by get_batch_on_this_cp_rank; the layer applies its own causal / window mask.")
@@ -73,46 +71,23 @@ def _mismatch(configured: int, actual: int) -> UnsupportedConfigError:
         "whose cp group has that many ranks.", "B22"), context="Megatron core attention")
 
 
-def _mask_on_layer_heads(mask_mod: Optional[Callable], offset: int) -> Optional[Callable]:
-    """``mask_mod`` seeing the layer's head numbers: local head ``h`` is head ``h + offset``."""
-    if mask_mod is None or offset == 0 or library_pattern(mask_mod) is not None:  # library masks read no head
-        return mask_mod
-
-    def mask_on_layer_heads(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return mask_mod(b, h + offset, q_idx, kv_idx)
-
-    return mask_on_layer_heads
-
-
-def _score_on_layer_heads(score_mod: Optional[Callable], offset: int) -> Optional[Callable]:
-    """``score_mod`` seeing the layer's head numbers, as `_mask_on_layer_heads`."""
-    if score_mod is None or offset == 0:
-        return score_mod
-
-    def score_on_layer_heads(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return score_mod(score, b, h + offset, q_idx, kv_idx)
-
-    return score_on_layer_heads
-
-
 class LayerContextParallel:
     """One layer's Ulysses binding: the group's exchange, the rank's plan, sink and mask rows."""
 
     def __init__(self, ulysses: Ulysses, layer_is_causal: bool, what: str) -> None:
         self.ulysses = ulysses
-        self.layer_is_causal = layer_is_causal
-        self.what = what  # the layer's attention, for messages
-        self._seen: Optional[Tuple[Any, int]] = None  # the mask last proven (as `MaskCheck` keeps it)
+        self._mask = MaskCheck(layer_is_causal, what, _MASK_ALTERNATIVE)
 
     def local_plan(self, plan: Any) -> Any:
         """``plan`` for this rank's heads of the whole sequence (what the per-rank kernel call gets)."""
         n = self.ulysses.size
-        offset = self.ulysses.head_offset(plan.num_heads)
-        heads = plan.num_heads // n
-        slopes = plan.alibi_slopes[offset:offset + heads] if plan.alibi_slopes is not None else None
-        return dataclasses.replace(plan, num_heads=heads, num_kv_heads=plan.num_kv_heads // n, alibi_slopes=slopes,
-                                   mask_mod=_mask_on_layer_heads(plan.mask_mod, offset),
-                                   score_mod=_score_on_layer_heads(plan.score_mod, offset))
+        offset = self.ulysses.head_offset(plan.num_heads)  # within the tensor-parallel rank's heads
+        slopes = self.ulysses.head_slice(plan.alibi_slopes) if plan.alibi_slopes is not None else None
+        return dataclasses.replace(plan, num_heads=self.ulysses.local_heads(plan.num_heads),
+                                   num_kv_heads=plan.num_kv_heads // n, alibi_slopes=slopes,
+                                   head_offset=plan.head_offset + offset,
+                                   mask_mod=mask_on_heads(plan.mask_mod, offset),
+                                   score_mod=score_on_heads(plan.score_mod, offset))
 
     def scatter(self, query: Tensor, key: Tensor, value: Tensor, fmt: str) -> Tuple[Tensor, Tensor, Tensor]:
         """This rank's sequence part (``sbhd`` or ``bshd``, all heads) -> the whole sequence, its heads.
@@ -145,31 +120,8 @@ class LayerContextParallel:
 
     def check_mask(self, mask: Optional[Any], q_local: int, kv_local: int) -> None:
         """Megatron's causal mask, split along its query rows by ``get_batch_on_this_cp_rank``, or None."""
-        if mask is None:
-            return
-        if not isinstance(mask, Tensor):
-            raise refuse(("attention_mask",), f"attention_mask must be a tensor or None, got {type(mask).__name__}.")
-        if not self.layer_is_causal:
-            raise refuse(("attention_mask",), f"an attention_mask tensor reached a layer whose attention is "
-                         f"{self.what}; the layer cannot apply a mask tensor, and it would be ignored.",
-                         _MASK_ALTERNATIVE)
-        kv_len = kv_local * self.ulysses.size
-        shape = tuple(mask.shape)
-        if mask.dtype != torch.bool or mask.dim() != 4 or shape[1] != 1 or shape[2:] != (q_local, kv_len):
-            raise refuse(("attention_mask", "context_parallel_size"), f"attention_mask of dtype {mask.dtype} and "
-                         f"shape {shape} is not this context-parallel rank's rows of Megatron's causal mask (bool "
-                         f"[B or 1, 1, {q_local}, {kv_len}]); it would be ignored.", _MASK_ALTERNATIVE)
-        compiling, seen, version = torch.compiler.is_compiling(), self._seen, tensor_version(mask)
-        if not compiling and seen is not None and seen[0]() is mask and version is not None and seen[1] == version:
-            return
-        rows = self.ulysses.positions(q_local, mask.device).view(-1, 1)
-        expected = torch.arange(kv_len, device=mask.device).view(1, -1) > rows  # True = masked, as Megatron's
-        why = ("attention_mask is not this context-parallel rank's rows of Megatron's causal mask (a document mask "
-               "from reset_attention_mask, or another mask); the layer would ignore it (B25, B34)")
-        assert_on_device((mask == expected).all(), why,
-                         lambda: refuse(("attention_mask", "reset_attention_mask"), why + ".", _MASK_ALTERNATIVE))
-        if not compiling:  # no memo inside a graph: one fused comparison per call
-            self._seen = (weakref.ref(mask), version)
+        self._mask(mask, q_local, kv_local * self.ulysses.size,
+                   rows=lambda device: self.ulysses.positions(q_local, device))
 
 
 def layer_context_parallel(configured: int, pg_collection: Any, layer_is_causal: bool,

@@ -140,14 +140,19 @@ def pattern_formula(pattern: Pattern, q: z3.ArithRef, kv: z3.ArithRef) -> z3.Boo
     return z3.And(*ok) if ok else z3.BoolVal(True)
 
 
+def _head_domain(h: z3.ArithRef, num_heads: Optional[int], head_offset: int) -> z3.BoolRef:
+    """``h`` is one of the rank's global heads, ``head_offset .. head_offset + num_heads - 1``."""
+    return z3.And(h >= head_offset, h < head_offset + num_heads) if num_heads else h >= head_offset
+
+
 # ----------------------------------------------------------------------------- masks
 class _MaskProver:
-    def __init__(self, trace: HookTrace, num_heads: Optional[int]) -> None:
+    def __init__(self, trace: HookTrace, num_heads: Optional[int], head_offset: int = 0) -> None:
         self.trace = trace
         self.b, self.h, self.q, self.kv = z3.Ints("b h q_idx kv_idx")
+        self.head_offset = head_offset  # the rank's first (global) head: `primus_ext.attention.heads`
         self.domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (self.b, self.h, self.q, self.kv)]
-        if num_heads:
-            self.domain.append(self.h < num_heads)
+        self.domain.append(_head_domain(self.h, num_heads, head_offset))
         self.names = {"b": self.b, "h": self.h, "q": self.q, "kv": self.kv}
 
     def result(self, pattern: Optional[Pattern], reason: str) -> MaskProof:
@@ -170,14 +175,14 @@ class _MaskProver:
         why = _broken_obligation(encoder, self.domain, self.names)
         if why:
             return self.result(None, why)
-        first = z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(0)))
+        first = z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(self.head_offset)))
         why = self.shared_across_batch_and_heads(mask, first)
         if why:
             return self.result(None, why)
         return self.classify(first)
 
     def shared_across_batch_and_heads(self, mask: z3.BoolRef, first: z3.BoolRef) -> str:
-        """Empty when ``mask`` equals ``first`` (its b = h = 0 slice) everywhere: kernels share one."""
+        """Empty when ``mask`` equals ``first`` (its b = 0, first-head slice) everywhere: kernels share one."""
         if not {"the batch index", "the head index"} & set(self.trace.reads):
             return ""
         status, model = _solve(*self.domain, mask != first)
@@ -186,11 +191,11 @@ class _MaskProver:
         if model is None:
             return "could not be proven independent of the batch and head indices within the time limit"
         allows = z3.is_true(model.eval(mask, model_completion=True))
-        words = [w for w, v in (("batch", self.b), ("head", self.h))
-                 if model.eval(v, model_completion=True).as_long() != 0]
+        words = [w for w, v, at in (("batch", self.b, 0), ("head", self.h, self.head_offset))
+                 if model.eval(v, model_completion=True).as_long() != at]
         return (f"depends on the {' and '.join(words)} index: at {_where(model, self.names)} it "
-                f"{'allows' if allows else 'blocks'} attention, at b=0, h=0 it does not; fixed kernels "
-                "share one mask across batch and heads")
+                f"{'allows' if allows else 'blocks'} attention, at b=0, h={self.head_offset} it does not; fixed "
+                "kernels share one mask across batch and heads")
 
     def classify(self, mask: z3.BoolRef) -> MaskProof:
         guess = self.guess()
@@ -232,7 +237,7 @@ class _MaskProver:
         zero = torch.zeros((), dtype=torch.long)
         try:
             with torch.no_grad():
-                row = self.trace.graph(zero, zero, torch.tensor(q), kv)
+                row = self.trace.graph(zero, torch.tensor(self.head_offset), torch.tensor(q), kv)
             allowed = torch.broadcast_to(torch.as_tensor(row, dtype=torch.bool), kv.shape)
         except Exception:  # noqa: BLE001 - the hook as traced cannot run concretely: no guess
             return None
@@ -286,7 +291,7 @@ def _float32(value: Fraction) -> bool:
     return Fraction(torch.tensor(float(value), dtype=torch.float32).item()) == value
 
 
-def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
+def _prove_score(trace: HookTrace, num_heads: Optional[int], head_offset: int = 0) -> ScoreProof:
     reads, assumptions = tuple(trace.reads), tuple(trace.assumptions)
 
     def result(kind: str, reason: str, slopes: Optional[tuple[float, ...]] = None) -> ScoreProof:
@@ -302,9 +307,10 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int]) -> ScoreProof:
     score = z3.Real("score")
     b, h, q, kv = z3.Ints("b h q_idx kv_idx")
     names = {"score": score, "b": b, "h": h, "q": q, "kv": kv}
-    domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (b, h, q, kv)] + ([h < num_heads] if num_heads else [])
+    domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (b, h, q, kv)] + [_head_domain(h, num_heads, head_offset)]
     per_head = "the head index" in trace.reads and bool(num_heads)
-    heads: list[Optional[int]] = list(range(int(num_heads))) if per_head else [None]  # type: ignore[arg-type]
+    first_head, count = head_offset, int(num_heads or 0)  # the rank's global heads, whose slopes these are
+    heads: list[Optional[int]] = list(range(first_head, first_head + count)) if per_head else [None]
     slopes: list[Fraction] = []
     forms: list[str] = []  # each head's candidate form
     cases: list[tuple[Optional[int], z3.ArithRef, z3.ArithRef, Encoder]] = []
@@ -414,9 +420,9 @@ def _fingerprint(fn: types.FunctionType, seen: frozenset[int] = frozenset()) -> 
             _value_key(kwdefaults, seen))
 
 
-def _cached(hook: Any, kind: str, num_heads: Optional[int],
-            prove: Callable[[HookTrace, Optional[int]], Any]) -> Any:
-    key = (kind, num_heads)
+def _cached(hook: Any, kind: str, num_heads: Optional[int], head_offset: int,
+            prove: Callable[[HookTrace, Optional[int], int], Any]) -> Any:
+    key = (kind, num_heads, head_offset)
     fingerprint = None
     if isinstance(hook, types.FunctionType):
         try:
@@ -435,7 +441,7 @@ def _cached(hook: Any, kind: str, num_heads: Optional[int],
         per_object[key] = found
         return found
     PROOFS[kind] += 1
-    proof = prove(trace_hook(hook, kind), num_heads)
+    proof = prove(trace_hook(hook, kind), num_heads, head_offset)
     per_object[key] = proof
     if fingerprint is not None:
         if len(_BY_FINGERPRINT) >= _FINGERPRINTS_MAX:
@@ -445,21 +451,24 @@ def _cached(hook: Any, kind: str, num_heads: Optional[int],
 
 
 # ----------------------------------------------------------------------------- public
-def prove_mask(mask_mod: Optional[MaskMod], *, num_heads: Optional[int] = None) -> MaskProof:
-    """What ``mask_mod`` provably computes for heads ``0 .. num_heads - 1`` (all if None)."""
+def prove_mask(mask_mod: Optional[MaskMod], *, num_heads: Optional[int] = None, head_offset: int = 0) -> MaskProof:
+    """What ``mask_mod`` provably computes for the global heads ``head_offset .. head_offset + num_heads - 1``
+    (a rank's heads, `primus_ext.attention.heads`; every head from ``head_offset`` on if ``num_heads`` is None)."""
     if mask_mod is None:
         return MaskProof(FULL, "no mask_mod: full attention")
     known = library_pattern(mask_mod)
     if known is not None:
         return MaskProof(known, f"library mask {library_name(mask_mod)}: {known.describe()}")
-    return _cached(mask_mod, "mask_mod", num_heads, lambda t, n: _MaskProver(t, n).run())
+    return _cached(mask_mod, "mask_mod", num_heads, head_offset, lambda t, n, o: _MaskProver(t, n, o).run())
 
 
-def prove_score(score_mod: Optional[ScoreMod], *, num_heads: Optional[int] = None) -> ScoreProof:
-    """Whether ``score_mod`` is provably the identity or ALiBi (slopes for ``num_heads`` heads)."""
+def prove_score(score_mod: Optional[ScoreMod], *, num_heads: Optional[int] = None,
+                head_offset: int = 0) -> ScoreProof:
+    """Whether ``score_mod`` is provably the identity or ALiBi for the global heads ``head_offset ..
+    head_offset + num_heads - 1`` (the slopes are those heads' own, in order)."""
     if score_mod is None:
         return ScoreProof("identity", None, "no score_mod")
-    return _cached(score_mod, "score_mod", num_heads, _prove_score)
+    return _cached(score_mod, "score_mod", num_heads, head_offset, _prove_score)
 
 
 __all__ = ["MaskProof", "PROOFS", "ScoreProof", "pattern_formula", "prove_mask", "prove_score"]

@@ -101,9 +101,9 @@ class Ulysses:
         """Index, among ``heads``, of this rank's first head after `scatter_heads`."""
         return self.rank * self.local_heads(heads)
 
-    def head_slice(self, per_head: Tensor) -> Tensor:
-        """This rank's entries of a per-head tensor (a sink): a differentiable slice."""
-        n = self.local_heads(per_head.shape[0])
+    def head_slice(self, per_head: Any) -> Any:
+        """This rank's entries of a per-head tensor (a sink: a differentiable slice) or tuple (ALiBi slopes)."""
+        n = self.local_heads(len(per_head))
         return per_head[self.rank * n:(self.rank + 1) * n]
 
     def positions(self, local_len: int, device: Any = None) -> Tensor:

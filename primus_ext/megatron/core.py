@@ -22,7 +22,7 @@ from ..backends.direct import DirectRunner, DirectTarget, choose_direct
 from ..backends.layout import kernel_views
 from ..backends.ops import CallArgs, register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
-from ..errors import Reason, UnsupportedInputError
+from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
 from ..plan.selftest import refuse_failures, self_test, selftest_enabled
 from ..settings import TurboAttentionSettings
@@ -36,6 +36,29 @@ def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> Un
     return UnsupportedInputError(Reason(settings, reason, alternative), context="Megatron core attention")
 
 
+def tensor_parallel(config: Any, pg_collection: Any) -> Tuple[int, int]:
+    """``(size, rank)`` of the layer's tensor parallelism: ``pg_collection.tp``, else the config's size and
+    megatron-core's tensor-parallel rank (0 where its parallel state is not set up)."""
+    group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    if group is not None:
+        size, rank = group.size(), group.rank()
+    else:
+        from megatron.core import parallel_state
+
+        size = int(config.tensor_model_parallel_size)
+        try:
+            rank = parallel_state.get_tensor_model_parallel_rank()
+        except AssertionError:  # no parallel state: a single rank
+            rank = 0
+    if not 0 <= rank < size:
+        raise UnsupportedConfigError(Reason(
+            ("tensor_model_parallel_size",), f"this rank is tensor-parallel rank {rank}, but tensor_model_parallel_"
+            f"size={size}: the layer's heads and the head index its hooks see would be another rank's.",
+            "initialise megatron-core's parallel state with the config's tensor_model_parallel_size."),
+            context="Megatron core attention")
+    return size, rank
+
+
 class TurboAttentionCore:
     """Plan + kernel binding of one layer; `forward` speaks Megatron's contract."""
 
@@ -46,8 +69,7 @@ class TurboAttentionCore:
                  cp_comm_type: Optional[str], pg_collection: Any,
                  settings: Optional[TurboAttentionSettings]) -> None:
         self.settings = with_megatron_flags(settings_or_megatron_args(settings), config)
-        tp = pg_collection.tp.size() if getattr(pg_collection, "tp", None) is not None \
-            else int(config.tensor_model_parallel_size)
+        tp, tp_rank = tensor_parallel(config, pg_collection)
         heads = config.num_attention_heads // tp
         groups = (config.num_query_groups or config.num_attention_heads) // tp
         self.attn_mask_type = attn_mask_type
@@ -67,6 +89,7 @@ class TurboAttentionCore:
             position_embedding_type=getattr(config, "position_embedding_type", None)
             or megatron_arg("position_embedding_type", "learned_absolute"),
             turbo_module=True,
+            tp_rank=tp_rank,  # hooks see the model's head index (`primus_ext.attention.heads`)
         )
         self.plan: AttentionPlan = build_plan(self.settings, self.facts)
         pattern = self.plan.pattern

@@ -55,10 +55,12 @@ def _layer_value(value: Any, layer_number: int) -> Any:
     return value
 
 
-def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
+def layer_facts(source: Any, layer_number: int, *, tp_rank: int = 0, **overrides: Any) -> LayerFacts:
     """`LayerFacts` of one layer from a ``TransformerConfig`` or a YAML mapping.
 
-    Heads are divided by ``tensor_model_parallel_size``: each rank sees its own.
+    Heads are divided by ``tensor_model_parallel_size``: each rank sees its own, and
+    tensor-parallel rank ``tp_rank`` holds the model's heads from ``head_offset = tp_rank *
+    num_heads`` on (megatron-core's column-parallel QKV), the global index its hooks see.
     ``packed_sequences`` (true / false / absent) says whether batches arrive packed as
     THD, so packed-only capabilities are checked at build time.
     """
@@ -85,6 +87,7 @@ def layer_facts(source: Any, layer_number: int, **overrides: Any) -> LayerFacts:
         dtype=input_dtype(source),
     )
     facts.update(overrides)
+    facts.setdefault("head_offset", tp_rank * facts["num_heads"])
     return LayerFacts(**facts)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from typing import Callable, Optional, Tuple
 
+from ..attention.heads import head_range, mask_on_heads, score_on_heads
 from ..attention.pattern import pattern_from_flash_args
 from ..attention.hook_proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
@@ -107,10 +108,11 @@ def build_plan(
             mask_mod, score_mod = resolve_hooks(settings)
         except UnsupportedConfigError as exc:
             reasons.extend(exc.reasons)
+        # Proven for this rank's heads, by their global index, which the hooks are then called with.
         if mask_mod is not None:
-            mask_proof = prove_mask(mask_mod, num_heads=facts.num_heads)
+            mask_proof = prove_mask(mask_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
         if score_mod is not None:
-            score_proof = prove_score(score_mod, num_heads=facts.num_heads)
+            score_proof = prove_score(score_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
     else:
         name, why, problem, caps = "turbo", "direct path", "", None
         if settings.use_turbo_attention or facts.turbo_module:
@@ -131,7 +133,9 @@ def build_plan(
                               f"modelled for {' and '.join(ARCHES)} only, so no route can be checked.",
                               "run on gfx942 (MI300) or gfx950 (MI355).", "B33"))
     if reasons:
-        raise UnsupportedConfigError(reasons, context=f"layer {facts.layer_number}")
+        raise UnsupportedConfigError(reasons, context=f"layer {facts.layer_number}" + (
+            f", {head_range(facts.head_offset, facts.num_heads)} (this tensor-parallel rank's)"
+            if facts.head_offset else ""))
 
     if mask_proof is not None:
         pattern = mask_proof.pattern
@@ -162,8 +166,9 @@ def build_plan(
         packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
         packed=facts.packed,
         eod_documents=bool(settings.reset_attention_mask and facts.packed),
-        mask_mod=mask_mod,
-        score_mod=score_mod,
+        mask_mod=mask_on_heads(mask_mod, facts.head_offset),
+        score_mod=score_on_heads(score_mod, facts.head_offset),
+        head_offset=facts.head_offset,
         hook_assumptions=(mask_proof.assumptions if mask_proof else ()) + (
             score_proof.assumptions if score_proof else ()),
         arch=arch,

@@ -40,6 +40,10 @@ class LayerFacts:
     None when not known (then the kernel dispatch model assumes bf16)."""
     turbo_module: bool = False
     """Built by a Primus-Turbo attention module, so some Turbo path runs whatever the switches say."""
+    head_offset: int = 0
+    """The model's (global) index of this rank's first query head: ``tp_rank * num_heads`` under tensor
+    parallelism.  Hooks see global heads and are proven for ``head_offset .. head_offset + num_heads - 1``
+    (`primus_ext.attention.heads`)."""
 
     @property
     def kv_heads(self) -> int:

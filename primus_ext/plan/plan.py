@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
+from ..attention.heads import head_range
 from ..attention.hook_trace import Assumption
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
 from ..backends.dispatch import DEFAULT_ORDER, Selection
@@ -70,6 +71,10 @@ class AttentionPlan:
     hook_assumptions: Tuple[Assumption, ...] = field(default=(), compare=False, repr=False)
     """Values a hook proof relied on (a module global, a captured tensor): re-checked before
     each call that runs the proven pattern instead of the hook."""
+    head_offset: int = 0
+    """The model's (global) index of this plan's first head, tp_rank * H_tp (+ cp_rank * H_tp / CP in a
+    context-parallel rank's plan): ``mask_mod`` / ``score_mod`` already add it to the local head index,
+    ``pattern`` and ``alibi_slopes`` were proven for these heads (`primus_ext.attention.heads`)."""
     bind_call: Optional[Callable[[bool, Tuple[int, int]], None]] = field(default=None, compare=False, repr=False)
     """Checks a call whose own ``(causal, window_size)`` differ from the plan's against the same
     rules, once per distinct value; raises `UnsupportedInputError` with their reasons."""
@@ -105,6 +110,8 @@ class AttentionPlan:
         heads = f"heads={self.num_heads}"
         if self.gqa:
             heads += f"/{self.num_kv_heads} (GQA)"
+        if self.head_offset:
+            heads += f" ({head_range(self.head_offset, self.num_heads)} of the model)"
         parts.append(heads)
         parts.append(f"dropout={self.dropout:g}")
         if self.kernels:

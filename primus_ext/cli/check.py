@@ -22,6 +22,7 @@ import sys
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 
+from ..attention.heads import head_range
 from ..backends import turbo_import_problem
 from ..backends.context_parallel import describe_comm
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
@@ -72,27 +73,56 @@ def _model_problems(config: Mapping[str, Any]) -> list[str]:
 Outcome = Union[AttentionPlan, UnsupportedConfigError]
 
 
-def _plans(settings: TurboAttentionSettings, config: Mapping[str, Any]) -> list[tuple[int, Outcome]]:
+def _plans(settings: TurboAttentionSettings, config: Mapping[str, Any],
+           ranks: Optional[dict[int, list[AttentionPlan]]] = None) -> list[tuple[int, Outcome]]:
     """Each layer's plan or refusal.
 
+    Under tensor parallelism every rank's plan is built, its hooks proven for that rank's heads
+    (their global index: `primus_ext.attention.heads`); the layer runs when every rank's does, and
+    shows tensor-parallel rank 0's plan (``ranks`` gets each layer's plans of all ranks).  The
+    heads of a context-parallel rank are some of its tensor-parallel rank's, so they are covered.
     A layer whose facts and window equal an earlier runnable layer's reuses that plan
     under its own number (the layer number enters a plan only through the window).  Refused layers are
     always built afresh, because their reasons quote the layer number.
     """
     out: list[tuple[int, Outcome]] = []
     runnable: dict[tuple, AttentionPlan] = {}
+    tp = int(config.get("tensor_model_parallel_size") or 1)
     for layer in range(1, int(config.get("num_layers") or 1) + 1):
-        facts = layer_facts(config, layer)
-        key = (dataclasses.replace(facts, layer_number=0), layer_window(settings, facts))
-        if key in runnable:
-            out.append((layer, dataclasses.replace(runnable[key], layer_number=layer)))
-            continue
-        try:
-            runnable[key] = plan = build_plan(settings, facts)
-            out.append((layer, plan))
-        except UnsupportedConfigError as exc:
-            out.append((layer, exc))
+        outcomes: list[Outcome] = []
+        for rank in range(tp):
+            facts = layer_facts(config, layer, tp_rank=rank)
+            key = (dataclasses.replace(facts, layer_number=0), layer_window(settings, facts))
+            if key in runnable:
+                outcomes.append(dataclasses.replace(runnable[key], layer_number=layer))
+                continue
+            try:
+                runnable[key] = plan = build_plan(settings, facts)
+                outcomes.append(plan)
+            except UnsupportedConfigError as exc:
+                outcomes.append(exc)
+        if ranks is not None and all(isinstance(o, AttentionPlan) for o in outcomes):
+            ranks[layer] = outcomes  # type: ignore[assignment]
+        out.append((layer, _across_ranks(layer, outcomes)))
     return out
+
+
+def _across_ranks(layer: int, outcomes: Sequence[Outcome]) -> Outcome:
+    """One layer's outcome from its tensor-parallel ranks': rank 0's plan when every rank runs, else every
+    reason, those of only some ranks naming them."""
+    refused = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, UnsupportedConfigError)]
+    if not refused:
+        return outcomes[0]
+    if len(refused) == len(outcomes) and all(o.reasons == refused[0][1].reasons for _, o in refused):
+        return refused[0][1]
+    where: dict[Reason, list[int]] = {}
+    for rank, exc in refused:
+        for reason in exc.reasons:
+            where.setdefault(reason, []).append(rank)
+    reasons = [r if len(on) == len(outcomes) else dataclasses.replace(
+        r, reason=f"on tensor-parallel rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}: {r.reason}")
+        for r, on in where.items()]
+    return UnsupportedConfigError(reasons, context=f"layer {layer}")
 
 
 # ----------------------------------------------------------------------------- table
@@ -128,6 +158,7 @@ def _hooks(plan: AttentionPlan) -> str:
         parts.append(f"mask_mod {plan.mask_hook} -> {plan.mask_recognised}")
     if plan.score_hook:
         parts.append(f"score_mod {plan.score_hook} -> {plan.score_recognised}")
+    parts.extend(plan.hook_classes)
     return "; ".join(parts) or "-"
 
 
@@ -229,6 +260,22 @@ def _cp_notes(config: Mapping[str, Any], plans: Sequence[AttentionPlan]) -> list
             for (cp, comm), layers in groups.items()]
 
 
+def _tp_notes(config: Mapping[str, Any], ranks: Mapping[int, Sequence[AttentionPlan]]) -> list[str]:
+    """The head ranges hooks are proven for under tensor parallelism, and the ranks whose plans differ."""
+    tp = int(config.get("tensor_model_parallel_size") or 1)
+    if tp == 1 or not ranks:
+        return []
+    first = next(iter(ranks.values()))
+    spans = ", ".join(f"rank {r}: {head_range(p.head_offset, p.num_heads)}" for r, p in enumerate(first))
+    lines = [f"tensor parallel: tensor_model_parallel_size={tp}; mask and score hooks see the model's head index "
+             f"and are proven for each rank's heads ({spans})"]
+    for layer, plans in ranks.items():
+        for rank, plan in enumerate(plans[1:], start=1):
+            if _row(0, plan)[1:] != _row(0, plans[0])[1:] or plan.kernels != plans[0].kernels:
+                lines.append(f"  tensor-parallel rank {rank}, {plan.describe()}")
+    return lines
+
+
 def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None,
               out=None, err=None, arch: Optional[str] = None) -> int:
     """Print the plan table and pattern pictures of ``path``; 0 when all layers run, else 2.
@@ -258,8 +305,9 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
             print(f"  - {text}", file=err)
         return REFUSED
     try:
+        ranks: dict[int, list[AttentionPlan]] = {}
         with _turbo_for(arch) as note:
-            outcomes = _plans(settings, config)
+            outcomes = _plans(settings, config, ranks)
     except (TypeError, ValueError, ImportError) as exc:
         raise PrimusExtError(f"cannot read the model keys of {path}: {exc}") from exc
     plans = [o for _, o in outcomes if isinstance(o, AttentionPlan)]
@@ -273,7 +321,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     print(format_table([_row(layer, o) for layer, o in outcomes]), file=out)
     if plans:
         print(file=out)
-        for line in _backend_notes(plans) + _kernel_notes(plans) + _cp_notes(config, plans):
+        notes = _backend_notes(plans) + _kernel_notes(plans) + _cp_notes(config, plans) + _tp_notes(config, ranks)
+        for line in notes:
             print(line, file=out)
         if any(cell in ("-", "none") for _, o in outcomes if isinstance(o, AttentionPlan)
                for cell in _row(0, o)[3:5]):

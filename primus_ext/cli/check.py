@@ -158,7 +158,6 @@ def _hooks(plan: AttentionPlan) -> str:
         parts.append(f"mask_mod {plan.mask_hook} -> {plan.mask_recognised}")
     if plan.score_hook:
         parts.append(f"score_mod {plan.score_hook} -> {plan.score_recognised}")
-    parts.extend(plan.hook_classes)
     return "; ".join(parts) or "-"
 
 

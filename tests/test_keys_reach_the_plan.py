@@ -78,6 +78,8 @@ def _other_value(key: str) -> Any:
         return "gfx950"
     if key == "turbo_selftest":
         return "false"
+    if key == "turbo_flex_attention_call_flags":
+        return "drop_in"
     if key == "packed_sequences":
         return True
     if key.endswith("_kwargs"):

@@ -178,6 +178,7 @@ def build_plan(
         dtype=facts.dtype,
         equal_documents=settings.packed_equal_documents,
         bind_call=_call_binder(settings, facts, backend) if flex and mask_mod is None else None,
+        call_flags=settings.turbo_flex_attention_call_flags,
     )
     if flex:
         log.info("primus_ext %s", plan.describe())

@@ -78,6 +78,9 @@ class AttentionPlan:
     bind_call: Optional[Callable[[bool, Tuple[int, int]], None]] = field(default=None, compare=False, repr=False)
     """Checks a call whose own ``(causal, window_size)`` differ from the plan's against the same
     rules, once per distinct value; raises `UnsupportedInputError` with their reasons."""
+    call_flags: str = "plan"
+    """``turbo_flex_attention_call_flags``: ``plan``, a call's causal / window_size must be the plan's
+    (refused otherwise, B34); ``drop_in``, a call's own are run, checked by ``bind_call`` (B11 for hooks)."""
 
     @property
     def flex(self) -> bool:
@@ -118,6 +121,8 @@ class AttentionPlan:
             parts.append(f"kernels on {self.arch}: " + ", ".join(self.kernels))
         if self.deterministic:
             parts.append("deterministic")
+        if self.flex and self.call_flags == "drop_in":
+            parts.append("drop-in calls")
         return " | ".join(parts)
 
 

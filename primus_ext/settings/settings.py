@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from ..errors import Reason, UnsupportedConfigError, short_repr
 
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "turbo", "reference")
+CALL_FLAG_CHOICES: tuple[str, ...] = ("plan", "drop_in")
+"""``turbo_flex_attention_call_flags``: a call's causal / window_size must be the plan's, or (drop-in) are its own."""
 
 # One ``module.path:attr.path`` made of Python identifiers; nothing else is accepted,
 # because the string is only ever imported and walked, never evaluated.
@@ -96,6 +98,10 @@ class TurboAttentionSettings:
     turbo_flex_attention_backend: str = field(default="auto", metadata=_meta(
         "Flex backend: turbo (Primus-Turbo), reference (exact torch math), auto (turbo if it imports).",
         "auto | turbo | reference", "B7, B8"))
+    turbo_flex_attention_call_flags: str = field(default="plan", metadata=_meta(
+        "Whose causal / window_size a flex call runs: plan (the layer's; a call passing others is refused) or "
+        "drop_in (a flash_attn_func-style call's own, checked by the layer's rules once per distinct value).",
+        "plan | drop_in", "B11, B34"))
     turbo_arch: str = field(default="auto", metadata=_meta(
         "GPU arch the plan checks Primus-Turbo's kernel dispatch for: gfx942 (MI300), gfx950 (MI355), "
         "or auto (the device's gcnArchName on ROCm; no arch check elsewhere).",
@@ -275,6 +281,8 @@ def _choice(choices: tuple[str, ...], advice: str) -> Callable[[str, Any], Optio
 ARCH_CHOICES = ("auto", "gfx942", "gfx950")
 _check_backend = _choice(BACKEND_CHOICES, "write '{key}: auto' unless you need a specific backend.")
 _check_arch = _choice(ARCH_CHOICES, "write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto.")
+_check_call_flags = _choice(CALL_FLAG_CHOICES, "write '{key}: plan' (calls run the layer's causal / window), or "
+                                               "'{key}: drop_in' for calls that pass their own.")
 
 
 def _check_selftest(key: str, value: Any) -> Optional[Reason]:
@@ -313,6 +321,7 @@ _CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
     "turbo_flex_attention_score_mod": _check_hook,
     "turbo_flex_attention_score_mod_kwargs": _check_kwargs,
     "turbo_flex_attention_backend": _check_backend,
+    "turbo_flex_attention_call_flags": _check_call_flags,
     "turbo_arch": _check_arch,
     "turbo_selftest": _check_selftest,
     "sink_sliding_window": _check_window,
@@ -412,6 +421,7 @@ def _freeze(value: Any, memo: Optional[dict[int, Any]] = None) -> Any:
 
 __all__ = [
     "BACKEND_CHOICES",
+    "CALL_FLAG_CHOICES",
     "FOREIGN_KEYS",
     "HOOK_PATTERN",
     "SETTING_KEYS",

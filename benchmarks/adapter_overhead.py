@@ -83,7 +83,7 @@ def cases(ops: Any, outputs: Any) -> list[tuple[str, str, Callable[[], Any], Cal
     kw = dict(dropout_p=0.0, softmax_scale=None, causal=True)
 
     causal = _adapter()
-    window = _adapter()
+    window = _adapter(sink_sliding_window=WINDOW[0])  # the plan's window, as the call passes it
     sinks = _adapter(use_sink_attention=True)
     packed = _adapter(packed=True)
     flex_core, direct_core = _core(True), _core(False)
@@ -136,7 +136,7 @@ def first_calls(ops: Any, outputs: Any, fresh: int = 40) -> list[tuple[str, floa
     kw = dict(dropout_p=0.0, softmax_scale=None, causal=True)
     paths = {
         "causal": (dict(), lambda run: run(q, k, v, window_size=(-1, -1), **kw)),
-        f"window {WINDOW}": (dict(), lambda run: run(q, k, v, window_size=WINDOW, **kw)),
+        f"window {WINDOW}": (dict(sink_sliding_window=WINDOW[0]), lambda run: run(q, k, v, window_size=WINDOW, **kw)),
         "causal + sink": (dict(use_sink_attention=True), lambda run: run(q, k, v, sink=sink, **kw)),
         "packed causal (thd)": (dict(packed=True), lambda run: run(tq, tk, tv, cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                                   max_seqlen_q=1596, max_seqlen_kv=1596, **kw)),

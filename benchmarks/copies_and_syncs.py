@@ -79,11 +79,12 @@ def turbo_kernels(mode: Optional[str]) -> Iterator[Any]:
             yield fake
 
 
-def adapter(backend: str, *, packed: bool = False, sink: bool = False) -> Any:
+def adapter(backend: str, *, packed: bool = False, sink: bool = False, window: tuple[int, int] = (-1, -1)) -> Any:
     from primus_ext.backends.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
 
-    plan = build_plan(_settings(turbo_flex_attention_backend=backend, use_sink_attention=sink),
+    plan = build_plan(_settings(turbo_flex_attention_backend=backend, use_sink_attention=sink,
+                                sink_sliding_window=max(window[0], 0)),  # the plan's window, as the call passes it
                       LayerFacts(num_heads=HQ, num_kv_heads=HKV, head_dim=D, seq_length=S, packed=packed))
     run = TurboFlexAttention(plan)
     _kernel_backend(run.backend)
@@ -150,7 +151,7 @@ def scenarios() -> list[tuple[str, str, Optional[str], Callable[[], Callable[[],
     def dense(backend: str, window: tuple[int, int] = (-1, -1), **kw: Any) -> Callable[[], Callable[[], Any]]:
         sink = kw.pop("sink", None)
         return lambda: (lambda run: lambda: run(q, k, v, causal=True, window_size=window, sink=sink))(
-            adapter(backend, sink=sink is not None))
+            adapter(backend, sink=sink is not None, window=window))
 
     def thd(backend: str) -> Callable[[], Callable[[], Any]]:
         return lambda: (lambda run: lambda: run(tq, tk, tv, causal=True, **thd_kw))(adapter(backend, packed=True))

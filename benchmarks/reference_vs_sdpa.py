@@ -83,6 +83,7 @@ def dense_rows(seq: int) -> list[tuple[str, Callable[[], None], dict[str, Callab
     window = _mask(seq, lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= WINDOW[0]))
     strided = _mask(seq, strided_causal)
     plain, sinks = _adapter(), _adapter(use_sink_attention=True)
+    windowed = _adapter(sink_sliding_window=WINDOW[0])  # the plan's window, as the call passes it
     hooked = _adapter(turbo_flex_attention_mask_mod=f"benchmarks.{NAME}:strided_causal")
     leaves = [q, k, v]
 
@@ -92,7 +93,7 @@ def dense_rows(seq: int) -> list[tuple[str, Callable[[], None], dict[str, Callab
 
     goal = ("window_vs_causal", "SDPA causal") if seq == 4096 else None
     return [
-        (f"window {WINDOW[0]}", _step(lambda: plain(q, k, v, causal=True, window_size=WINDOW), leaves, grad),
+        (f"window {WINDOW[0]}", _step(lambda: windowed(q, k, v, causal=True, window_size=WINDOW), leaves, grad),
          {"SDPA causal": sdpa(is_causal=True), "SDPA + window mask": sdpa(attn_mask=window)}, goal),
         ("causal + sink", _step(lambda: sinks(q, k, v, causal=True, sink=sink), leaves + [sink], grad),
          {"SDPA causal": sdpa(is_causal=True)}, None),
@@ -129,7 +130,7 @@ def flex_forward(seq: int, repeats: int) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(seq)
     q, k, v = (torch.randn(BATCH, seq, HEADS, DIM, generator=gen) for _ in range(3))
-    run = _adapter()
+    run = _adapter(sink_sliding_window=WINDOW[0])
     mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= WINDOW[0]), None, None, seq, seq,
                              device="cpu")
     compiled = torch.compile(flex_attention)
@@ -150,7 +151,7 @@ def flex_forward(seq: int, repeats: int) -> dict[str, Any]:
 def _memory_child(which: str, seq: int) -> None:
     q, k, v = (torch.randn(1, seq, 1, DIM).requires_grad_() for _ in range(3))
     grad = torch.randn(1, seq, 1, DIM)
-    run = _adapter(heads=1)
+    run = _adapter(heads=1, sink_sliding_window=WINDOW[0])
     with c.PeakRSS() as peak:
         if which == "reference":
             run(q, k, v, causal=True, window_size=WINDOW).backward(grad)

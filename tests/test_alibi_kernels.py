@@ -86,7 +86,9 @@ def test_a_full_attention_alibi_hook_on_the_reference_equals_the_hook():
 def test_explicit_alibi_slopes_are_refused_on_turbo_where_the_kernels_differ(call):
     q, k, v = qkv(dtype=torch.bfloat16)
     with fake_primus_turbo():
-        run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(**({} if call["causal"] else FULL)))
+        layer = {**({} if call["causal"] else FULL), **({"window_size": call["window_size"]} if "window_size" in call
+                                                         else {})}  # the plan's own mask: only the slopes refuse
+        run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(**layer))
         with pytest.raises(UnsupportedInputError) as err:
             run(q, k, v, alibi_slopes=slopes(), **call)
         assert "B35" in err.value.codes and "alibi_slopes" in err.value.settings

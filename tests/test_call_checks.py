@@ -126,13 +126,14 @@ def test_int64_boundaries_are_cast_once_and_compute_exactly(backend):
 
 def test_a_call_window_other_than_the_plans_is_planned_like_the_layer():
     """B34 / item 3: a sink layer planned causal on gfx942, called with a two-sided window, would run
-    AITER's sink kernel whose backward drops the right bound: refused, as the plan refuses it."""
+    AITER's sink kernel whose backward drops the right bound: refused, as the plan refuses it.  Calls
+    passing their own window are drop-in calls (a plan-mode adapter refuses every other window)."""
     q, k, v = (t.bfloat16() for t in qkv(d=16))
     sink = torch.zeros(4)
     with fake_primus_turbo(arch="gfx942") as fake:
         plan = build_plan(settings(turbo_flex_attention_backend="turbo", turbo_arch="gfx942", use_sink_attention=True),
                           facts(head_dim=16, dtype="bf16", packed=False))
-        run = TurboFlexAttention(plan)
+        run = TurboFlexAttention(plan, drop_in=True)
         run(q, k, v, causal=True, sink=sink)  # the planned call
         run(q, k, v, causal=True, window_size=(4, 0), sink=sink)  # another window, also fine on AITER
         for _ in range(2):

@@ -7,7 +7,8 @@ After a valid call the adapter keeps a runner for equal calls.  Held here:
 * a call the plan did not assume is still routed and refused (B33) after the planned call
   (``test_call_checks``, ``after-the-planned-call``); a sink of another dtype is cast;
 * the memoised call hands the kernel exactly the arguments the full path handed it, for
-  dense causal, window, sink (a bf16 sink still cast to fp32) and packed calls;
+  dense causal, window, the plan's own flags (none passed), sink (a bf16 sink still cast to fp32)
+  and packed calls;
 * a hook proof resting on a module global is re-checked at every call (no memo for it).
 """
 
@@ -59,7 +60,8 @@ def test_a_sink_of_another_dtype_after_the_memo_is_cast_like_the_first():
 
 CASES = {
     "causal": (dict(), dict(causal=True)),
-    "window": (dict(), dict(causal=True, window_size=(5, 0))),
+    "window": (dict(sink_sliding_window=5), dict(causal=True, window_size=(5, 0))),
+    "the plan's flags (none passed)": (dict(sink_sliding_window=5), dict()),
     "sink (bf16)": (dict(use_sink_attention=True), dict(causal=True, sink=torch.zeros(4, dtype=torch.bfloat16))),
 }
 
@@ -157,7 +159,7 @@ def test_inference_mode_tensors_are_checked_at_every_call():
 def test_a_window_equal_in_value_but_not_of_ints_is_refused_after_the_memo():
     """(2.0, 0) == (2, 0) in Python; the fast path must not take it where the full path refuses it."""
     with fake_primus_turbo():
-        run = adapter(settings(), facts(packed=False))
+        run = adapter(settings(sink_sliding_window=2), facts(packed=False))
         q, k, v = qkv()
         run(q, k, v, causal=True, window_size=(2, 0))
         with pytest.raises(UnsupportedInputError, match="window_size"):

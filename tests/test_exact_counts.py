@@ -132,7 +132,7 @@ def test_kernels_attributed_puts_the_originals_back():
 @pytest.mark.parametrize("window", [(-1, -1), WINDOW], ids=["causal", "window"])
 def test_reference_dense_call_copies_and_syncs_nothing_of_its_own(window):
     q, k, v = qkv(dtype=torch.float32)
-    run = reference_is_kernel(adapter(settings()))
+    run = reference_is_kernel(adapter(settings(sink_sliding_window=max(window[0], 0))))  # the plan's window
     counts = counted(lambda: run(q, k, v, causal=True, window_size=window))
     assert (counts.copies, counts.syncs) == (0, 0), counts.summary()
     assert counts.kernel_syncs == 0, "the reference math never reads device data on the host"
@@ -150,7 +150,7 @@ def test_reference_causal_sdpa_route_has_no_copies_at_all():
                          ids=["causal", "window"])
 def test_turbo_dense_call_adds_no_copy_and_no_sync(fake_kernels, window, entry):
     q, k, v = qkv(dtype=torch.float32)
-    run = adapter(turbo())
+    run = adapter(turbo(sink_sliding_window=max(window[0], 0)))  # the plan's window
     counts = counted(lambda: run(q, k, v, causal=True, window_size=window))
     assert fake_kernels.calls[-1].entry == entry
     assert (counts.copies, counts.syncs) == (0, 0), counts.summary()

@@ -23,7 +23,7 @@ def test_causal_matches_oracle():
 @pytest.mark.parametrize("window", [(3, 0), (2, 2), (0, 3), (-1, 2), (4, 1), (0, 0)])
 def test_windows_both_bounds_match_oracle(window):
     q, k, v = qkv()
-    out = adapter(settings())(q, k, v, causal=False, window_size=window)
+    out = adapter(settings(), drop_in=True)(q, k, v, causal=False, window_size=window)  # flash-style calls
     torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.window(*window)), **TOL)
 
 
@@ -75,7 +75,7 @@ def test_packed_documents_match_oracle(window):
     bounds = [0, 5, 6, 6, 13]  # includes a length-1 and an empty document
     q, k, v = packed_qkv(13)
     cu = torch.tensor(bounds, dtype=torch.int32)
-    run = adapter(settings(), facts(packed=True))
+    run = adapter(settings(), facts(packed=True), drop_in=True)
     out = run(q, k, v, causal=window[1] == 0, window_size=window, cu_seqlens_q=cu, cu_seqlens_kv=cu,
               max_seqlen_q=7, max_seqlen_kv=7)
     assert out.shape == q.shape

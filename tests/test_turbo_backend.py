@@ -68,7 +68,7 @@ def test_non_causal_window_keeps_both_bounds_on_flash_entry():
     """B8: (4, 4) is never run as (4, 0)."""
     q, k, v = qkv()
     with fake_primus_turbo() as fake:
-        out = adapter(turbo())(q, k, v, causal=False, window_size=(4, 4))
+        out = adapter(turbo(), drop_in=True)(q, k, v, causal=False, window_size=(4, 4))
     (call,) = fake.calls
     assert call.entry == "flash_attn_func" and call.args["window_size"] == (4, 4)
     assert call.args["causal"] is False

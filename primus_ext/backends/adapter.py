@@ -19,14 +19,15 @@ from torch import Tensor
 
 from . import AttentionBackend, make_backend
 from .base import KernelCall, Output, fp32_sink
+from .call_agreement import CallAgreement, eager_flash_pattern, flash_args, flash_pattern
 from .call_checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
-                          check_packing, check_qkv, check_sink, check_window)
+                          check_packing, check_qkv, check_sink)
 from .call_memo import MISS, CallMemo, scalars_key
 from .call_route import CallRoutes
 from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from ..attention.library import library_pattern
-from ..attention.pattern import Pattern, pattern_from_flash_args
+from ..attention.pattern import Pattern
 
 MASK_KEY = "turbo_flex_attention_mask_mod"
 
@@ -35,44 +36,17 @@ def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> Un
     return UnsupportedInputError(Reason(settings, reason, alternative))
 
 
-_PATTERNS: dict[Tuple[bool, Tuple[int, int]], Pattern] = {}
-_PATTERNS_MAX = 256
-
-
-def _flash_pattern(causal: bool, window: Tuple[int, int]) -> Pattern:
-    """`pattern_from_flash_args` for normalised arguments, memoised in eager mode.
-
-    A layer calls with one or two ``(causal, window_size)`` values, and building the
-    frozen `Pattern` (validation included) on every call cost more than the rest of
-    the routing.  Patterns are immutable, so one object per value is shared.  Under
-    ``torch.compile`` the pattern is built as before, so Dynamo traces no cache.
-    """
-    if torch.compiler.is_compiling():
-        return pattern_from_flash_args(causal, window)
-    return _eager_flash_pattern(causal, window)
-
-
-def _eager_flash_pattern(causal: bool, window: Tuple[int, int]) -> Pattern:
-    """`_flash_pattern` outside any traced region (the op targets always run eagerly)."""
-    key = (causal, window)
-    found = _PATTERNS.get(key)
-    if found is None:
-        if len(_PATTERNS) >= _PATTERNS_MAX:
-            _PATTERNS.clear()
-        found = _PATTERNS[key] = pattern_from_flash_args(causal, window)
-    return found
-
-
-def _flash_args(causal: Any, window_size: Any) -> Tuple[bool, Tuple[int, int]]:
-    """``(causal, (left, right))`` as plain bool and ints, the window checked (B34)."""
-    return bool(causal), check_window(window_size)
-
-
 class TurboFlexAttention:
-    """Runs one layer's approved plan on its backend, call by call."""
+    """Runs one layer's approved plan on its backend, call by call.
 
-    def __init__(self, plan: Any, backend: Optional[AttentionBackend] = None) -> None:
+    A call's ``causal`` / ``window_size`` default to the plan's; other values are refused unless
+    ``drop_in`` (None: the plan's ``turbo_flex_attention_call_flags``) is on (`call_agreement`).
+    """
+
+    def __init__(self, plan: Any, backend: Optional[AttentionBackend] = None, *,
+                 drop_in: Optional[bool] = None) -> None:
         self.plan = plan
+        self._agreement = CallAgreement(plan, drop_in, owner=self)
         self.backend = backend if backend is not None else make_backend(plan.backend)
         self._alibi: dict[torch.device, Tensor] = {}
         self._target = PlanTarget(plan, self.backend)
@@ -85,27 +59,20 @@ class TurboFlexAttention:
         self._fast: Optional[CallMemo] = None  # the last validated call (`call_memo`)
         self._symmetric_alibi = plan.score_recognised == "alibi-symmetric"  # runs on every mask (B35)
 
+    @property
+    def drop_in(self) -> bool:
+        """Whether calls run their own causal / window_size (checked by the layer's rules)."""
+        return self._agreement.drop_in
+
     # -- per-call checks -----------------------------------------------------
-    def _dense_pattern(self, causal: bool, window_size: Tuple[int, int],
-                       flash: Tuple[bool, Tuple[int, int]]) -> Optional[Pattern]:
-        """The call's pattern; ``flash`` is ``(causal, window_size)`` normalised by `_flash_args`."""
+    def _dense_pattern(self, flash: Tuple[bool, Tuple[int, int]]) -> Optional[Pattern]:
+        """The call's pattern; ``flash`` is its ``(causal, window)`` as `CallAgreement.resolve` gave it."""
         plan = self.plan
         if plan.mask_mod is None:
-            return _flash_pattern(*flash)
-        if causal or tuple(window_size) != (-1, -1):
-            raise _refuse((MASK_KEY,), f"the layer's mask comes from the hook {plan.mask_hook}, but the "
-                          f"call also asks for causal={causal}, window_size={tuple(window_size)}; the "
-                          "two are not silently composed (B11).",
-                          "call with causal=False, window_size=(-1, -1) and put the whole mask in the hook.")
+            return flash_pattern(*flash)
         if self._target.hook_runs_itself:
             return None  # evaluated at every call by the backend: exact at every shape
         return plan.pattern
-
-    def _bind(self, causal: bool, window: Tuple[int, int]) -> None:
-        """A call asking for other causal / window than the plan is planned too (memoised per value)."""
-        plan = self.plan
-        if plan.bind_call is not None and (causal != plan.causal or window != plan.window):
-            plan.bind_call(causal, window)
 
     def _check_assumptions(self) -> None:
         for assumption in self._assumptions:
@@ -166,8 +133,8 @@ class TurboFlexAttention:
         v: Tensor,
         dropout_p: float = 0.0,
         softmax_scale: Optional[float] = None,
-        causal: bool = False,
-        window_size: Tuple[int, int] = (-1, -1),
+        causal: Optional[bool] = None,
+        window_size: Optional[Tuple[int, int]] = None,
         bias: Optional[Tensor] = None,
         alibi_slopes: Optional[Tensor] = None,
         deterministic: bool = False,
@@ -223,9 +190,8 @@ class TurboFlexAttention:
                           "pass cu_seqlens_q/cu_seqlens_kv for packed thd inputs.")
         q_len, kv_len = q.shape[1], k.shape[1]
         check_bias(bias, q, k, kernel_shape=self.backend.name == "turbo")
-        flag, window = _flash_args(causal, window_size)
-        self._bind(flag, window)
-        pattern = self._dense_pattern(causal, window_size, (flag, window))
+        flag, window = self._agreement.resolve(causal, window_size)  # the plan's, or refused (B11, B34)
+        pattern = self._dense_pattern((flag, window))
         self._check_dense_shape(pattern, q_len, kv_len)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q)
@@ -263,7 +229,7 @@ class TurboFlexAttention:
                               max_given=(max_q is not None, max_kv is not None),
                               equal_documents=self.plan.equal_documents)
 
-    def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, causal: Any, window_size: Any,
                 bias: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: Optional[float], dropout: float,
                 sink: Optional[Tensor], deterministic: bool, return_lse: bool,
                 cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
@@ -287,10 +253,9 @@ class TurboFlexAttention:
                                                                   equal_documents=plan.equal_documents)
         if alibi_slopes is not None or plan.alibi_slopes is not None:
             alibi_slopes = self._alibi_slopes(alibi_slopes, q)
-        flag, window = _flash_args(causal, window_size)
-        self._bind(flag, window)
+        flag, window = self._agreement.resolve(causal, window_size)
         if self._routes is not None:
-            call = _flash_pattern(flag, window)
+            call = flash_pattern(flag, window)
             if alibi_slopes is not None:
                 check_kernel_alibi(call, return_lse)  # a packed call takes no hook: explicit slopes only
             self._routes.check("varlen", q, k, v, call.right == 0, call.window, sink, dropout, deterministic,
@@ -422,11 +387,11 @@ class PlanTarget:
                bias: Optional[Tensor], scale: Optional[float], dropout_p: float, deterministic: bool,
                return_lse: bool, length: Optional[int] = None) -> KernelCall:
         if not dense:
-            return KernelCall(pattern=_eager_flash_pattern(*_flash_args(*flash)), scale=scale, dropout_p=dropout_p,
+            return KernelCall(pattern=eager_flash_pattern(*flash_args(*flash)), scale=scale, dropout_p=dropout_p,
                               sink=sink, alibi_slopes=alibi, deterministic=deterministic, return_lse=return_lse)
         plan = self.plan
         if flash is not None:
-            pattern = _eager_flash_pattern(*_flash_args(*flash))
+            pattern = eager_flash_pattern(*flash_args(*flash))
         else:
             pattern = None if self.hook_runs_itself else plan.pattern
             if pattern is not None and length is not None:

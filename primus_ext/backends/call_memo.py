@@ -132,10 +132,14 @@ def _positive_int(value: Any) -> bool:
 
 def scalars_key(dropout_p: Any, scale: Any, causal: Any, window_size: Any, deterministic: Any,
                 return_lse: Any) -> Optional[tuple]:
-    """The scalar arguments as a memo key, or None when one is not a plain value (then no memo)."""
-    if type(causal) is not bool or type(window_size) is not tuple or len(window_size) != 2:
+    """The scalar arguments as a memo key, or None when one is not a plain value (then no memo).
+    ``causal`` / ``window_size`` None (the plan's, the adapter's default) are plain values too."""
+    if causal is not None and type(causal) is not bool:
         return None
-    if not all(type(x) is int for x in window_size) or type(deterministic) is not bool:
+    if window_size is not None and (type(window_size) is not tuple or len(window_size) != 2
+                                    or not all(type(x) is int for x in window_size)):
+        return None
+    if type(deterministic) is not bool:
         return None
     if type(return_lse) is not bool or type(dropout_p) not in (float, int):
         return None

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from ..attention.heads import head_range
 from ..backends import turbo_import_problem
+from ..backends.call_agreement import DROP_IN, PLAN
 from ..backends.context_parallel import describe_comm
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
 from ..megatron.facts import layer_facts
@@ -188,7 +189,23 @@ def _backend_notes(plans: Sequence[AttentionPlan]) -> list[str]:
     for p in plans:
         seen.setdefault((p.path, p.backend, p.backend_reason), []).append(p.layer_number)
     return [f"{layer_list(layers)}: {path} path on backend {backend} ({why})"
-            for (path, backend, why), layers in seen.items()]
+            for (path, backend, why), layers in seen.items()] + _call_notes(plans)
+
+
+def _call_notes(plans: Sequence[AttentionPlan]) -> list[str]:
+    """Whose causal / window_size the flex layers' calls run (``turbo_flex_attention_call_flags``)."""
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for p in plans:
+        if p.flex:
+            groups.setdefault((p.call_flags, p.mask_mod is not None), []).append(p.layer_number)
+    text = {
+        (PLAN, False): "run the plan's causal / window_size; others are refused",
+        (DROP_IN, False): "drop-in, each call's own causal / window_size checked by the layer's rules",
+    }
+    hook = "the hook is the whole mask; causal / window_size other than False / (-1, -1) are refused"
+    return [f"calls: {layer_list(layers)}: {hook if hooked else text[flags, False]} "
+            f"(turbo_flex_attention_call_flags: {flags}, {'B11' if hooked else 'B34'})"
+            for (flags, hooked), layers in groups.items()]
 
 
 def _refusal_text(refused: Sequence[tuple[int, UnsupportedConfigError]]) -> list[str]:

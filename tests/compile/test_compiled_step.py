@@ -148,7 +148,7 @@ def test_compiled_reference_trains_alibi_slopes_like_eager():
     """The op's backward returns the slopes' gradient (the blockwise pair computes it)."""
     from ..helpers import adapter, qkv, settings
 
-    run = adapter(settings())
+    run = adapter(settings(sink_sliding_window=3))  # the plan's window (3, 0), as the calls pass it
     q, k, v = qkv(grad=True)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
     grads = []

@@ -124,13 +124,13 @@ def test_regression_turbo_packed_window_with_unequal_q_kv_documents():
     cu_q = torch.tensor([0, 1, 3], dtype=torch.int32)
     cu_kv = torch.tensor([0, 2, 5], dtype=torch.int32)
     with fake_primus_turbo() as fake:
-        run = TurboFlexAttention(build_plan(settings(turbo_flex_attention_backend="turbo"), facts()))
+        run = TurboFlexAttention(build_plan(settings(turbo_flex_attention_backend="turbo"), facts()), drop_in=True)
         for causal, window in ((False, (0, -1)), (True, (-1, -1))):
             with pytest.raises(UnsupportedInputError) as info:
                 run(q, k, v, causal=causal, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
             assert info.value.settings == ("cu_seqlens_q", "cu_seqlens_kv")
         assert fake.calls == []
-        full = run(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+        full = run(q, k, v, causal=False, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
         want, _ = oracle.packed_attention(q, k, v, oracle.packed_mask([0, 1, 3], [0, 2, 5], causal=False,
                                                                       window=(-1, -1)))
         torch.testing.assert_close(full, want, **TOL)
@@ -174,7 +174,8 @@ def test_regression_float64_slope_table_proven_with_float32_slopes():
         err = refused(dict(turbo_flex_attention_backend="turbo", **keys))
     assert "B31-score" in err.codes and "not a float32 value" in str(err)
     q, k, v = qkv()
-    want, _ = oracle.attention(q, k, v, score_fn=alibi_float64_table)
+    causal = oracle.flash_mask(16, 16, causal=True, window=(-1, -1))  # the plan's mask (the call passes no flags)
+    want, _ = oracle.attention(q, k, v, causal, score_fn=alibi_float64_table)
     torch.testing.assert_close(adapter(settings(**keys), facts())(q, k, v), want, **TOL)
 
 

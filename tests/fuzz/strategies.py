@@ -397,14 +397,20 @@ def adapter_cases(draw) -> Case:
     fewer_conflicts(draw, keys, layer)
     layer["packed"] = draw(pick(*(None, None, thd)))
     hooked = mask[0] is not None
-    # Per-call causal / window: the layer's own (what Megatron passes), or anything.
-    if draw(st.booleans()):
-        call_causal, call_window = "layer", "layer"
+    # Per-call causal / window: the layer's own (what Megatron passes), left out (None: the plan's), or
+    # anything; in drop-in mode (the setting, or the adapter's argument) a call's own run, checked by the
+    # layer's rules, otherwise a call asking for another mask is refused (B34).
+    choice = draw(weighted(("layer", 4), ("default", 2), ("any", 5)))
+    if choice != "any":
+        call_causal, call_window = choice, choice
     else:
         call_causal = draw(st.booleans())
         call_window = [draw(BOUND), draw(BOUND)]
     if hooked and not draw(one_in(5)):
         call_causal, call_window = False, [-1, -1]
+    drop_in = draw(weighted(("setting", 3), ("off", 2), ("argument", 1)))
+    if drop_in == "setting":
+        keys["turbo_flex_attention_call_flags"] = "drop_in"
     call = {
         "thd": thd,
         "batch": batch,
@@ -415,6 +421,7 @@ def adapter_cases(draw) -> Case:
         "dtype": dtype,
         "causal": call_causal,
         "window": call_window,
+        "drop_in": drop_in,
         "sink": draw(weighted(("planned", 8), ("none", 2), ("unplanned", 1))),
         "sink_dtype": draw(pick(*("float32", "bfloat16", "same"))),
         "alibi": draw(one_in(10)),
@@ -462,6 +469,8 @@ def megatron_cases(draw) -> Case:
         keys["packed_sequences"] = thd if declared == "match" else not thd
     if equal_declared:
         keys["packed_equal_documents"] = True
+    if draw(one_in(4)):  # the modules pass the plan's own causal / window: drop-in mode changes nothing
+        keys["turbo_flex_attention_call_flags"] = "drop_in"
     layer["params_bf16"] = draw(one_in(6))
     padded = draw(weighted(("none", 6), ("same", 1), ("different", 1), ("kv_clone", 1)))
     call = {

@@ -250,13 +250,24 @@ def expect_build(case: Case) -> BuildExpectation:
 
 
 def call_window(case: Case) -> tuple[bool, tuple[int, int]]:
-    """``(causal, window_size)`` the call passes (adapter level); Megatron passes the layer's own."""
+    """``(causal, window_size)`` the call asks for (adapter level; left out, they are the plan's);
+    Megatron passes the layer's own."""
     hooked = case.flex and case.mask_hook is not None
-    if case.level == "megatron" or case.call["causal"] == "layer":
+    if case.level == "megatron" or case.call["causal"] in ("layer", "default"):
         if hooked:
             return False, (-1, -1)
         return layer_causal(case), layer_window(case) or (-1, -1)
     return bool(case.call["causal"]), tuple(case.call["window"])
+
+
+def flash_bounds(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+    """The ``(left, right)`` bounds of a flash-convention call: ``causal`` caps the right one at 0."""
+    return window[0], 0 if causal else window[1]
+
+
+def drop_in(case: Case) -> bool:
+    """Whether the adapter runs a call's own causal / window (the setting or the constructor argument)."""
+    return case.call.get("drop_in") == "argument" or case.settings.get("turbo_flex_attention_call_flags") == "drop_in"
 
 
 @dataclass
@@ -302,6 +313,9 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("packed q and kv documents of different lengths on turbo")
         if not c["thd"] and hooked and (causal or window != (-1, -1)):
             exp.must.append("hook plus call causal/window")
+        planned = (layer_causal(case), layer_window(case) or (-1, -1))
+        if not hooked and not drop_in(case) and flash_bounds(causal, window) != flash_bounds(*planned):
+            exp.must.append("a call's causal / window other than the plan's, outside drop-in mode (B34)")
         alibi_hook = sspec is not None and sspec.kind in ("alibi", "alibi-symmetric")
         if c["alibi"] and alibi_hook:
             exp.must.append("explicit alibi plus ALiBi hook")
@@ -574,7 +588,7 @@ def run_adapter(case: Case, stage: list, mutate) -> Ran:
         position_embedding_type=layer["position_embedding_type"], softmax_type=layer["softmax_type"],
         attn_mask_type=layer["attn_mask_type"], packed=layer["packed"],
     )
-    adapter = TurboFlexAttention(build_plan(settings, facts))
+    adapter = TurboFlexAttention(build_plan(settings, facts), drop_in=True if c.get("drop_in") == "argument" else None)
     stage[0] = "call"
     mutate()
 
@@ -598,6 +612,8 @@ def run_adapter(case: Case, stage: list, mutate) -> Ran:
     kwargs: dict[str, Any] = dict(dropout_p=0.0, softmax_scale=c["scale"], causal=causal, window_size=window,
                                   bias=bias, alibi_slopes=alibi, return_lse=c["return_lse"],
                                   return_attn_probs=c["return_attn_probs"], sink=sink)
+    if c["causal"] == "default":  # left out: the plan's
+        del kwargs["causal"], kwargs["window_size"]
     if c["thd"]:
         cu_q = torch.tensor(bounds_of(c["docs_q"]), dtype=torch.int32)
         cu_kv = cu_q if c["docs_kv"] is c["docs_q"] else torch.tensor(bounds_of(c["docs_kv"]), dtype=torch.int32)

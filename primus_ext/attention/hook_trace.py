@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from .hook_subset import Outside, outside_subset
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _STDLIB_DIR = os.path.dirname(os.__file__)
 _META_ATTRS = {"device", "dtype", "shape", "ndim", "is_cuda"}
@@ -58,6 +60,8 @@ class HookTrace:
     assumptions: list[Assumption] = field(default_factory=list)
     tensor_names: dict[int, str] = field(default_factory=dict)
     """``id(tensor) -> name`` of captured tensors, for messages."""
+    outside: Optional[Outside] = None
+    """The first construct outside the provable subset (`hook_subset`): no proof is about this hook."""
 
 
 def _immutable(value: Any) -> bool:
@@ -287,6 +291,9 @@ def _inspect(trace: HookTrace, hook: Any) -> None:
                 trace.dynamic.append(f"the captured variable {name}, which is not yet set")
             else:
                 _classify(trace, name, value, "captured variable", _cell_check(cell, value))
+        if fn.__defaults__ or fn.__kwdefaults__:  # `fn.__defaults__ = ...` after the build
+            trace.assumptions.append(Assumption(f"the default arguments of {code.co_name} are the same objects",
+                                                _defaults_check(fn)))
         for i, value in enumerate(fn.__defaults__ or ()):
             _classify(trace, f"#{i}", value, "default argument", None)
         for name, value in (fn.__kwdefaults__ or {}).items():
@@ -308,6 +315,17 @@ def _inspect(trace: HookTrace, hook: Any) -> None:
             check = (_rebinding_check(globals_, chain[0], root) if owner is None
                      else _both(_rebinding_check(globals_, chain[0], root), _attribute_check(owner, attr, value)))
             _classify(trace, ".".join(chain[:depth + 1]), value, "module global", check)
+
+
+def _defaults_check(fn: types.FunctionType) -> Callable[[], bool]:
+    code, positional = fn.__code__, fn.__defaults__
+    keywords = dict(fn.__kwdefaults__ or {})
+
+    def holds() -> bool:
+        now = fn.__kwdefaults__ or {}
+        return (fn.__code__ is code and fn.__defaults__ is positional and now.keys() == keywords.keys()
+                and all(now[k] is v for k, v in keywords.items()))
+    return holds
 
 
 def _defaults(fn: types.FunctionType) -> dict[str, Any]:
@@ -354,15 +372,17 @@ def _value_uses(graph: fx.Graph, placeholder: fx.Node) -> bool:
 def trace_hook(hook: Callable[..., Any], kind: str) -> HookTrace:
     """Trace ``hook`` (``kind`` ``mask_mod`` or ``score_mod``) symbolically; never raises."""
 
-    root = _root(hook, kind)
-    try:
-        graph = fx.symbolic_trace(root)
-        problem = ""
-    except fx.proxy.TraceError as exc:
-        graph, problem = None, f"uses Python control flow on index or score values ({exc})"
-    except Exception as exc:  # noqa: BLE001 - any failure to trace leaves the hook unprovable
-        graph, problem = None, f"cannot be traced symbolically ({type(exc).__name__}: {exc})"
-    trace = HookTrace(graph=graph, problem=problem)
+    outside = outside_subset(hook, kind)
+    if outside is not None:  # the graph would be about another function than the one that runs
+        graph, problem = None, f"is outside the provable subset: it uses {outside.describe()}"
+    else:
+        try:
+            graph, problem = fx.symbolic_trace(_root(hook, kind)), ""
+        except fx.proxy.TraceError as exc:
+            graph, problem = None, f"uses Python control flow on index or score values ({exc})"
+        except Exception as exc:  # noqa: BLE001 - any failure to trace leaves the hook unprovable
+            graph, problem = None, f"cannot be traced symbolically ({type(exc).__name__}: {exc})"
+    trace = HookTrace(graph=graph, problem=problem, outside=outside)
     _inspect(trace, hook)
     if graph is not None:
         words = {"b": "the batch index", "h": "the head index"}

@@ -3,7 +3,8 @@
 A config only *names* a hook; resolving it calls the named object (the probe, a factory),
 so only a plain Python function defined outside the standard library, or an object
 registered by `primus_ext.attention.library`, is ever called, and a standard-library,
-builtins or torch module is not even imported.
+builtins or torch module is not even imported.  torch's ``and_masks`` / ``or_masks``
+(recognised by their code object, not their module) are trusted when every part is.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import types
 from typing import Any, Optional
 
+from ..attention.hook_subset import combined_parts
 from ..attention.library import is_hook_factory, is_library_mask
 
 TRUST_CODE = "B32"
@@ -39,6 +41,14 @@ def untrusted(obj: Any) -> Optional[str]:
     """What ``obj`` is, if a config may not have it called (B32); ``None`` if it may."""
     if is_library_mask(obj) or is_hook_factory(obj):
         return None  # registered by the library or opted in by its author, by identity
+    combined = combined_parts(obj)
+    if combined is not None:  # torch's and_masks / or_masks, by code object: trusted as its parts are
+        name, parts = combined
+        for part in parts:
+            what = untrusted(part)
+            if what is not None:
+                return f"{name}(...) over {what}"
+        return None
     if isinstance(obj, types.FunctionType):
         module = getattr(obj, "__module__", None)
         return f"a function of the standard library module `{module}`" if is_stdlib(module) else None

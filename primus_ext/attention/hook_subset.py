@@ -1,0 +1,362 @@
+"""The provable subset of Python: which hooks a proof may be about (B31).
+
+A proof is about the traced graph; it is only about the hook that runs when the hook's
+Python computes the same thing traced and called.  Rather than list what breaks that
+(a type check, a ``try`` around an op that fails on tracer objects, the environment,
+the clock), the hook's bytecode, and that of every function it calls, is checked
+against an *allow-list* before tracing.  Admitted:
+
+* arithmetic, comparisons, bitwise and boolean operators, subscripts, tuples, local
+  variables and forward branches (no loops);
+* loads of module globals, closure variables and default arguments whose values are
+  immutable constants, tensors or number lists (each re-checked per call by
+  `hook_trace`), modules, and functions; attributes only of modules, and of tensors
+  from `TENSOR_METHODS` / `TENSOR_ATTRIBUTES`;
+* calls of `TORCH_FUNCTIONS`, `BUILTINS`, `MATH_FUNCTIONS`, tensor methods, primus_ext
+  library masks, user functions that are themselves in the subset, and torch's
+  ``and_masks`` / ``or_masks`` over admitted masks (recognised by their code object).
+
+Anything else (any other call, attribute, ``try`` / ``with``, loops, nested functions or
+lambdas, writes to globals, cells or attributes, generators, imports) makes the hook
+*dynamic*: `outside_subset` names the construct and its source line.  A dynamic hook is
+never proven; it is evaluated exactly (``reference``) or refused.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dis
+import math
+import operator
+import os
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.nn.attention import flex_attention as _flex
+
+from .hook_z3 import FUNCTIONS, METHODS
+from .library import is_library_mask
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_STDLIB_DIR = os.path.dirname(os.__file__)
+
+TORCH_FUNCTIONS: frozenset[Any] = frozenset(f for f in FUNCTIONS if f not in (torch.min, torch.max)) | {
+    torch.exp, torch.exp2, torch.log, torch.log2, torch.sqrt, torch.tanh, torch.sigmoid, torch.pow,
+    torch.floor, torch.ceil, torch.round, torch.trunc, torch.clamp_min, torch.clamp_max, torch.square}
+"""Elementwise torch functions (``torch.min`` / ``torch.max`` are not: one argument reduces)."""
+TENSOR_METHODS: frozenset[str] = frozenset(METHODS) | {
+    "exp", "exp2", "log", "log2", "sqrt", "tanh", "sigmoid", "pow", "floor", "ceil", "round", "trunc", "neg",
+    "clamp_min", "clamp_max", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "square",
+    "__and__", "__or__", "__xor__", "__invert__", "__neg__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__eq__", "__ne__", "__floordiv__", "__mod__", "__truediv__"}
+"""Elementwise tensor methods; no shape, size, item or reduction (they differ between calls)."""
+TENSOR_ATTRIBUTES = frozenset({"dtype", "device", "is_cuda"})
+BUILTINS = frozenset({abs, min, max, int, float, bool, round, pow, divmod})
+MATH_FUNCTIONS = frozenset({math.floor, math.ceil, math.trunc, math.sqrt, math.isqrt, math.log, math.log2,
+                            math.log10, math.exp, math.pow, math.fabs, math.gcd, math.copysign})
+_OPERATORS = frozenset(v for v in vars(operator).values() if callable(v) and v in FUNCTIONS)
+_AND = _flex.and_masks(lambda *a: None).__code__
+_OR = _flex.or_masks(lambda *a: None).__code__
+COMBINATORS = {_AND: "and_masks", _OR: "or_masks"}
+"""torch's own mask combinators, by code object: their parts are checked, not their loop."""
+
+_PLAIN = {"RESUME", "NOP", "EXTENDED_ARG", "COPY_FREE_VARS", "KW_NAMES", "PRECALL", "CACHE"}
+_WORDS = {
+    "STORE_GLOBAL": "a write to a module global", "DELETE_GLOBAL": "a write to a module global",
+    "STORE_DEREF": "a write to a captured variable", "DELETE_DEREF": "a write to a captured variable",
+    "STORE_ATTR": "a write to an attribute", "DELETE_ATTR": "a write to an attribute",
+    "STORE_SUBSCR": "a write to an item", "DELETE_SUBSCR": "a write to an item",
+    "MAKE_FUNCTION": "a nested function or lambda", "LOAD_CLOSURE": "a nested function or lambda",
+    "MAKE_CELL": "a nested function or lambda", "IMPORT_NAME": "an import", "IMPORT_FROM": "an import",
+    "GET_ITER": "a loop", "FOR_ITER": "a loop", "JUMP_BACKWARD": "a loop", "JUMP_BACKWARD_NO_INTERRUPT": "a loop",
+    "POP_JUMP_BACKWARD_IF_TRUE": "a loop", "POP_JUMP_BACKWARD_IF_FALSE": "a loop",
+    "POP_JUMP_BACKWARD_IF_NONE": "a loop", "POP_JUMP_BACKWARD_IF_NOT_NONE": "a loop",
+    "YIELD_VALUE": "a generator", "RETURN_GENERATOR": "a generator", "BEFORE_WITH": "a with block",
+    "RAISE_VARARGS": "a raise", "RERAISE": "a raise", "CALL_FUNCTION_EX": "a call with *args or **kwargs",
+    "BUILD_LIST": "a list", "BUILD_MAP": "a dict", "BUILD_SET": "a set", "BUILD_CONST_KEY_MAP": "a dict",
+    "FORMAT_VALUE": "string formatting", "BUILD_STRING": "string formatting", "LOAD_NAME": "a name looked up "
+    "at run time", "STORE_NAME": "a name bound at run time", "DELETE_FAST": "a deleted local",
+}
+_MAX_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class Outside:
+    """The first construct of a hook outside the provable subset, and where it is."""
+
+    construct: str
+    where: str
+
+    def describe(self) -> str:
+        return f"{self.construct} ({self.where})"
+
+
+class _Dynamic(Exception):
+    def __init__(self, construct: str) -> None:
+        super().__init__(construct)
+        self.construct = construct
+
+
+@dataclass(frozen=True)
+class _Known:
+    value: Any
+
+
+@dataclass(frozen=True)
+class _Runtime:
+    """A value computed when the hook runs: an index, a tensor, a number."""
+
+
+@dataclass(frozen=True)
+class _Method:
+    name: str
+
+
+_NULL, _RUNTIME = object(), _Runtime()
+
+
+def _qualname(value: Any) -> str:
+    module = getattr(value, "__module__", None) or ""
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or type(value).__name__
+    return f"{module}.{name}" if module and module != "builtins" else f"{name}"
+
+
+def _user_code(code: types.CodeType) -> bool:
+    path = code.co_filename
+    return not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR) or path.startswith("<frozen"))
+
+
+def _constant(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return True
+    return isinstance(value, tuple) and all(_constant(v) for v in value)
+
+
+def _numbers(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) in (bool, int, float) or _numbers(v) for v in value)
+
+
+def _member(value: Any, allowed: frozenset[Any]) -> bool:
+    try:
+        return value in allowed
+    except TypeError:  # unhashable
+        return False
+
+
+def _admit(value: Any, name: str) -> _Known:
+    """A loaded value that may enter the hook (operations on it are checked when used)."""
+    if (isinstance(value, (types.ModuleType, torch.Tensor, types.FunctionType, types.BuiltinFunctionType,
+                           type, torch._ops.OpOverloadPacket)) or _constant(value) or _numbers(value)
+            or _member(value, TORCH_FUNCTIONS) or _member(value, BUILTINS)):
+        return _Known(value)
+    raise _Dynamic(f"the value {name}, a {type(value).__name__} that can change between calls")
+
+
+def _attribute(base: Any, name: str) -> Any:
+    if isinstance(base, _Known):
+        value = base.value
+        if isinstance(value, types.ModuleType):
+            if not hasattr(value, name):
+                raise _Dynamic(f"the undefined attribute {value.__name__}.{name}")
+            return _admit(getattr(value, name), f"{value.__name__}.{name}")
+        if not isinstance(value, torch.Tensor):
+            raise _Dynamic(f"the attribute .{name} of a {type(value).__name__} (attributes are read only "
+                           "from modules and tensors)")
+    if name in TENSOR_METHODS:
+        return _Method(name)
+    if name in TENSOR_ATTRIBUTES:
+        return _RUNTIME
+    raise _Dynamic(f"the attribute .{name}, which is not an elementwise tensor method")
+
+
+class _Checker:
+    """Walks code objects with a small stack model: what each call and attribute is applied to."""
+
+    def __init__(self) -> None:
+        self.active: set[int] = set()
+        self.where = ""
+
+    def function(self, fn: types.FunctionType, index_args: int, depth: int) -> None:
+        if depth > _MAX_DEPTH or id(fn) in self.active:
+            raise _Dynamic(f"recursion into {fn.__qualname__}")
+        code = fn.__code__
+        if not _user_code(code):
+            raise _Dynamic(f"a call of {_qualname(fn)}, a function of torch or the standard library")
+        self.where = f"{code.co_filename}:{code.co_firstlineno} in {code.co_name}"
+        if code.co_flags & (0x20 | 0x80 | 0x100 | 0x200):  # generator, coroutine, async generator
+            raise _Dynamic("a generator or coroutine")
+        if getattr(code, "co_exceptiontable", b""):
+            uses_with = any(i.opname == "BEFORE_WITH" for i in dis.get_instructions(code))
+            raise _Dynamic("a with block" if uses_with else "a try block")
+        self.active.add(id(fn))
+        try:
+            self._code(fn, index_args, depth)
+        finally:
+            self.active.discard(id(fn))
+
+    def _initial_locals(self, fn: types.FunctionType, index_args: int) -> dict[str, Any]:
+        code = fn.__code__
+        names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        defaults = dict(zip(code.co_varnames[:code.co_argcount][code.co_argcount - len(fn.__defaults__ or ()):],
+                            fn.__defaults__ or ()))
+        defaults.update(fn.__kwdefaults__ or {})
+        out: dict[str, Any] = {}
+        for i, name in enumerate(names):
+            if i >= index_args and name in defaults:
+                out[name] = _admit(defaults[name], f"{name} (a default argument)")
+            else:
+                out[name] = _RUNTIME
+        return out
+
+    def _load_global(self, fn: types.FunctionType, name: str) -> _Known:
+        if name in fn.__globals__:
+            return _admit(fn.__globals__[name], name)
+        if hasattr(builtins, name):
+            return _admit(getattr(builtins, name), name)
+        raise _Dynamic(f"the undefined name {name}")
+
+    def _code(self, fn: types.FunctionType, index_args: int, depth: int) -> None:
+        code = fn.__code__
+        cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+        local = self._initial_locals(fn, index_args)
+        stack: Optional[list[Any]] = []
+        pending: dict[int, list[Any]] = {}
+        line = code.co_firstlineno
+        for ins in dis.get_instructions(code):
+            if ins.positions is not None and ins.positions.lineno:
+                line = ins.positions.lineno
+            self.where = f"{code.co_filename}:{line} in {code.co_name}"
+            if ins.offset in pending:
+                stack = pending.pop(ins.offset) if stack is None else stack
+            if stack is None:
+                continue  # unreachable
+            op = ins.opname
+            if op in _PLAIN:
+                continue
+            if op in _WORDS:
+                raise _Dynamic(_WORDS[op])
+            if op == "LOAD_FAST":
+                stack.append(local.get(ins.argval, _RUNTIME))
+            elif op == "STORE_FAST":
+                local[ins.argval] = stack.pop()
+            elif op == "LOAD_CONST":
+                if isinstance(ins.argval, types.CodeType):
+                    raise _Dynamic("a nested function or lambda")
+                stack.append(_Known(ins.argval))
+            elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
+                cell = cells.get(ins.argval)
+                try:
+                    value = cell.cell_contents if cell is not None else None
+                except ValueError:
+                    raise _Dynamic(f"the captured variable {ins.argval}, which is not yet set") from None
+                if cell is None:
+                    raise _Dynamic(f"the variable {ins.argval} of an enclosing function")
+                stack.append(_admit(value, f"{ins.argval} (a captured variable)"))
+            elif op == "LOAD_GLOBAL":
+                if ins.arg is not None and ins.arg & 1:
+                    stack.append(_NULL)
+                stack.append(self._load_global(fn, ins.argval))
+            elif op == "LOAD_ATTR":
+                stack.append(_attribute(stack.pop(), ins.argval))
+            elif op == "LOAD_METHOD":
+                base = stack.pop()
+                stack.extend((_attribute(base, ins.argval), base))
+            elif op == "PUSH_NULL":
+                stack.append(_NULL)
+            elif op == "CALL":
+                argc = int(ins.arg or 0)
+                args = stack[len(stack) - argc:]
+                del stack[len(stack) - argc:]
+                second, first = stack.pop(), stack.pop()
+                self._call(second if first is _NULL else first, args, depth)
+                stack.append(_RUNTIME)
+            elif op in ("BINARY_OP", "COMPARE_OP", "IS_OP", "CONTAINS_OP", "BINARY_SUBSCR"):
+                del stack[-2:]
+                stack.append(_RUNTIME)
+            elif op in ("UNARY_NEGATIVE", "UNARY_POSITIVE", "UNARY_INVERT", "UNARY_NOT"):
+                stack[-1] = _RUNTIME
+            elif op in ("BUILD_TUPLE", "BUILD_SLICE"):
+                del stack[len(stack) - int(ins.arg or 0):]
+                stack.append(_RUNTIME)
+            elif op == "POP_TOP":
+                stack.pop()
+            elif op == "COPY":
+                stack.append(stack[-int(ins.arg)])
+            elif op == "SWAP":
+                i = int(ins.arg)
+                stack[-1], stack[-i] = stack[-i], stack[-1]
+            elif op.startswith("POP_JUMP_FORWARD_IF_"):
+                stack.pop()
+                self._branch(pending, ins.argval, stack)
+            elif op in ("JUMP_IF_TRUE_OR_POP", "JUMP_IF_FALSE_OR_POP"):
+                self._branch(pending, ins.argval, stack)
+                stack.pop()
+            elif op == "JUMP_FORWARD":
+                self._branch(pending, ins.argval, stack)
+                stack = None
+            elif op == "RETURN_VALUE":
+                stack = None
+            else:
+                raise _Dynamic(f"the operation {op}")
+
+    @staticmethod
+    def _branch(pending: dict[int, list[Any]], target: int, stack: list[Any]) -> None:
+        pending.setdefault(target, list(stack))  # forward only: every path reaches it with one stack depth
+
+    def _call(self, callee: Any, args: list[Any], depth: int) -> None:
+        if isinstance(callee, _Method):
+            return
+        if not isinstance(callee, _Known):
+            raise _Dynamic("a call of a computed value")
+        fn = callee.value
+        if fn is len and all(isinstance(a, _Known) for a in args):
+            return  # of a constant: a tensor's length differs between torch's calls (0-d) and broadcast grids
+        if any(_member(fn, allowed) for allowed in (TORCH_FUNCTIONS, BUILTINS, MATH_FUNCTIONS, _OPERATORS)):
+            return
+        if isinstance(fn, types.FunctionType):
+            where = self.where
+            self.hook(fn, len(fn.__code__.co_varnames[:fn.__code__.co_argcount]), depth + 1)
+            self.where = where
+            return
+        raise _Dynamic(f"a call of {_qualname(fn)}")
+
+    def hook(self, fn: Any, index_args: int, depth: int) -> None:
+        """``fn`` as a hook or a function a hook calls: ``index_args`` parameters are run-time values."""
+        if isinstance(fn, types.MethodType):
+            raise _Dynamic(f"the method {fn.__qualname__} of an object (its attributes can change between calls)")
+        if not isinstance(fn, types.FunctionType):
+            raise _Dynamic(f"a callable {type(fn).__name__} object (only plain functions are checked)")
+        if is_library_mask(fn):
+            return
+        combinator = COMBINATORS.get(fn.__code__)
+        if combinator is not None:
+            parts = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ())).get("mask_mods")
+            for part in parts.cell_contents if parts is not None else ():
+                self.hook(part, 4, depth + 1)
+            return
+        self.function(fn, index_args, depth)
+
+
+def outside_subset(hook: Callable[..., Any], kind: str) -> Optional[Outside]:
+    """The first construct of ``hook`` (``mask_mod`` or ``score_mod``) outside the provable subset, or None."""
+    checker = _Checker()
+    try:
+        checker.hook(hook, 4 if kind == "mask_mod" else 5, 0)
+    except _Dynamic as exc:
+        return Outside(exc.construct, checker.where or f"the hook {_qualname(hook)}")
+    return None
+
+
+def combined_parts(hook: Any) -> Optional[tuple[str, tuple[Any, ...]]]:
+    """``("and_masks" | "or_masks", parts)`` for a mask built by torch's combinators, else None."""
+    code = getattr(hook, "__code__", None)
+    if not isinstance(hook, types.FunctionType) or code not in COMBINATORS:
+        return None
+    parts = dict(zip(code.co_freevars, hook.__closure__ or ())).get("mask_mods")
+    return COMBINATORS[code], tuple(parts.cell_contents) if parts is not None else ()
+
+
+__all__ = ["BUILTINS", "COMBINATORS", "MATH_FUNCTIONS", "Outside", "TENSOR_ATTRIBUTES", "TENSOR_METHODS",
+           "TORCH_FUNCTIONS", "combined_parts", "outside_subset"]

@@ -207,7 +207,7 @@ def test_hook_column_says_what_the_hook_was_recognised_as(tmp_path, capsys):
     code, out, _ = run(capsys, cfg)
     assert code == 0
     for row in table_rows(out):
-        assert row["hooks (proven as)"].endswith("sliding_window -> window(left=3, right=0)")
+        assert row["hooks (proven as)"].endswith("sliding_window -> window(left=3, right=0) [proven]")
         assert row["window"] == "(3, 0)"
 
 
@@ -308,9 +308,9 @@ def test_seq_len_changes_the_picture_not_the_verdict(capsys):
     # prefix-LM over 64 tokens: the verdict is a proof, the same at every length; only the
     # picture follows --seq-len (at 32 tokens every key it shows is in the prefix).
     _, out, _ = run(capsys, str(EXAMPLES_DIR / "prefix_lm_hook.yaml"))
-    assert table_rows(out)[0]["hooks (proven as)"].endswith("-> custom (evaluated exactly)")
+    assert table_rows(out)[0]["hooks (proven as)"].endswith("-> custom (evaluated exactly) [admitted]")
     _, out, _ = run(capsys, str(EXAMPLES_DIR / "prefix_lm_hook.yaml"), "--seq-len", "32")
-    assert table_rows(out)[0]["hooks (proven as)"].endswith("-> custom (evaluated exactly)")
+    assert table_rows(out)[0]["hooks (proven as)"].endswith("-> custom (evaluated exactly) [admitted]")
     grid = only_grid(out)
     assert grid["positions"] == list(range(0, 32, 2))
     assert all(all(row) for row in grid["rows"])

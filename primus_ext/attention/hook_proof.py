@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import z3
 
+from . import hook_crosscheck as crosscheck
+from .hook_subset import Outside
 from .hook_trace import Assumption, HookTrace, cell_assumptions, trace_hook
 from .hook_z3 import INDEX_BOUND, Encoder, Unsupported, boolean, num
 from .library import library_name, library_pattern
@@ -50,6 +52,13 @@ class MaskProof:
     reason: str
     reads: tuple[str, ...] = ()
     assumptions: tuple[Assumption, ...] = field(default=(), compare=False)
+    outside: Optional[Outside] = None
+
+    @property
+    def hook_class(self) -> str:
+        """``proven`` (runs on a fixed kernel), ``admitted`` (in the provable subset, not a fixed kernel's
+        attention: evaluated exactly) or ``dynamic`` (outside the subset: evaluated exactly, or refused)."""
+        return "dynamic" if self.outside is not None else "proven" if self.pattern is not None else "admitted"
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,13 @@ class ScoreProof:
     reason: str
     reads: tuple[str, ...] = ()
     assumptions: tuple[Assumption, ...] = field(default=(), compare=False)
+    outside: Optional[Outside] = None
+
+    @property
+    def hook_class(self) -> str:
+        """``proven`` (runs on a fixed kernel), ``admitted`` (in the provable subset, not a fixed kernel's
+        attention: evaluated exactly) or ``dynamic`` (outside the subset: evaluated exactly, or refused)."""
+        return "dynamic" if self.outside is not None else "proven" if self.kind in ("identity", ALIBI, SYMMETRIC) else "admitted"
 
 
 # ----------------------------------------------------------------------------- solver helpers
@@ -156,7 +172,8 @@ class _MaskProver:
         self.names = {"b": self.b, "h": self.h, "q": self.q, "kv": self.kv}
 
     def result(self, pattern: Optional[Pattern], reason: str) -> MaskProof:
-        return MaskProof(pattern, reason, tuple(self.trace.reads), tuple(self.trace.assumptions))
+        trace = self.trace
+        return MaskProof(pattern, reason, tuple(trace.reads), tuple(trace.assumptions), trace.outside)
 
     def run(self) -> MaskProof:
         trace = self.trace
@@ -295,7 +312,7 @@ def _prove_score(trace: HookTrace, num_heads: Optional[int], head_offset: int = 
     reads, assumptions = tuple(trace.reads), tuple(trace.assumptions)
 
     def result(kind: str, reason: str, slopes: Optional[tuple[float, ...]] = None) -> ScoreProof:
-        return ScoreProof(kind, slopes, reason, reads, assumptions)
+        return ScoreProof(kind, slopes, reason, reads, assumptions, trace.outside)
 
     if trace.graph is not None and any(getattr(n.target, "__name__", n.target) == "tanh"
                                        for n in trace.graph.graph.nodes):
@@ -441,12 +458,23 @@ def _cached(hook: Any, kind: str, num_heads: Optional[int], head_offset: int,
         per_object[key] = found
         return found
     PROOFS[kind] += 1
-    proof = prove(trace_hook(hook, kind), num_heads, head_offset)
+    proof = _cross_checked(hook, kind, prove(trace_hook(hook, kind), num_heads, head_offset), num_heads, head_offset)
     per_object[key] = proof
     if fingerprint is not None:
         if len(_BY_FINGERPRINT) >= _FINGERPRINTS_MAX:
             _BY_FINGERPRINT.clear()
         _BY_FINGERPRINT[fingerprint] = proof
+    return proof
+
+
+def _cross_checked(hook: Any, kind: str, proof: Any, num_heads: Optional[int], head_offset: int) -> Any:
+    """``proof`` unless the hook, called as torch calls it, disagrees with it (`hook_crosscheck`)."""
+    if kind == "mask_mod" and proof.pattern is not None:
+        why = crosscheck.check_mask(hook, proof.pattern, num_heads, head_offset)
+        return dataclasses.replace(proof, pattern=None, reason=why) if why else proof
+    if kind == "score_mod" and proof.kind in ("identity", ALIBI, SYMMETRIC):
+        why = crosscheck.check_score(hook, proof.kind, proof.alibi_slopes, num_heads, head_offset)
+        return dataclasses.replace(proof, kind="other", alibi_slopes=None, reason=why) if why else proof
     return proof
 
 

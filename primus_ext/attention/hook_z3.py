@@ -250,7 +250,10 @@ def _convert(x: z3.ExprRef, target: Any) -> z3.ExprRef:
     if target in _FLOATS:
         if z3.is_int(x):
             raise Unsupported(f"converts index values to {target}, which rounds large indices")
-        return x  # a score stays a score: its rounding is the kernel's too
+        if target != torch.float32:  # scores are float32 where torch computes them: narrower rounds, saturates
+            raise Unsupported(f"converts a floating value to {target}, which rounds it (and overflows past "
+                              f"{torch.finfo(target).max:.6g})")
+        return x  # float32 to float32: the value itself
     if target == torch.int64:
         if z3.is_real(x):
             raise Unsupported("converts a floating value to an integer")
@@ -397,6 +400,45 @@ METHODS: dict[str, Callable[..., Any]] = {
 }
 
 
+_UNKNOWN = object()
+
+
+def _from_torch(t: torch.Tensor) -> Any:
+    """A value torch computed, exactly: a number for a 0-d tensor, else a constant table."""
+    if t.dim() != 0:
+        return Captured(t, "a tensor computed from constants")
+    if t.dtype == torch.bool:
+        return z3.BoolVal(bool(t))
+    if not t.dtype.is_floating_point:
+        return z3.IntVal(int(t))
+    value = float(t)
+    if not math.isfinite(value):
+        raise Unsupported(f"computes the non-finite constant {value}")
+    return z3.RealVal(Fraction(value))
+
+
+_NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32)
+
+
+def _node_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
+    """Each node's dtype from one eager run at index 0 (a score of 0.0), as torch promotes; None if it fails."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    args = [torch.zeros((), dtype=torch.float32 if n.target == "score" else torch.int64)
+            for n in graph.graph.nodes if n.op == "placeholder"]
+    try:
+        with torch.no_grad():
+            ShapeProp(graph).propagate(*args)
+    except Exception:  # noqa: BLE001 - no dtypes: narrow integer tensors are then not proven
+        return None
+    out = {}
+    for node in graph.graph.nodes:
+        meta = node.meta.get("tensor_meta")
+        if meta is not None and hasattr(meta, "dtype"):
+            out[node] = meta.dtype
+    return out
+
+
 _MAY_OVERFLOW = {operator.mul, torch.mul, "mul", "__mul__", operator.add, operator.sub, torch.add, torch.sub}
 
 
@@ -407,6 +449,7 @@ class Encoder:
         self.graph, self.names = graph, names
         self.obligations: list[tuple[z3.BoolRef, str]] = []
         self.ops: set[str] = set()
+        self.dtypes = _node_dtypes(graph)
 
     def run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         try:
@@ -418,20 +461,67 @@ class Encoder:
 
     def _run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         env: dict[fx.Node, Any] = {}
+        known: dict[fx.Node, Any] = {}  # nodes whose inputs are all fixed (a head proven one by one)
         for node in self.graph.graph.nodes:
             if node.op == "output":
                 return expr(fx.node.map_arg(node.args[0], env.__getitem__))
+            value = self._fixed(node, known, inputs)
+            if value is not _UNKNOWN:
+                known[node] = value
+                if node.op != "get_attr":
+                    env[node] = _from_torch(value)
+                    continue
             env[node] = value = self._node(node, env, inputs)
-            if isinstance(value, z3.ArithRef) and z3.is_int(value) and node.target in _MAY_OVERFLOW:
-                self.obligations.append((z3.And(value > -INT64, value < INT64),
-                                         "overflows int64 arithmetic"))
+            if isinstance(value, z3.ArithRef) and z3.is_int(value):
+                self._width(node, value)
         raise Unsupported("returns nothing")
+
+    def _fixed(self, node: fx.Node, known: dict[fx.Node, Any], inputs: dict[str, Any]) -> Any:
+        """The node's value computed by torch itself when every input is fixed (e.g. ``exp2`` of a slope
+        from the head index): torch's own dtype and rounding, which no encoding has to match."""
+        if node.op == "placeholder":
+            v = inputs.get(node.target)
+            if isinstance(v, z3.ExprRef) and z3.is_int_value(v):
+                return torch.tensor(v.as_long(), dtype=torch.int64)
+            return _UNKNOWN
+        if node.op == "get_attr":
+            return getattr(self.graph, node.target)
+        if node.op not in ("call_function", "call_method") or node.target is getattr:
+            return _UNKNOWN
+        inputs_fixed = all(n in known for n in node.all_input_nodes)
+        if not inputs_fixed or not node.all_input_nodes:
+            return _UNKNOWN
+        args = fx.node.map_arg(node.args, known.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, known.__getitem__)
+        try:
+            with torch.no_grad():
+                if node.op == "call_function":
+                    out = node.target(*args, **kwargs)
+                else:
+                    out = getattr(args[0], node.target)(*args[1:], **kwargs)
+        except Exception:  # noqa: BLE001 - encoded symbolically instead
+            return _UNKNOWN
+        return out if isinstance(out, torch.Tensor) else _UNKNOWN
+
+    def _width(self, node: fx.Node, value: z3.ArithRef) -> None:
+        """Integers are unbounded here and wrap in torch: each value must fit its dtype (torch's own
+        promotion, read off one eager run of the graph), so that the two agree."""
+        dtype = torch.int64 if self.dtypes is None else self.dtypes.get(node, torch.int64)
+        if dtype in _NARROW:
+            info = torch.iinfo(dtype)
+            self.obligations.append((z3.And(value >= info.min, value <= info.max),
+                                     f"computes {dtype} values that wrap around"))
+        elif node.target in _MAY_OVERFLOW:
+            self.obligations.append((z3.And(value > -INT64, value < INT64), "overflows int64 arithmetic"))
 
     def _node(self, node: fx.Node, env: dict[fx.Node, Any], inputs: dict[str, Any]) -> Any:
         if node.op == "placeholder":
             return inputs[node.target]
         if node.op == "get_attr":
             tensor = getattr(self.graph, node.target)
+            if tensor.dtype in _NARROW and self.dtypes is None:
+                raise Unsupported(f"reads a {tensor.dtype} tensor, whose arithmetic wraps, in a graph whose "
+                                  "dtypes could not be read")
             return Captured(tensor, self.names.get(id(tensor), "a captured tensor"))
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)

@@ -156,9 +156,9 @@ def _packing(plan: AttentionPlan) -> str:
 def _hooks(plan: AttentionPlan) -> str:
     parts = []
     if plan.mask_hook:
-        parts.append(f"mask_mod {plan.mask_hook} -> {plan.mask_recognised}")
+        parts.append(f"mask_mod {plan.mask_hook} -> {plan.mask_recognised} [{plan.mask_class}]")
     if plan.score_hook:
-        parts.append(f"score_mod {plan.score_hook} -> {plan.score_recognised}")
+        parts.append(f"score_mod {plan.score_hook} -> {plan.score_recognised} [{plan.score_class}]")
     return "; ".join(parts) or "-"
 
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from ..attention.heads import mask_on_heads, score_on_heads
 from ..backends.context_parallel import Ulysses
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
-from .call_contract import MaskCheck, refuse
+from .call_contract import MaskCheck
 
 _MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader), or the causal "
                      "mask split by get_batch_on_this_cp_rank; the layer applies its own causal / window mask.")

@@ -8,6 +8,7 @@ from typing import Callable, Optional, Tuple
 
 from ..attention.heads import head_range, mask_on_heads, score_on_heads
 from ..attention.pattern import pattern_from_flash_args
+from ..attention.hook_crosscheck import as_torch_calls, torch_call_problem
 from ..attention.hook_proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
@@ -113,6 +114,8 @@ def build_plan(
             mask_proof = prove_mask(mask_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
         if score_mod is not None:
             score_proof = prove_score(score_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
+        mask_mod = _torch_convention(mask_mod, mask_proof, "mask_mod", settings, reasons)
+        score_mod = _torch_convention(score_mod, score_proof, "score_mod", settings, reasons)
     else:
         name, why, problem, caps = "turbo", "direct path", "", None
         if settings.use_turbo_attention or facts.turbo_module:
@@ -161,6 +164,8 @@ def build_plan(
         mask_recognised=_proven_text(mask_proof),
         score_hook=settings.turbo_flex_attention_score_mod if flex else None,
         score_recognised=score_proof.kind if score_proof else None,
+        mask_class=_hook_class(mask_proof),
+        score_class=_hook_class(score_proof),
         alibi_slopes=score_proof.alibi_slopes if score_proof and score_proof.kind in ALIBI_FORMS else None,
         dense_entry=caps.dense_entry if caps else (direct.dense if direct else None),
         packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
@@ -245,6 +250,30 @@ def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts,
                                         f"causal={causal}, window_size={window} (the plan's rules, B34)")
 
     return bind
+
+
+def _torch_convention(hook: Optional[Callable], proof: Optional[MaskProof | ScoreProof], kind: str,
+                      settings: TurboAttentionSettings, reasons: list[Reason]) -> Optional[Callable]:
+    """A dynamic hook (outside the provable subset) is called as torch calls it, under ``torch.vmap``,
+    wherever primus_ext evaluates it: a hook that tells the calls apart computes what torch's would."""
+    if hook is None or proof is None or proof.hook_class != "dynamic":
+        return hook
+    problem = torch_call_problem(hook, kind)
+    if problem:
+        key = f"turbo_flex_attention_{kind}"
+        reasons.append(Reason((key,), f"the {kind} {getattr(settings, key)} {problem}; torch's FlexAttention "
+                              "calls it that way, so no backend can compute what it means (B31).",
+                              "write the hook with tensor operations on the index arguments only "
+                              "(docs/mask_hooks.md, the provable subset).", "B31"))
+        return hook
+    return as_torch_calls(hook, kind)
+
+
+def _hook_class(proof: Optional[MaskProof | ScoreProof]) -> Optional[str]:
+    """What `check` shows of a hook: proven, admitted, or dynamic with the construct and its line."""
+    if proof is None:
+        return None
+    return f"dynamic: {proof.outside.describe()}" if proof.outside is not None else proof.hook_class
 
 
 def _proven_text(proof: Optional[MaskProof]) -> Optional[str]:

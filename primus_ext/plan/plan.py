@@ -43,6 +43,10 @@ class AttentionPlan:
     mask_recognised: Optional[str] = None
     score_hook: Optional[str] = None
     score_recognised: Optional[str] = None
+    mask_class: Optional[str] = None
+    """The mask hook's class (docs/mask_hooks.md): ``proven``, ``admitted``, or ``dynamic: <construct>
+    (<file>:<line> in <function>)``; `score_class` the same for the score hook."""
+    score_class: Optional[str] = None
     alibi_slopes: Optional[Tuple[float, ...]] = None
     dense_entry: Optional[str] = None
     packed_entry: Optional[str] = None

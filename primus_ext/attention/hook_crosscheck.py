@@ -1,0 +1,161 @@
+"""After a proof, the hook itself, called as torch calls it, must agree with what was proven (B31).
+
+A proof is about the traced graph.  The hook's meaning is what torch computes when it
+calls the hook: ``create_block_mask`` and ``flex_attention`` call it under ``torch.vmap``
+with 0-d int64 index tensors (`torch.nn.attention.flex_attention._vmap_for_bhqkv`), and
+the ``reference`` backend calls it on broadcast index grids.  Both calls are made here,
+at points the proof chose: each window edge, chunk cut and document boundary, one either
+side, powers of two up to the largest index a proof covers (where a narrow integer
+wraps), and both ends of the rank's head range.  Any difference refuses the proof; an
+agreement is evidence only, never a reason to run a hook on a fixed kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.nn.attention.flex_attention import _vmap_for_bhqkv
+
+from .hook_z3 import INDEX_BOUND
+from .pattern import Pattern
+
+_POWERS = sorted({0, 1, 2, 3} | {p + d for e in (4, 6, 8, 10, 12, 15, 16, 24, 31, 32, 39)
+                                 for p in (1 << e,) for d in (-1, 0, 1)} | {INDEX_BOUND - 1})
+
+
+def _positions(pattern: Optional[Pattern]) -> tuple[list[int], list[int]]:
+    """Query rows, and offsets ``q_idx - kv_idx`` around every feature of ``pattern`` (or a plain grid)."""
+    rows = set(_POWERS)
+    offsets = {0, 1, -1, 2, -2}
+    if pattern is not None:
+        edges = ([pattern.left] if pattern.left >= 0 else []) + ([-pattern.right] if pattern.right >= 0 else [])
+        for edge in edges:  # q_idx - kv_idx at the window's last allowed key, either side
+            offsets |= {edge - 1, edge, edge + 1}
+        cuts: list[int] = list(pattern.cuts or ())
+        if pattern.chunk is not None:
+            cuts += [pattern.chunk * k for k in (1, 2, 3)] + [pattern.chunk * (INDEX_BOUND // pattern.chunk - 1)]
+        for cut in cuts:
+            rows |= {cut - 1, cut, cut + 1}
+    return sorted(x for x in rows if 0 <= x < INDEX_BOUND), sorted(offsets)
+
+
+def _heads(head_offset: int, num_heads: Optional[int]) -> list[int]:
+    top = head_offset + (num_heads or 4)
+    return sorted({h for h in (head_offset, head_offset + 1, top - 2, top - 1) if head_offset <= h < top})
+
+
+def _pairs(pattern: Optional[Pattern], heads: list[int]) -> list[torch.Tensor]:
+    """Flat ``b, h, q_idx, kv_idx`` vectors: each chosen row with the keys at each chosen offset and at
+    every chosen row, for batch indices 0 and 1 and each head."""
+    rows_list, offsets = _positions(pattern)
+    rows = torch.tensor(rows_list, dtype=torch.int64)
+    near = (rows.view(-1, 1) - torch.tensor(offsets, dtype=torch.int64).view(1, -1))
+    q = torch.cat([rows.view(-1, 1).expand_as(near).reshape(-1), rows.repeat_interleave(len(rows))])
+    kv = torch.cat([near.reshape(-1), rows.repeat(len(rows))])
+    keep = (kv >= 0) & (kv < INDEX_BOUND)
+    q, kv = q[keep], kv[keep]
+    planes = torch.tensor([(b, h) for b in (0, 1) for h in heads], dtype=torch.int64)
+    n = len(q)
+    return [planes[:, 0].repeat_interleave(n), planes[:, 1].repeat_interleave(n), q.repeat(len(planes)),
+            kv.repeat(len(planes))]
+
+
+def _calls(fn: Callable[..., Any], index: Sequence[torch.Tensor],
+           score: Optional[torch.Tensor]) -> list[tuple[str, Any]]:
+    """``(how, result)`` of the two calls torch and the reference backend make, on flat point vectors."""
+    out: list[tuple[str, Any]] = []
+    args = ((score,) if score is not None else ()) + tuple(index)
+    for how in ("torch.vmap on 0-d index tensors, as create_block_mask and flex_attention call it",
+                "index tensors, as the reference backend calls it"):
+        try:
+            with torch.no_grad():
+                result = torch.vmap(fn)(*args) if how.startswith("torch") else fn(*args)
+            out.append((how, torch.as_tensor(result).expand(index[0].shape)))
+        except Exception as exc:  # noqa: BLE001 - a hook that fails when really called is not what was proven
+            out.append((how, f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+def _first(bad: torch.Tensor, index: Sequence[torch.Tensor]) -> str:
+    at = int(bad.nonzero()[0, 0])
+    return ", ".join(f"{n}={int(t[at])}" for n, t in zip(("b", "h", "q_idx", "kv_idx"), index))
+
+
+def check_mask(hook: Callable[..., Any], pattern: Pattern, num_heads: Optional[int], head_offset: int) -> str:
+    """Empty when ``hook`` called both ways equals ``pattern`` at every chosen point; else what differs."""
+    index = _pairs(pattern, _heads(head_offset, num_heads))
+    expected = pattern.allows(index[2], index[3])
+    for how, got in _calls(hook, index, None):
+        if isinstance(got, str):
+            return f"raises {got} when called with {how}"
+        if got.dtype != torch.bool:
+            return f"returns {got.dtype}, not a boolean mask, when called with {how}"
+        bad = got != expected
+        if bool(bad.any()):
+            allows = bool(got[int(bad.nonzero()[0, 0])])
+            return (f"behaves differently when called than when traced: called with {how}, at "
+                    f"{_first(bad, index)} it {'allows' if allows else 'blocks'} attention, the proven "
+                    f"{pattern.describe()} does not")
+    return ""
+
+
+def check_score(hook: Callable[..., Any], kind: str, slopes: Optional[Sequence[float]], num_heads: Optional[int],
+                head_offset: int) -> str:
+    """Empty when ``hook`` called both ways computes ``kind`` (identity / ALiBi forms) at the chosen points."""
+    heads = _heads(head_offset, num_heads)
+    if slopes is not None:
+        heads = [h for h in heads if h - head_offset < len(slopes)]
+    index = _pairs(None, heads)
+    gen = torch.Generator().manual_seed(0)
+    score = (torch.randn(index[0].shape, generator=gen) * 4).float()
+    expected = score.double()
+    if kind != "identity" and slopes is not None:
+        slope = torch.tensor(slopes, dtype=torch.float64)[index[1] - head_offset]
+        distance = (index[3] - index[2]).double()
+        expected = expected + slope * (distance if kind == "alibi" else -distance.abs())
+    scale = expected.abs() + score.double().abs() + 1.0
+    for how, got in _calls(hook, index, score):
+        if isinstance(got, str):
+            return f"raises {got} when called with {how}"
+        if not got.dtype.is_floating_point:
+            return f"returns {got.dtype}, not a score, when called with {how}"
+        bad = ~((got.double() - expected).abs() <= 1e-5 * scale)
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0, 0])
+            return (f"behaves differently when called than when traced: called with {how}, at "
+                    f"{_first(bad, index)} with score {float(score[at]):.4g} it returns {float(got[at]):.6g}, the "
+                    f"proven {kind} gives {float(expected[at]):.6g}")
+    return ""
+
+
+def _vector(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D index vector behind a broadcast index tensor (one dimension longer than 1, or none)."""
+    return t.reshape(-1) if t.numel() == max(t.shape, default=1) else t.flatten().unique()
+
+
+def as_torch_calls(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """``hook`` called on broadcast index grids the way torch calls it: under ``torch.vmap`` with 0-d
+    indices (a hook outside the provable subset may tell the two apart; torch's call is its meaning)."""
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return _vmap_for_bhqkv(hook, prefix=())(*(_vector(t) for t in (b, h, q_idx, kv_idx)))
+
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                  kv_idx: torch.Tensor) -> torch.Tensor:
+        index = [_vector(t) for t in (b, h, q_idx, kv_idx)]
+        return _vmap_for_bhqkv(hook, prefix=(0,))(score.expand(*(len(t) for t in index)), *index)
+
+    wrapped = mask_mod if kind == "mask_mod" else score_mod
+    wrapped.__wrapped__ = hook  # type: ignore[attr-defined]
+    return wrapped
+
+
+def torch_call_problem(hook: Callable[..., Any], kind: str) -> str:
+    """Empty when ``hook`` runs as torch calls it on a few points; else what it raised."""
+    index = _pairs(Pattern(-1, 0), [0, 1])
+    score = torch.randn(index[0].shape, generator=torch.Generator().manual_seed(0)) if kind == "score_mod" else None
+    how, got = _calls(hook, index, score)[0]
+    return f"raises {got} when called with {how}" if isinstance(got, str) else ""
+
+
+__all__ = ["as_torch_calls", "check_mask", "check_score", "torch_call_problem"]

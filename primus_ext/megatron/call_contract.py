@@ -80,7 +80,8 @@ class MaskCheck:
             at = torch.arange(q_len, device=mask.device) if rows is None else rows(mask.device)
             return torch.arange(kv_len, device=mask.device).view(1, -1) > at.view(-1, 1)
 
-        refusal = lambda: refuse(("attention_mask", "reset_attention_mask"), why + ".", self.alternative)  # noqa: E731
+        alternative = self.alternative  # a plain string in the closure: Dynamo keeps the refusal as a constant
+        refusal = lambda: refuse(("attention_mask", "reset_attention_mask"), why + ".", alternative)  # noqa: E731
         if torch.compiler.is_compiling():  # no memo inside a graph: one fused comparison per call
             assert_on_device((mask == expected()).all(), why, refusal)
             return

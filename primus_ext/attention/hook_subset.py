@@ -29,6 +29,7 @@ import dis
 import math
 import operator
 import os
+import sysconfig
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -39,8 +40,9 @@ from torch.nn.attention import flex_attention as _flex
 from .hook_z3 import FUNCTIONS, METHODS
 from .library import is_library_mask
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_STDLIB_DIR = os.path.dirname(os.__file__)
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
+_STDLIB_DIR = os.path.join(sysconfig.get_paths()["stdlib"], "")
+_PACKAGE_DIRS = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib")})
 
 TORCH_FUNCTIONS: frozenset[Any] = frozenset(f for f in FUNCTIONS if f not in (torch.min, torch.max)) | {
     torch.exp, torch.exp2, torch.log, torch.log2, torch.sqrt, torch.tanh, torch.sigmoid, torch.pow,
@@ -123,9 +125,12 @@ def _qualname(value: Any) -> str:
     return f"{module}.{name}" if module and module != "builtins" else f"{name}"
 
 
-def _user_code(code: types.CodeType) -> bool:
+def user_code(code: types.CodeType) -> bool:
+    """Code outside torch and the standard library (installed packages count as the user's)."""
     path = code.co_filename
-    return not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR) or path.startswith("<frozen"))
+    if path.startswith(_TORCH_DIR) or path.startswith("<frozen"):
+        return False
+    return path.startswith(_PACKAGE_DIRS) or not path.startswith(_STDLIB_DIR)
 
 
 def _constant(value: Any) -> bool:
@@ -182,7 +187,7 @@ class _Checker:
         if depth > _MAX_DEPTH or id(fn) in self.active:
             raise _Dynamic(f"recursion into {fn.__qualname__}")
         code = fn.__code__
-        if not _user_code(code):
+        if not user_code(code):
             raise _Dynamic(f"a call of {_qualname(fn)}, a function of torch or the standard library")
         self.where = f"{code.co_filename}:{code.co_firstlineno} in {code.co_name}"
         if code.co_flags & (0x20 | 0x80 | 0x100 | 0x200):  # generator, coroutine, async generator
@@ -359,4 +364,4 @@ def combined_parts(hook: Any) -> Optional[tuple[str, tuple[Any, ...]]]:
 
 
 __all__ = ["BUILTINS", "COMBINATORS", "MATH_FUNCTIONS", "Outside", "TENSOR_ATTRIBUTES", "TENSOR_METHODS",
-           "TORCH_FUNCTIONS", "combined_parts", "outside_subset"]
+           "TORCH_FUNCTIONS", "combined_parts", "outside_subset", "user_code"]

@@ -22,7 +22,6 @@ import builtins
 import dataclasses
 import dis
 import functools
-import os
 import reprlib  # bounded: a captured value may be a factory's whole kwargs
 import types
 from dataclasses import dataclass, field
@@ -31,10 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .hook_subset import Outside, outside_subset
+from .hook_subset import Outside, outside_subset, user_code
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_STDLIB_DIR = os.path.dirname(os.__file__)
 _META_ATTRS = {"device", "dtype", "shape", "ndim", "is_cuda"}
 _SHAPE_ONLY_METHODS = {"new_ones", "new_zeros", "new_full", "new_empty", "size", "dim"}
 
@@ -85,11 +82,6 @@ def _is_code(value: Any) -> bool:
 def _numbers(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(
         isinstance(v, (bool, int, float)) or _numbers(v) for v in value)
-
-
-def _user_code(code: types.CodeType) -> bool:
-    path = code.co_filename
-    return not (path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIR) or path.startswith("<frozen"))
 
 
 _LOADS = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "deref", "LOAD_CLASSDEREF": "deref",
@@ -192,7 +184,7 @@ def _reachable(hook: Any) -> list[tuple[types.FunctionType, dict[str, tuple[Any,
         stack.extend(v for _, v in cells.values())
         stack.extend(obj.__defaults__ or ())
         stack.extend((obj.__kwdefaults__ or {}).values())
-        if not _user_code(obj.__code__):
+        if not user_code(obj.__code__):
             continue
         found.append((obj, cells))
         for chain in _global_reads(obj.__code__):

@@ -18,4 +18,9 @@ say "installing $TORCH (CPU build; about 2 minutes on a first run) ..."
 .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH"
 say "installing primus_ext with megatron-core, test and CLI extras (about 1 minute on a first run) ..."
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[megatron,test,cli]"
+# The mask libraries FlexAttention users already have, for the tests that run their factories as
+# their docs show. --no-deps: only their mask modules are used, and their training stacks
+# (torchtitan's tyro, torchdata, ...) are large and irrelevant here.
+say "installing the mask libraries attn-gym and torchtitan (tests only, --no-deps) ..."
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps attn-gym==0.0.17 torchtitan==0.3.0
 say "ready: $(.venv/bin/python -W ignore -c 'import torch, megatron.core as m; print(f"torch {torch.__version__}, megatron-core {m.__version__}")' 2>/dev/null)"

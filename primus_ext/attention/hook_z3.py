@@ -421,7 +421,14 @@ _NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torc
 
 
 def _node_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
-    """Each node's dtype from one eager run at index 0 (a score of 0.0), as torch promotes; None if it fails."""
+    """Each node's dtype from one eager run at index 0 (a score of 0.0), as torch promotes; None if it fails.
+    Kept on the graph: a score hook is encoded once per head."""
+    if "_primus_ext_dtypes" not in graph.__dict__:
+        graph.__dict__["_primus_ext_dtypes"] = _run_dtypes(graph)
+    return graph.__dict__["_primus_ext_dtypes"]
+
+
+def _run_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
     from torch.fx.passes.shape_prop import ShapeProp
 
     args = [torch.zeros((), dtype=torch.float32 if n.target == "score" else torch.int64)

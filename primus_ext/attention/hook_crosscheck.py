@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
-from .hook_z3 import INDEX_BOUND
+from .hook_ops import INDEX_BOUND
 from .pattern import Pattern
 
 _POWERS = sorted({0, 1, 2, 3} | {p + d for e in (4, 6, 8, 10, 12, 15, 16, 24, 31, 32, 39)

@@ -7,10 +7,12 @@ chunks, or documents cut at constant positions, each optionally windowed inside.
 A score hook is proven the identity, ALiBi ``score + slope[h] * (kv - q)`` or symmetric
 ALiBi ``score - slope[h] * |q - kv|`` over the reals, one float32 slope per head.
 
-The hook is traced (`hook_trace`), turned into a z3 formula (`hook_z3`) and the
-candidate pattern is derived by the solver itself (the widest reach to either side,
-the first position where a document starts), then proven equal.  Nothing is sampled:
-either the solver proves equality, or the hook is not run on a kernel.
+The hook is checked against the provable subset (`hook_subset`), traced (`hook_trace`),
+turned into a z3 formula (`hook_z3`) and the candidate pattern is derived by the solver
+itself (the widest reach to either side, the first position where a document starts),
+then proven equal (score hooks: `hook_score`).  Nothing is sampled: either the solver
+proves equality, or the hook is not run on a kernel; a proof is then cross-checked
+against the hook called as torch calls it (`hook_crosscheck`), which can only refuse.
 
 Proofs are cached per hook, by identity and by a fingerprint of its code and closure
 constants (a factory called again with the same arguments reuses the proof), so a
@@ -24,7 +26,6 @@ import types
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -33,11 +34,13 @@ import z3
 from . import hook_crosscheck as crosscheck
 from .hook_subset import Outside
 from .hook_trace import Assumption, HookTrace, cell_assumptions, trace_hook
-from .hook_z3 import INDEX_BOUND, Encoder, Unsupported, boolean, num
+from .hook_ops import INDEX_BOUND, Unsupported, boolean
+from .hook_score import ALIBI, SYMMETRIC, ScoreProof, prove_score_trace
+from .hook_solver import broken_obligation, extreme, head_domain, solve, uses_reals, where_text
+from .hook_z3 import Encoder
 from .library import library_name, library_pattern
 from .pattern import FULL, MaskMod, Pattern, ScoreMod
 
-TIMEOUT_MS = 2000  # per solver query; a query that times out proves nothing
 MAX_CUTS = 64  # constant document boundaries looked for before giving up
 GUESS_ROW = 1 << 12  # query row a candidate window is read from (then proven, never trusted)
 PROOFS: Counter = Counter()
@@ -61,85 +64,6 @@ class MaskProof:
         return "dynamic" if self.outside is not None else "proven" if self.pattern is not None else "admitted"
 
 
-@dataclass(frozen=True)
-class ScoreProof:
-    """``kind``: ``identity``, ``alibi`` (``score + slope * (kv - q)``, float32 slopes), ``alibi-symmetric``
-    (``score - slope * |q - kv|``, the form bidirectional encoders use), ``softcap`` or ``other``."""
-
-    kind: str
-    alibi_slopes: Optional[tuple[float, ...]]
-    reason: str
-    reads: tuple[str, ...] = ()
-    assumptions: tuple[Assumption, ...] = field(default=(), compare=False)
-    outside: Optional[Outside] = None
-
-    @property
-    def hook_class(self) -> str:
-        """``proven`` (runs on a fixed kernel), ``admitted`` (in the provable subset, not a fixed kernel's
-        attention: evaluated exactly) or ``dynamic`` (outside the subset: evaluated exactly, or refused)."""
-        return "dynamic" if self.outside is not None else "proven" if self.kind in ("identity", ALIBI, SYMMETRIC) else "admitted"
-
-
-# ----------------------------------------------------------------------------- solver helpers
-def _solve(*constraints: Any) -> tuple[str, Optional[z3.ModelRef]]:
-    solver = z3.Solver()
-    solver.set("timeout", TIMEOUT_MS)
-    solver.add(*constraints)
-    result = solver.check()
-    return str(result), (solver.model() if result == z3.sat else None)
-
-
-def _extreme(objective: z3.ArithRef, constraints: list[Any], *, minimize: bool = False) -> Union[int, str]:
-    """The largest (smallest) value of ``objective``: an int, ``"unbounded"`` or ``"unknown"``."""
-    opt = z3.Optimize()
-    opt.set("timeout", TIMEOUT_MS)
-    opt.add(*constraints)
-    handle = opt.minimize(objective) if minimize else opt.maximize(objective)
-    if opt.check() != z3.sat:
-        return "unknown"
-    value = opt.lower(handle) if minimize else opt.upper(handle)
-    if not z3.is_int_value(value) or abs(value.as_long()) >= INDEX_BOUND // 2:
-        return "unbounded"  # indices are bounded only to check int64 overflow
-    return value.as_long()
-
-
-def _where(model: z3.ModelRef, names: dict[str, z3.ExprRef]) -> str:
-    parts = []
-    for label, var in names.items():
-        value = model.eval(var, model_completion=True)
-        parts.append(f"{label}={value.as_decimal(6) if z3.is_real(value) else value}")
-    return ", ".join(parts)
-
-
-def _uses_reals(formula: z3.ExprRef) -> bool:
-    """True when any subterm is real-valued (a mask's float arithmetic is rounded by torch)."""
-    stack, seen = [formula], set()
-    while stack:
-        e = stack.pop()
-        if e.get_id() in seen:
-            continue
-        seen.add(e.get_id())
-        if z3.is_real(e):
-            return True
-        stack.extend(e.children())
-    return False
-
-
-def _broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.ExprRef]) -> str:
-    """Empty when every obligation (index ranges, no overflow) holds for all inputs: one query."""
-    if not encoder.obligations:
-        return ""
-    status, model = _solve(*domain, z3.Not(z3.And(*[o for o, _ in encoder.obligations])))
-    if status == "unsat":
-        return ""
-    if model is None:
-        return "could not be checked within the solver's time limit"
-    for obligation, text in encoder.obligations:
-        if not z3.is_true(model.eval(obligation, model_completion=True)):
-            return f"{text} at {_where(model, names)}"
-    return "breaks an obligation"
-
-
 def pattern_formula(pattern: Pattern, q: z3.ArithRef, kv: z3.ArithRef) -> z3.BoolRef:
     """``pattern.allows(q, kv)`` as a z3 formula (length-free patterns only)."""
     ok: list[Any] = []
@@ -156,11 +80,6 @@ def pattern_formula(pattern: Pattern, q: z3.ArithRef, kv: z3.ArithRef) -> z3.Boo
     return z3.And(*ok) if ok else z3.BoolVal(True)
 
 
-def _head_domain(h: z3.ArithRef, num_heads: Optional[int], head_offset: int) -> z3.BoolRef:
-    """``h`` is one of the rank's global heads, ``head_offset .. head_offset + num_heads - 1``."""
-    return z3.And(h >= head_offset, h < head_offset + num_heads) if num_heads else h >= head_offset
-
-
 # ----------------------------------------------------------------------------- masks
 class _MaskProver:
     def __init__(self, trace: HookTrace, num_heads: Optional[int], head_offset: int = 0) -> None:
@@ -168,7 +87,7 @@ class _MaskProver:
         self.b, self.h, self.q, self.kv = z3.Ints("b h q_idx kv_idx")
         self.head_offset = head_offset  # the rank's first (global) head: `primus_ext.attention.heads`
         self.domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (self.b, self.h, self.q, self.kv)]
-        self.domain.append(_head_domain(self.h, num_heads, head_offset))
+        self.domain.append(head_domain(self.h, num_heads, head_offset))
         self.names = {"b": self.b, "h": self.h, "q": self.q, "kv": self.kv}
 
     def result(self, pattern: Optional[Pattern], reason: str) -> MaskProof:
@@ -186,10 +105,10 @@ class _MaskProver:
             mask = boolean(encoder.run({"b": self.b, "h": self.h, "q_idx": self.q, "kv_idx": self.kv}))
         except Unsupported as exc:
             return self.result(None, str(exc))
-        if _uses_reals(mask):
+        if uses_reals(mask):
             return self.result(None, "computes with floating-point values of the indices, which torch "
                                      "rounds (float32); write the mask with integer arithmetic")
-        why = _broken_obligation(encoder, self.domain, self.names)
+        why = broken_obligation(encoder, self.domain, self.names)
         if why:
             return self.result(None, why)
         first = z3.substitute(mask, (self.b, z3.IntVal(0)), (self.h, z3.IntVal(self.head_offset)))
@@ -202,7 +121,7 @@ class _MaskProver:
         """Empty when ``mask`` equals ``first`` (its b = 0, first-head slice) everywhere: kernels share one."""
         if not {"the batch index", "the head index"} & set(self.trace.reads):
             return ""
-        status, model = _solve(*self.domain, mask != first)
+        status, model = solve(*self.domain, mask != first)
         if status == "unsat":
             return ""
         if model is None:
@@ -210,7 +129,7 @@ class _MaskProver:
         allows = z3.is_true(model.eval(mask, model_completion=True))
         words = [w for w, v, at in (("batch", self.b, 0), ("head", self.h, self.head_offset))
                  if model.eval(v, model_completion=True).as_long() != at]
-        return (f"depends on the {' and '.join(words)} index: at {_where(model, self.names)} it "
+        return (f"depends on the {' and '.join(words)} index: at {where_text(model, self.names)} it "
                 f"{'allows' if allows else 'blocks'} attention, at b=0, h={self.head_offset} it does not; fixed "
                 "kernels share one mask across batch and heads")
 
@@ -218,15 +137,15 @@ class _MaskProver:
         guess = self.guess()
         if guess is not None and self.differs(mask, guess) is None:
             return self.result(guess, f"proven {guess.describe()} for every position")
-        status, _ = _solve(*self.domain, z3.Not(mask))
+        status, _ = solve(*self.domain, z3.Not(mask))
         if status == "unsat":
             return self.result(FULL, "proven full attention")
-        status, _ = _solve(*self.domain, mask)
+        status, _ = solve(*self.domain, mask)
         if status == "unsat":
             return self.result(None, "allows no key for any query")
         allowed = [*self.domain, mask]
-        left = _extreme(self.q - self.kv, allowed)
-        right = _extreme(self.kv - self.q, allowed)
+        left = extreme(self.q - self.kv, allowed)
+        right = extreme(self.kv - self.q, allowed)
         if "unknown" in (left, right):
             return self.result(None, "could not be decided by the solver within its time limit")
         left = -1 if left == "unbounded" else left - (left < 0)  # a negative reach maps below -1
@@ -270,20 +189,20 @@ class _MaskProver:
 
     def differs(self, mask: z3.BoolRef, pattern: Pattern) -> Optional[str]:
         expected = pattern_formula(pattern, self.q, self.kv)
-        status, model = _solve(*self.domain, mask != expected)
+        status, model = solve(*self.domain, mask != expected)
         if status == "unsat":
             return None
         if model is None:
             return f"could not be proven equal to {pattern.describe()} within the solver's time limit"
         allows = z3.is_true(model.eval(mask, model_completion=True))
         mine, theirs = ("allows", "blocks") if allows else ("blocks", "allows")
-        return f"at {_where(model, self.names)} the hook {mine} attention but {pattern.describe()} {theirs} it"
+        return f"at {where_text(model, self.names)} the hook {mine} attention but {pattern.describe()} {theirs} it"
 
     def documents(self, mask: z3.BoolRef, left: int, right: int) -> Union[Pattern, str]:
         if left == 0:
             return ""
         gap = z3.Not(z3.substitute(mask, (self.kv, self.q - 1)))
-        first = _extreme(self.q, [*self.domain, self.q >= 1, gap], minimize=True)
+        first = extreme(self.q, [*self.domain, self.q >= 1, gap], minimize=True)
         if not isinstance(first, int):
             return ""
         inside = lambda bound: bound if 0 <= bound < first - 1 else -1  # noqa: E731 - a bound a chunk never reaches
@@ -292,7 +211,7 @@ class _MaskProver:
             return chunks
         cuts = [first]
         while len(cuts) <= MAX_CUTS:
-            nxt = _extreme(self.q, [*self.domain, self.q > cuts[-1], gap], minimize=True)
+            nxt = extreme(self.q, [*self.domain, self.q > cuts[-1], gap], minimize=True)
             if not isinstance(nxt, int):
                 break
             cuts.append(nxt)
@@ -301,103 +220,6 @@ class _MaskProver:
         documents = Pattern(left, right, cuts=tuple(cuts))
         why = self.differs(mask, documents)
         return documents if why is None else f"; as {documents.describe()}: {why}"
-
-
-# ----------------------------------------------------------------------------- scores
-def _float32(value: Fraction) -> bool:
-    return Fraction(torch.tensor(float(value), dtype=torch.float32).item()) == value
-
-
-def _prove_score(trace: HookTrace, num_heads: Optional[int], head_offset: int = 0) -> ScoreProof:
-    reads, assumptions = tuple(trace.reads), tuple(trace.assumptions)
-
-    def result(kind: str, reason: str, slopes: Optional[tuple[float, ...]] = None) -> ScoreProof:
-        return ScoreProof(kind, slopes, reason, reads, assumptions, trace.outside)
-
-    if trace.graph is not None and any(getattr(n.target, "__name__", n.target) == "tanh"
-                                       for n in trace.graph.graph.nodes):
-        return result("softcap", "uses tanh, a logit softcap")
-    if trace.graph is None:
-        return result("other", trace.problem)
-    if trace.dynamic:
-        return result("other", "reads " + "; ".join(trace.dynamic))
-    score = z3.Real("score")
-    b, h, q, kv = z3.Ints("b h q_idx kv_idx")
-    names = {"score": score, "b": b, "h": h, "q": q, "kv": kv}
-    domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (b, h, q, kv)] + [_head_domain(h, num_heads, head_offset)]
-    per_head = "the head index" in trace.reads and bool(num_heads)
-    first_head, count = head_offset, int(num_heads or 0)  # the rank's global heads, whose slopes these are
-    heads: list[Optional[int]] = list(range(first_head, first_head + count)) if per_head else [None]
-    slopes: list[Fraction] = []
-    forms: list[str] = []  # each head's candidate form
-    cases: list[tuple[Optional[int], z3.ArithRef, z3.ArithRef, Encoder]] = []
-    for head in heads:  # encode every head first: then one solver query covers them all
-        encoder = Encoder(trace.graph, trace.tensor_names)
-        h_value = h if head is None else z3.IntVal(head)
-        try:
-            out = num(encoder.run({"score": score, "b": b, "h": h_value, "q_idx": q, "kv_idx": kv}))
-        except Unsupported as exc:
-            return result("other", str(exc))
-        out = z3.ToReal(out) if z3.is_int(out) else out
-        right, left = (_offset(out - score, names, head, q_at, kv_at) for q_at, kv_at in ((0, 1), (1, 0)))
-        if right is None or left is None:
-            return result("other", "its offset from the score is not a constant times the distance (kv_idx - q_idx)")
-        # The candidate form, from one key right and one left of the diagonal; the solver proves it.
-        form = SYMMETRIC if (right == left and right != 0) else ALIBI
-        slope = -right if form == SYMMETRIC else right
-        if not _float32(slope):
-            return result("other", f"has the ALiBi slope {float(slope)!r}"
-                                   f"{'' if head is None else f' (head {head})'}, which is not a float32 value "
-                                   "(Primus-Turbo's alibi_slopes are float32)")
-        slopes.append(slope)
-        forms.append(form)
-        distance = z3.ToReal(kv - q)
-        expected = score - z3.RealVal(slope) * z3.If(distance >= 0, distance, -distance) if form == SYMMETRIC \
-            else score + z3.RealVal(slope) * distance
-        cases.append((head, out, expected, encoder))
-    if len({f for f, slope in zip(forms, slopes) if slope != 0}) > 1:  # one kernel formula serves all heads
-        return result("other", "is ALiBi on some heads and symmetric ALiBi on others")
-    symmetric = SYMMETRIC in forms
-    merged = Encoder(trace.graph, trace.tensor_names)
-    merged.obligations = [o for *_, enc in cases for o in enc.obligations]
-    why = _broken_obligation(merged, domain, names)
-    if why:
-        return result("other", why)
-    status, model = _solve(*domain, z3.Or([out != expected for _, out, expected, _ in cases]))
-    if status != "unsat":
-        if model is None:
-            return result("other", "could not be decided by the solver within its time limit")
-        for (head, out, expected, _), slope in zip(cases, slopes):
-            if z3.is_true(model.eval(out != expected, model_completion=True)):
-                got = model.eval(out, model_completion=True).as_decimal(6)
-                form = "the score unchanged" if slope == 0 else (
-                    f"score - {float(slope):g} * |q - kv|" if symmetric else f"score + {float(slope):g} * (kv - q)")
-                where = _where(model, names) if head is None else _where(model, names).replace(
-                    f"h={model.eval(h, model_completion=True)}", f"h={head}")
-                return result("other", f"at {where} it gives {got}, not {form}: it is neither the "
-                                       "identity nor ALiBi for every position and score")
-    identity = all(slope == 0 for slope in slopes)
-    if identity:
-        return result("identity", "proven to return the score unchanged")
-    values = tuple(float(s) for s in slopes) * (int(num_heads or 1) if len(slopes) == 1 else 1)
-    if symmetric:
-        return result(SYMMETRIC, f"proven symmetric ALiBi: score - slope[h] * |q - kv| with slopes {list(values)}",
-                      values)
-    return result(ALIBI, f"proven ALiBi: score + slope[h] * (kv - q) with slopes {list(values)}", values)
-
-
-ALIBI, SYMMETRIC = "alibi", "alibi-symmetric"
-"""The two ALiBi forms a score hook is proven to be (`ScoreProof.kind`)."""
-
-
-def _offset(diff: Any, names: dict, head: Optional[int], q_at: int, kv_at: int) -> Optional[Fraction]:
-    """``hook - score`` at one cell (score 0, b 0), as an exact number, or None if it is no constant."""
-    at = z3.simplify(z3.substitute(diff, (names["score"], z3.RealVal(0)), (names["b"], z3.IntVal(0)),
-                                   (names["h"], z3.IntVal(head or 0)), (names["q"], z3.IntVal(q_at)),
-                                   (names["kv"], z3.IntVal(kv_at))))
-    if not (z3.is_rational_value(at) or z3.is_int_value(at)):
-        return None
-    return Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
 
 
 # ----------------------------------------------------------------------------- cache
@@ -496,7 +318,7 @@ def prove_score(score_mod: Optional[ScoreMod], *, num_heads: Optional[int] = Non
     head_offset + num_heads - 1`` (the slopes are those heads' own, in order)."""
     if score_mod is None:
         return ScoreProof("identity", None, "no score_mod")
-    return _cached(score_mod, "score_mod", num_heads, head_offset, _prove_score)
+    return _cached(score_mod, "score_mod", num_heads, head_offset, prove_score_trace)
 
 
-__all__ = ["MaskProof", "PROOFS", "ScoreProof", "pattern_formula", "prove_mask", "prove_score"]
+__all__ = ["ALIBI", "SYMMETRIC", "MaskProof", "PROOFS", "ScoreProof", "pattern_formula", "prove_mask", "prove_score"]

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.attention import flex_attention as _flex
 
-from .hook_z3 import FUNCTIONS, METHODS
+from .hook_ops import FUNCTIONS, METHODS
 from .library import is_library_mask
 
 _TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
 from .hook_ops import INDEX_BOUND
 from .pattern import Pattern
@@ -129,21 +128,20 @@ def check_score(hook: Callable[..., Any], kind: str, slopes: Optional[Sequence[f
     return ""
 
 
-def _vector(t: torch.Tensor) -> torch.Tensor:
-    """The 1-D index vector behind a broadcast index tensor (one dimension longer than 1, or none)."""
-    return t.reshape(-1) if t.numel() == max(t.shape, default=1) else t.flatten().unique()
-
-
 def as_torch_calls(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
-    """``hook`` called on broadcast index grids the way torch calls it: under ``torch.vmap`` with 0-d
-    indices (a hook outside the provable subset may tell the two apart; torch's call is its meaning)."""
+    """``hook`` called on broadcast index grids the way torch calls it: under ``torch.vmap``, one 0-d index
+    per cell (a hook outside the provable subset may tell the two calls apart; torch's is its meaning)."""
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        shape = torch.broadcast_shapes(*(t.shape for t in args))
+        flat = [t.expand(shape).reshape(-1) for t in args]
+        return torch.vmap(hook)(*flat).reshape(shape)
+
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return _vmap_for_bhqkv(hook, prefix=())(*(_vector(t) for t in (b, h, q_idx, kv_idx)))
+        return run(b, h, q_idx, kv_idx)
 
     def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                   kv_idx: torch.Tensor) -> torch.Tensor:
-        index = [_vector(t) for t in (b, h, q_idx, kv_idx)]
-        return _vmap_for_bhqkv(hook, prefix=(0,))(score.expand(*(len(t) for t in index)), *index)
+        return run(score, b, h, q_idx, kv_idx)
 
     wrapped = mask_mod if kind == "mask_mod" else score_mod
     wrapped.__wrapped__ = hook  # type: ignore[attr-defined]

@@ -37,6 +37,7 @@ from .hook_trace import Assumption, HookTrace, cell_assumptions, trace_hook
 from .hook_ops import INDEX_BOUND, Unsupported, boolean
 from .hook_score import ALIBI, SYMMETRIC, ScoreProof, prove_score_trace
 from .hook_solver import broken_obligation, extreme, head_domain, solve, uses_reals, where_text
+from .hook_window import difference_window
 from .hook_z3 import Encoder
 from .library import library_name, library_pattern
 from .pattern import FULL, MaskMod, Pattern, ScoreMod
@@ -134,6 +135,9 @@ class _MaskProver:
                 "kernels share one mask across batch and heads")
 
     def classify(self, mask: z3.BoolRef) -> MaskProof:
+        window = difference_window(mask, self.q, self.kv)  # the common hooks: exact without the solver
+        if window is not None:
+            return self.result(window, f"proven {window.describe()} for every position")
         guess = self.guess()
         if guess is not None and self.differs(mask, guess) is None:
             return self.result(guess, f"proven {guess.describe()} for every position")

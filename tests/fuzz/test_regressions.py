@@ -190,8 +190,7 @@ def _count_collections(phase, info):
 
 
 def causal_collecting(b, h, q_idx, kv_idx):
-    gc.collect()  # a collection, and so its callbacks, while the hook is being traced
-    return kv_idx <= q_idx
+    return kv_idx <= q_idx  # traced with gc's threshold at 1: collections, and callbacks, run meanwhile
 
 
 def test_regression_gc_callback_became_a_proof_assumption():
@@ -201,6 +200,8 @@ def test_regression_gc_callback_became_a_proof_assumption():
     call was refused: "proven ... while the module global _gc_cumulative_time is still 3.74;
     that no longer holds".  The code a hook can run is now found from the hook itself."""
     gc.callbacks.append(_count_collections)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation, so during the trace too
     try:
         with fake_primus_turbo() as fake:
             run = adapter(settings(turbo_flex_attention_backend="turbo",
@@ -214,6 +215,8 @@ def test_regression_gc_callback_became_a_proof_assumption():
             out = run(q, k, v)
             assert len(fake.calls) == 1  # ran on the fake Turbo kernel
     finally:
+        gc.set_threshold(*threshold)
         gc.callbacks.remove(_count_collections)
+    assert GC_SEEN > 0
     want, _ = oracle.attention(q, k, v, oracle.flash_mask(16, 16, causal=True, window=(-1, -1)))
     torch.testing.assert_close(out, want, **TOL)

@@ -58,7 +58,7 @@ def uses_reals(formula: z3.ExprRef) -> bool:
 
 def broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.ExprRef]) -> str:
     """Empty when every obligation (index ranges, no overflow) holds for all inputs: one query."""
-    if not encoder.obligations:
+    if not encoder.obligations or all(_by_intervals(o) for o, _ in encoder.obligations):
         return ""
     status, model = solve(*domain, z3.Not(z3.And(*[o for o, _ in encoder.obligations])))
     if status == "unsat":
@@ -69,6 +69,48 @@ def broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.E
         if not z3.is_true(model.eval(obligation, model_completion=True)):
             return f"{text} at {where_text(model, names)}"
     return "breaks an obligation"
+
+
+def _interval(e: z3.ExprRef) -> Optional[tuple[int, int]]:
+    """Bounds of an integer term when every index lies in ``[0, INDEX_BOUND)``; None if not simple."""
+    if z3.is_int_value(e):
+        return e.as_long(), e.as_long()
+    if z3.is_const(e) and z3.is_int(e):
+        return 0, INDEX_BOUND - 1  # an index variable (a head range only narrows it)
+    parts = [_interval(c) for c in e.children()]
+    if not parts or any(p is None for p in parts):
+        return None
+    if z3.is_add(e) or z3.is_sub(e):
+        lo, hi = parts[0]  # type: ignore[misc]
+        for plo, phi in parts[1:]:  # type: ignore[misc]
+            lo, hi = (lo + plo, hi + phi) if z3.is_add(e) else (lo - phi, hi - plo)
+        return lo, hi
+    if z3.is_mul(e):
+        lo, hi = parts[0]  # type: ignore[misc]
+        for plo, phi in parts[1:]:  # type: ignore[misc]
+            products = (lo * plo, lo * phi, hi * plo, hi * phi)
+            lo, hi = min(products), max(products)
+        return lo, hi
+    if z3.is_app_of(e, z3.Z3_OP_UMINUS):
+        lo, hi = parts[0]  # type: ignore[misc]
+        return -hi, -lo
+    return None
+
+
+def _by_intervals(obligation: z3.BoolRef) -> bool:
+    """True when interval bounds alone show ``obligation`` (a conjunction of ``term <op> constant``) holds."""
+    atoms = obligation.children() if z3.is_and(obligation) else [obligation]
+    for atom in atoms:
+        if atom.num_args() != 2 or not z3.is_int_value(atom.arg(1)):
+            return False
+        bounds, c = _interval(atom.arg(0)), atom.arg(1).as_long()
+        if bounds is None:
+            return False
+        lo, hi = bounds
+        ok = {z3.Z3_OP_LE: hi <= c, z3.Z3_OP_LT: hi < c, z3.Z3_OP_GE: lo >= c, z3.Z3_OP_GT: lo > c}
+        if not ok.get(atom.decl().kind(), False):
+            return False
+    return True
 
 
 def head_domain(h: z3.ArithRef, num_heads: Optional[int], head_offset: int) -> z3.BoolRef:

@@ -57,20 +57,28 @@ def _node_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
 
 
 def _run_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    args = [torch.zeros((), dtype=torch.float32 if n.target == "score" else torch.int64)
-            for n in graph.graph.nodes if n.op == "placeholder"]
+    """One eager run of the graph's nodes on 0-d values (no fx Interpreter: it costs more than the run)."""
+    env: dict[fx.Node, Any] = {}
+    out: dict[fx.Node, torch.dtype] = {}
     try:
         with torch.no_grad():
-            ShapeProp(graph).propagate(*args)
+            for node in graph.graph.nodes:
+                if node.op == "placeholder":
+                    value: Any = torch.zeros((), dtype=torch.float32 if node.target == "score" else torch.int64)
+                elif node.op == "get_attr":
+                    value = getattr(graph, node.target)
+                elif node.op in ("call_function", "call_method"):
+                    args = fx.node.map_arg(node.args, env.__getitem__)
+                    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                    value = (node.target(*args, **kwargs) if node.op == "call_function"
+                             else getattr(args[0], node.target)(*args[1:], **kwargs))
+                else:
+                    continue
+                env[node] = value
+                if isinstance(value, torch.Tensor):
+                    out[node] = value.dtype
     except Exception:  # noqa: BLE001 - no dtypes: narrow integer tensors are then not proven
         return None
-    out = {}
-    for node in graph.graph.nodes:
-        meta = node.meta.get("tensor_meta")
-        if meta is not None and hasattr(meta, "dtype"):
-            out[node] = meta.dtype
     return out
 
 

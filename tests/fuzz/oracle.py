@@ -20,6 +20,10 @@ Conventions, each taken from docs/behaviours.md or the kernel contract:
   no value;
 * GQA: query head ``h`` reads key/value head ``h // (Hq // Hkv)``;
 * ALiBi: ``score += slope[h] * (kv - q)``; score hooks get the *scaled* score;
+* user hooks are called as torch calls them (``create_block_mask`` and ``flex_attention``): under
+  ``torch.vmap`` over 0-d index tensors (torch's own ``_vmap_for_bhqkv``), never on broadcast grids, so
+  a hook that tells the two apart (a type check, ``.dim()``, a ``try``) is held to torch's meaning; a
+  score hook's result is taken in float64, whatever dtype it returns;
 * a row with nothing visible (and no sink) outputs zeros and has ``lse = -inf``.
 """
 
@@ -31,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
 F64 = torch.float64
 
@@ -129,9 +134,16 @@ def library_mask(name: str, kwargs: dict, q_len: int, kv_len: int) -> Tensor:
 
 
 def hook_mask(hook: Callable[..., Tensor], batch: int, heads: int, q_len: int, kv_len: int) -> Tensor:
-    """A user mask_mod evaluated on the oracle's own grid: ``[B, H, Sq, Skv]`` bool."""
-    out = hook(*grid(batch, heads, q_len, kv_len))
+    """A user mask_mod called as torch calls it, at every index of the call: ``[B, H, Sq, Skv]`` bool."""
+    index = [torch.arange(n) for n in (batch, heads, q_len, kv_len)]
+    out = _vmap_for_bhqkv(hook, prefix=())(*index)
     return torch.as_tensor(out).to(torch.bool).broadcast_to((batch, heads, q_len, kv_len))
+
+
+def hook_scores(hook: Callable[..., Tensor], scores: Tensor) -> Tensor:
+    """A user score_mod called as torch calls it on ``[B, H, Sq, Skv]`` scores (differentiable), in float64."""
+    index = [torch.arange(n) for n in scores.shape]
+    return _vmap_for_bhqkv(hook, prefix=(0,))(scores, *index).to(F64)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -164,7 +176,7 @@ def attention(
     s = torch.einsum("bhqd,bhkd->bhqk", qh, kh) * scale
     b_idx, h_idx, q_idx, kv_idx = grid(batch, hq, q_len, kv_len)
     if score_fn is not None:
-        s = score_fn(s, b_idx, h_idx, q_idx, kv_idx)
+        s = hook_scores(score_fn, s)
     if alibi is not None:
         s = s + alibi.to(F64).view(1, -1, 1, 1) * (kv_idx - q_idx).to(F64)
     if bias is not None:
@@ -226,4 +238,4 @@ def mismatch(got: Tensor, want: Tensor, tol: Tolerance) -> Optional[str]:
 
 
 __all__ = ["GRAD_TOL", "OUTPUT_TOL", "Tolerance", "attention", "document_of", "flash_mask", "grid",
-           "hook_mask", "in_window", "library_mask", "mismatch", "packed_attention", "packed_mask"]
+           "hook_mask", "hook_scores", "in_window", "library_mask", "mismatch", "packed_attention", "packed_mask"]

@@ -240,6 +240,10 @@ def expect_build(case: Case) -> BuildExpectation:
     # batch index, head of the layer and position; otherwise it is refused at build time.
     if on_turbo and not exp.hook_refused and mspec is not None and mspec.provable is False:
         exp.must.add("B31")
+    # A hook that raises when called as torch calls it (vmap over 0-d indices) means nothing any backend
+    # can compute: refused on every backend, reference included.
+    if flex and not exp.hook_refused and any(spec is not None and spec.raises for spec in (mspec, sspec)):
+        exp.must.add("B31")
     undecided = on_turbo and mspec is not None and mspec.provable is None
     if case.level == "megatron" and cp > 1 and not exp.must and not exp.hook_refused and not undecided:
         # The fuzzer's world has one process, so no context-parallel group of that size: a layer planned
@@ -433,6 +437,14 @@ def mutated_globals(case: Case):
         yield lambda: None
         return
     target = m["target"]
+    if target in user_hooks.STATE:  # class and object attributes, the environment, default arguments
+        undo: list = []
+        try:
+            yield lambda: undo.append(user_hooks.change_state(target, m["value"]))
+        finally:
+            for restore in undo:
+                restore()
+        return
     original = getattr(user_hooks, target)
     saved = original.clone() if isinstance(original, torch.Tensor) else list(original) \
         if isinstance(original, list) else None

@@ -21,14 +21,14 @@ from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo
 
-from . import hostile_hooks, oracle
+from . import hostile_hooks, oracle, review_hooks
 from .helpers import facts, qkv, settings
 
 HOOKS = "tests.hostile_hooks"
 DYNAMIC = {  # hook -> the construct the refusal names
-    "type_check": "a call of isinstance", "try_item": "a try block", "compiling": "torch.compiler.is_compiling",
+    "type_check": "the class torch.fx.Proxy", "try_item": "a try block", "compiling": "torch.compiler.is_compiling",
     "dunder_class": "the attribute .__class__", "environment": "os.environ", "clock": "a call of time.time",
-    "rng": "random.randint", "stdlib": "a nested function or lambda", "class_alias": "the attribute .W of a type",
+    "rng": "random.randint", "stdlib": "a nested function or lambda", "class_alias": "the class Config",
     "object_attribute": "the value CONFIG", "nested": "a nested function or lambda",
 }
 NOT_PROVEN = {"uint8_wrap": "uint8 values that wrap", "int16_wrap": "int16 values that wrap",
@@ -152,3 +152,54 @@ def test_and_masks_and_or_masks_over_admitted_masks_are_proven(combine, parts, w
 def test_and_masks_over_a_dynamic_part_is_dynamic():
     proof = prove_mask(and_masks(_causal, hostile_hooks.environment), num_heads=4)
     assert proof.hook_class == "dynamic" and "os.environ" in proof.reason
+
+
+# ----------------------------------------------------------------------------- the hostile review's cases
+NOT_PROVEN_REVIEW = {  # hook -> what the refusal names
+    "to_tensor_dtype": "float32", "score_to_score_dtype": "", "float_bucketize": "bucketize",
+    "conditional_callee": "the class torch.fx.Proxy", "branch_local": "the class torch.fx.Proxy",
+    "key_argument": "a function passed as an argument", "int_subclass": "a Sneaky",
+    "tensor_subclass": "Evil", "huge_int_score": "the constant 4611686018427387904",
+    "module_in_local": "held in a local variable", "dict_subclass_globals": "Globals as the globals",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_PROVEN_REVIEW))
+def test_a_review_hook_is_not_proven(name):
+    hook = getattr(review_hooks, name)
+    score = "score" in hook.__code__.co_varnames[:1]
+    proof = prove_score(hook, num_heads=4) if score else prove_mask(hook, num_heads=4)
+    assert proof.hook_class != "proven", proof.reason
+    assert NOT_PROVEN_REVIEW[name] in proof.reason
+
+
+@pytest.mark.parametrize("name, change", [
+    ("builtin_abs", lambda: setattr(review_hooks, "abs", lambda x: x * 0)),
+    ("plain", lambda: setattr(review_hooks.plain, "__code__", review_hooks._other.__code__)),
+    ("combined", lambda: setattr(review_hooks.combined.__closure__[0], "cell_contents", (review_hooks._other,))),
+    ("second_window", lambda: setattr(review_hooks.second_window, "__defaults__", (40,))),
+])
+def test_a_change_no_call_check_saw_before_now_fails_an_assumption(name, change, monkeypatch):
+    hook = getattr(review_hooks, name)
+    if name == "second_window":
+        assert prove_mask(review_hooks.first_window, num_heads=4).pattern is not None  # shares its fingerprint
+    saved = (hook.__code__, hook.__defaults__, hook.__closure__[0].cell_contents if hook.__closure__ else None)
+    proof = prove_mask(hook, num_heads=4)
+    assert proof.pattern is not None and all(a.holds() for a in proof.assumptions)
+    try:
+        change()
+        assert not all(a.holds() for a in proof.assumptions)
+    finally:
+        monkeypatch.delattr(review_hooks, "abs", raising=False)
+        hook.__code__, hook.__defaults__ = saved[0], saved[1]
+        if saved[2] is not None:
+            hook.__closure__[0].cell_contents = saved[2]
+
+
+def test_reference_computes_the_promotion_torch_computes():
+    q, k, v = qkv(s=12)
+    layer = TurboFlexAttention(build_plan(settings(turbo_flex_attention_mask_mod="tests.review_hooks:promotion"),
+                                          facts()))
+    mask = torch_mask(review_hooks.promotion, 2, 4, 12)
+    expected = oracle.attention(q, k, v, lambda b, h, i, j: bool(mask[b, h, i, j]))
+    torch.testing.assert_close(layer(q, k, v), expected, atol=1e-9, rtol=1e-9)

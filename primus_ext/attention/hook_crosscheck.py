@@ -149,9 +149,11 @@ def as_torch_calls(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
 
 
 def torch_call_problem(hook: Callable[..., Any], kind: str) -> str:
-    """Empty when ``hook`` runs as torch calls it on a few points; else what it raised."""
-    index = _pairs(Pattern(-1, 0), [0, 1])
-    score = torch.randn(index[0].shape, generator=torch.Generator().manual_seed(0)) if kind == "score_mod" else None
+    """Empty when ``hook`` runs as torch calls it on a small grid (2 x 2 x 8 x 8, the probe's); else what it
+    raised."""
+    grid = torch.cartesian_prod(*(torch.arange(n) for n in (2, 2, 8, 8)))
+    index = list(grid.unbind(1))
+    score = torch.randn(len(grid), generator=torch.Generator().manual_seed(0)) if kind == "score_mod" else None
     how, got = _calls(hook, index, score)[0]
     return f"raises {got} when called with {how}" if isinstance(got, str) else ""
 

@@ -85,8 +85,17 @@ def boolean(v: Any) -> z3.BoolRef:
     return e if z3.is_bool(e) else e != 0
 
 
+def _float_scalars(a: Any, b: Any, ea: z3.ExprRef, eb: z3.ExprRef) -> None:
+    """An int constant meeting a floating value is a float32 scalar in torch: bounded like a float one."""
+    for value, other in ((a, eb), (b, ea)):
+        if type(value) is int and z3.is_real(other) and abs(value) > FLOAT_CONST_MAX:
+            raise Unsupported(f"uses the constant {value} with a floating value, whose float32 rounding and "
+                              "overflow a proof over the reals does not model")
+
+
 def _pair(a: Any, b: Any) -> tuple[z3.ArithRef, z3.ArithRef]:
     x, y = num(a), num(b)
+    _float_scalars(a, b, y, x)
     if z3.is_real(x) and z3.is_int(y):
         y = z3.ToReal(y)
     elif z3.is_int(x) and z3.is_real(y):
@@ -173,6 +182,7 @@ _BOOL_ARITH = {operator.add: z3.Or, operator.mul: z3.And}  # torch: bool + bool 
 def _arith(op: Callable[[Any, Any], Any]) -> Callable[..., z3.ArithRef]:
     def run(a: Any, b: Any, alpha: Any = 1) -> z3.ArithRef:
         ea, eb = expr(a), expr(b)
+        _float_scalars(a, b, ea, eb)
         if z3.is_bool(ea) and z3.is_bool(eb):
             if op not in _BOOL_ARITH or alpha != 1:
                 raise Unsupported("subtracts boolean tensors")
@@ -230,7 +240,7 @@ def _sign(a: Any) -> z3.ArithRef:
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _convert(x: z3.ExprRef, target: Any) -> z3.ExprRef:
+def convert(x: z3.ExprRef, target: Any) -> z3.ExprRef:
     """``x`` as ``target`` (a dtype, or "float64"/"narrow"), exactly, or `Unsupported`."""
     if target == torch.bool:
         return boolean(x)
@@ -260,7 +270,7 @@ def _cast(method: str) -> Callable[..., z3.ExprRef]:
     def run(a: Any, *args: Any, **kwargs: Any) -> z3.ExprRef:
         x = expr(a)
         if method in _METHOD_DTYPES:
-            return _convert(x, _METHOD_DTYPES[method])
+            return convert(x, _METHOD_DTYPES[method])
         dtype = kwargs.get("dtype") or next((v for v in args if isinstance(v, torch.dtype)), None)
         if method == "type_as":
             other = args[0] if args else None
@@ -270,11 +280,11 @@ def _cast(method: str) -> Callable[..., z3.ExprRef]:
             if z3.is_bool(o):
                 return boolean(x)
             if z3.is_int(o):
-                return _convert(x, torch.int64)
+                return convert(x, torch.int64)
             if z3.is_int(x):
                 raise Unsupported("converts index values to a floating dtype with type_as")
             return x
-        return x if dtype is None else _convert(x, dtype)
+        return x if dtype is None else convert(x, dtype)
     return run
 
 
@@ -339,10 +349,15 @@ def _tensor(data: Any, *args: Any, dtype: Any = None, **_: Any) -> Any:
 def _bucketize(x: Any, bounds: Any, *, right: bool = False, out_int32: bool = False) -> z3.ArithRef:
     if not isinstance(bounds, Captured) or bounds.tensor.dim() != 1:
         raise Unsupported("uses torch.bucketize with non-constant boundaries")
+    if bounds.tensor.dtype.is_floating_point or bounds.tensor.dtype == torch.bool:
+        raise Unsupported(f"uses torch.bucketize with {bounds.tensor.dtype} boundaries {bounds.name}, which torch "
+                          "compares in a floating dtype that rounds large indices")
     values = bounds.tensor.tolist()
     if any(a > b for a, b in zip(values, values[1:])):
         raise Unsupported(f"uses torch.bucketize with unsorted boundaries {bounds.name}")
     v = num(x)
+    if not z3.is_int(v):
+        raise Unsupported("uses torch.bucketize on a floating value")
     return z3.Sum([z3.If(num(b) <= v if right else num(b) < v, 1, 0) for b in bounds.tensor.tolist()] or [z3.IntVal(0)])
 
 
@@ -392,4 +407,4 @@ METHODS: dict[str, Callable[..., Any]] = {
 
 
 __all__ = ["Captured", "FLOAT_CONST_MAX", "FUNCTIONS", "INDEX_BOUND", "INT64", "MAX_TABLE", "METHODS", "Meta",
-           "Unsupported", "boolean", "element", "expr", "num"]
+           "Unsupported", "boolean", "convert", "element", "expr", "num"]

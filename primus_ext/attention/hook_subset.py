@@ -133,14 +133,17 @@ def user_code(code: types.CodeType) -> bool:
     return path.startswith(_PACKAGE_DIRS) or not path.startswith(_STDLIB_DIR)
 
 
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+"""Exact types only: a subclass may define operators that run other code on real values."""
+
+
 def _constant(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
-        return True
-    return isinstance(value, tuple) and all(_constant(v) for v in value)
+    return type(value) in _SCALARS or type(value) is tuple and all(_constant(v) for v in value)
 
 
 def _numbers(value: Any) -> bool:
-    return isinstance(value, list) and all(type(v) in (bool, int, float) or _numbers(v) for v in value)
+    return type(value) is list and all(type(v) in (bool, int, float) or _numbers(v) for v in value)
 
 
 def _member(value: Any, allowed: frozenset[Any]) -> bool:
@@ -152,11 +155,29 @@ def _member(value: Any, allowed: frozenset[Any]) -> bool:
 
 def _admit(value: Any, name: str) -> _Known:
     """A loaded value that may enter the hook (operations on it are checked when used)."""
-    if (isinstance(value, (types.ModuleType, torch.Tensor, types.FunctionType, types.BuiltinFunctionType,
-                           type, torch._ops.OpOverloadPacket)) or _constant(value) or _numbers(value)
-            or _member(value, TORCH_FUNCTIONS) or _member(value, BUILTINS)):
+    if (type(value) in (types.ModuleType, types.FunctionType, types.BuiltinFunctionType) or type(value) in _TENSORS
+            or _constant(value) or _numbers(value) or _member(value, TORCH_FUNCTIONS) or _member(value, BUILTINS)):
         return _Known(value)
+    if isinstance(value, type):
+        raise _Dynamic(f"the class {name} (a class's attributes and operators can change between calls)")
     raise _Dynamic(f"the value {name}, a {type(value).__name__} that can change between calls")
+
+
+def _same(x: Any, y: Any) -> bool:
+    """One abstract value on both paths (by identity: a captured tensor has no usable ``==``)."""
+    if isinstance(x, _Known) and isinstance(y, _Known):
+        return x.value is y.value
+    return x is y or (type(x) is type(y) is _Method and x.name == y.name)
+
+
+def _merge(a: list[Any], b: list[Any]) -> list[Any]:
+    if len(a) != len(b):
+        raise _Dynamic("branches that leave different stack depths")
+    return [x if _same(x, y) else _RUNTIME for x, y in zip(a, b)]
+
+
+def _merge_locals(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] if k in a and k in b and _same(a[k], b[k]) else _RUNTIME for k in a.keys() | b.keys()}
 
 
 def _attribute(base: Any, name: str) -> Any:
@@ -190,6 +211,8 @@ class _Checker:
         if not user_code(code):
             raise _Dynamic(f"a call of {_qualname(fn)}, a function of torch or the standard library")
         self.where = f"{code.co_filename}:{code.co_firstlineno} in {code.co_name}"
+        if type(fn.__globals__) is not dict:
+            raise _Dynamic(f"a {type(fn.__globals__).__name__} as the globals of {code.co_name}")
         if code.co_flags & (0x20 | 0x80 | 0x100 | 0x200):  # generator, coroutine, async generator
             raise _Dynamic("a generator or coroutine")
         if getattr(code, "co_exceptiontable", b""):
@@ -227,14 +250,18 @@ class _Checker:
         cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
         local = self._initial_locals(fn, index_args)
         stack: Optional[list[Any]] = []
-        pending: dict[int, list[Any]] = {}
+        pending: dict[int, tuple[list[Any], dict[str, Any]]] = {}
         line = code.co_firstlineno
         for ins in dis.get_instructions(code):
             if ins.positions is not None and ins.positions.lineno:
                 line = ins.positions.lineno
             self.where = f"{code.co_filename}:{line} in {code.co_name}"
             if ins.offset in pending:
-                stack = pending.pop(ins.offset) if stack is None else stack
+                other_stack, other_local = pending.pop(ins.offset)
+                if stack is None:
+                    stack, local = other_stack, other_local
+                else:  # two paths meet: a value they disagree on is only known at run time
+                    stack, local = _merge(stack, other_stack), _merge_locals(local, other_local)
             if stack is None:
                 continue  # unreachable
             op = ins.opname
@@ -245,7 +272,11 @@ class _Checker:
             if op == "LOAD_FAST":
                 stack.append(local.get(ins.argval, _RUNTIME))
             elif op == "STORE_FAST":
-                local[ins.argval] = stack.pop()
+                value = stack.pop()
+                if isinstance(value, _Known) and type(value.value) is types.ModuleType:
+                    raise _Dynamic(f"the module {value.value.__name__} held in a local variable (its attributes "
+                                   "are then read where no per-call check sees them)")
+                local[ins.argval] = value
             elif op == "LOAD_CONST":
                 if isinstance(ins.argval, types.CodeType):
                     raise _Dynamic("a nested function or lambda")
@@ -294,12 +325,12 @@ class _Checker:
                 stack[-1], stack[-i] = stack[-i], stack[-1]
             elif op.startswith("POP_JUMP_FORWARD_IF_"):
                 stack.pop()
-                self._branch(pending, ins.argval, stack)
+                self._branch(pending, ins.argval, stack, local)
             elif op in ("JUMP_IF_TRUE_OR_POP", "JUMP_IF_FALSE_OR_POP"):
-                self._branch(pending, ins.argval, stack)
+                self._branch(pending, ins.argval, stack, local)
                 stack.pop()
             elif op == "JUMP_FORWARD":
-                self._branch(pending, ins.argval, stack)
+                self._branch(pending, ins.argval, stack, local)
                 stack = None
             elif op == "RETURN_VALUE":
                 stack = None
@@ -307,8 +338,13 @@ class _Checker:
                 raise _Dynamic(f"the operation {op}")
 
     @staticmethod
-    def _branch(pending: dict[int, list[Any]], target: int, stack: list[Any]) -> None:
-        pending.setdefault(target, list(stack))  # forward only: every path reaches it with one stack depth
+    def _branch(pending: dict[int, tuple[list[Any], dict[str, Any]]], target: int, stack: list[Any],
+                local: dict[str, Any]) -> None:
+        """Forward only, so every path into ``target`` is walked before it; each keeps its own locals."""
+        state = (list(stack), dict(local))
+        if target in pending:
+            state = (_merge(pending[target][0], state[0]), _merge_locals(pending[target][1], state[1]))
+        pending[target] = state
 
     def _call(self, callee: Any, args: list[Any], depth: int) -> None:
         if isinstance(callee, _Method):
@@ -316,6 +352,9 @@ class _Checker:
         if not isinstance(callee, _Known):
             raise _Dynamic("a call of a computed value")
         fn = callee.value
+        for arg in args:
+            if isinstance(arg, _Known) and callable(arg.value) and not isinstance(arg.value, torch.Tensor):
+                raise _Dynamic(f"a function passed as an argument to {_qualname(fn)} (it is not checked)")
         if fn is len and all(isinstance(a, _Known) for a in args):
             return  # of a constant: a tensor's length differs between torch's calls (0-d) and broadcast grids
         if any(_member(fn, allowed) for allowed in (TORCH_FUNCTIONS, BUILTINS, MATH_FUNCTIONS, _OPERATORS)):

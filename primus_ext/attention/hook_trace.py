@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .hook_subset import Outside, outside_subset, user_code
+from .hook_subset import COMBINATORS, Outside, outside_subset, user_code
 
 _META_ATTRS = {"device", "dtype", "shape", "ndim", "is_cuda"}
 _SHAPE_ONLY_METHODS = {"new_ones", "new_zeros", "new_full", "new_empty", "size", "dim"}
@@ -184,7 +184,7 @@ def _reachable(hook: Any) -> list[tuple[types.FunctionType, dict[str, tuple[Any,
         stack.extend(v for _, v in cells.values())
         stack.extend(obj.__defaults__ or ())
         stack.extend((obj.__kwdefaults__ or {}).values())
-        if not user_code(obj.__code__):
+        if not user_code(obj.__code__) and obj.__code__ not in COMBINATORS:  # and_masks' parts live in a cell
             continue
         found.append((obj, cells))
         for chain in _global_reads(obj.__code__):
@@ -200,9 +200,20 @@ def cell_assumptions(hook: Any) -> tuple[Assumption, ...]:
     A proof found by fingerprint for another closure with equal values checked that
     closure's cells; this one's are its own.
     """
+    reachable = _reachable(hook)
     return tuple(Assumption(f"the captured variable {name} is the same object", _cell_check(cell, value))
-                 for _, cells in _reachable(hook) for name, (cell, value) in cells.items()
-                 if value is not _MISSING)
+                 for _, cells in reachable for name, (cell, value) in cells.items()
+                 if value is not _MISSING) + tuple(_function_assumption(fn) for fn, _ in reachable)
+
+
+def _function_assumption(fn: types.FunctionType) -> Assumption:
+    return Assumption(f"the code and default arguments of {fn.__code__.co_name} are the same objects",
+                      _defaults_check(fn))
+
+
+def _builtin_check(globals_: dict[str, Any], name: str) -> Callable[[], bool]:
+    value = getattr(builtins, name)
+    return lambda: name not in globals_ and getattr(builtins, name, _MISSING) is value
 
 
 def _rebinding_check(globals_: dict[str, Any], name: str, value: Any) -> Callable[[], bool]:
@@ -283,9 +294,7 @@ def _inspect(trace: HookTrace, hook: Any) -> None:
                 trace.dynamic.append(f"the captured variable {name}, which is not yet set")
             else:
                 _classify(trace, name, value, "captured variable", _cell_check(cell, value))
-        if fn.__defaults__ or fn.__kwdefaults__:  # `fn.__defaults__ = ...` after the build
-            trace.assumptions.append(Assumption(f"the default arguments of {code.co_name} are the same objects",
-                                                _defaults_check(fn)))
+        trace.assumptions.append(_function_assumption(fn))  # `fn.__code__ = ...`, `fn.__defaults__ = ...` later
         for i, value in enumerate(fn.__defaults__ or ()):
             _classify(trace, f"#{i}", value, "default argument", None)
         for name, value in (fn.__kwdefaults__ or {}).items():
@@ -298,6 +307,9 @@ def _inspect(trace: HookTrace, hook: Any) -> None:
                     trace.dynamic.append(f"the builtin {chain[0]}(), which reads or changes state by name")
                 elif chain[0] not in builtin_names:
                     trace.dynamic.append(f"the undefined global {chain[0]}")
+                else:  # a builtin (abs): a module global of that name, or another builtin, would take its place
+                    trace.assumptions.append(Assumption(f"the name {chain[0]} is still the builtin",
+                                                        _builtin_check(globals_, chain[0])))
                 continue
             root = globals_[chain[0]]
             if getattr(root, "__name__", "") == "importlib" or root is builtins:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import z3
 
-from .hook_ops import (FUNCTIONS, INT64, MAX_TABLE, METHODS, Captured, Meta, Unsupported, element,
+from .hook_ops import (FUNCTIONS, INT64, MAX_TABLE, METHODS, Captured, Meta, Unsupported, convert, element,
                        expr, num)
 
 
@@ -82,6 +82,7 @@ def _run_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
     return out
 
 
+_CASTS = frozenset({"to", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool"})
 _MAY_OVERFLOW = {operator.mul, torch.mul, "mul", "__mul__", operator.add, operator.sub, torch.add, torch.sub}
 
 
@@ -178,6 +179,8 @@ class Encoder:
         elif node.op == "call_method":
             if node.target == "__getitem__":
                 return self._index(*args)
+            if node.target in _CASTS:  # the target dtype as torch resolves it (a tensor's dtype too)
+                return self._converted(node, args)
             fn = METHODS.get(node.target)
             label = f"Tensor.{node.target}"
         else:
@@ -186,6 +189,18 @@ class Encoder:
         if fn is None:
             raise Unsupported(f"uses {label.lstrip('.')}, which the prover has no exact meaning for")
         return fn(*args, **kwargs)
+
+    def _converted(self, node: fx.Node, args: Any) -> z3.ExprRef:
+        out = None if self.dtypes is None else self.dtypes.get(node)
+        if out is None:
+            raise Unsupported(f"converts with .{node.target}() to a dtype that could not be read")
+        x = expr(args[0])
+        source = self.dtypes.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None  # type: ignore[union-attr]
+        if source == out:
+            return x
+        if source == torch.float64 and out != torch.float64 and out.is_floating_point:
+            raise Unsupported(f"converts a float64 value to {out}, which rounds it")
+        return convert(x, out)
 
     def _index(self, base: Any, index: Any) -> Any:
         if not isinstance(base, Captured):

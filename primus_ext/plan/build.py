@@ -9,6 +9,7 @@ from typing import Callable, Optional, Tuple
 from ..attention.heads import head_range, mask_on_heads, score_on_heads
 from ..attention.pattern import pattern_from_flash_args
 from ..attention.hook_crosscheck import as_torch_calls, torch_call_problem
+from ..attention.library import is_library_mask
 from ..attention.hook_proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
@@ -254,9 +255,10 @@ def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts,
 
 def _torch_convention(hook: Optional[Callable], proof: Optional[MaskProof | ScoreProof], kind: str,
                       settings: TurboAttentionSettings, reasons: list[Reason]) -> Optional[Callable]:
-    """A dynamic hook (outside the provable subset) is called as torch calls it, under ``torch.vmap``,
-    wherever primus_ext evaluates it: a hook that tells the calls apart computes what torch's would."""
-    if hook is None or proof is None or proof.hook_class != "dynamic":
+    """A user hook is called as torch calls it, under ``torch.vmap`` with 0-d indices, wherever primus_ext
+    evaluates it: a hook that tells the calls apart (a type check; a narrow table meeting a 0-d tensor, which
+    promotes differently on broadcast grids) computes what torch's FlexAttention would."""
+    if hook is None or proof is None or is_library_mask(hook):
         return hook
     problem = torch_call_problem(hook, kind)
     if problem:

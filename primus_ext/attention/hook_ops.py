@@ -37,7 +37,7 @@ class Captured:
         self.tensor, self.name = tensor.detach(), name
 
 
-def _const(x: Any) -> z3.ExprRef:
+def const(x: Any) -> z3.ExprRef:
     if isinstance(x, bool):
         return z3.BoolVal(x)
     if isinstance(x, int):
@@ -56,7 +56,7 @@ def element(x: Any) -> z3.ExprRef:
         if not math.isfinite(x):
             raise Unsupported(f"reads the non-finite value {x} from a captured tensor")
         return z3.RealVal(Fraction(x))
-    return _const(x)
+    return const(x)
 
 
 def _scalar(c: Captured) -> z3.ExprRef:
@@ -72,7 +72,7 @@ def expr(v: Any) -> z3.ExprRef:
         raise Unsupported("uses a tensor attribute (device, dtype, shape, ...) as a value")
     if isinstance(v, Captured):
         return _scalar(v)
-    return _const(v)
+    return const(v)
 
 
 def num(v: Any) -> z3.ArithRef:
@@ -147,7 +147,7 @@ def _truediv(a: Any, b: Any) -> z3.ArithRef:
     x = z3.ToReal(x) if z3.is_int(x) else x
     if type(b) not in (int, float) or b == 0:
         raise Unsupported("divides by a non-constant (or zero)")
-    return x / _const(float(b))
+    return x / const(float(b))
 
 
 def _div(a: Any, b: Any, rounding_mode: Optional[str] = None) -> z3.ArithRef:
@@ -293,14 +293,14 @@ def _like(fill: Any) -> Callable[..., z3.ExprRef]:
         value = fill if fill is not None else (args[0] if args else 0)
         if type(value) not in (bool, int, float):
             raise Unsupported(f"fills a tensor with a {type(value).__name__}, not a constant")
-        _const(value)  # refuses non-finite values
+        const(value)  # refuses non-finite values
         source = None if isinstance(a, Meta) else expr(a)
         if dtype == torch.bool or (dtype is None and source is not None and z3.is_bool(source)):
             return z3.BoolVal(bool(value))
         if (dtype is not None and dtype.is_floating_point) or (
                 dtype is None and source is not None and z3.is_real(source)):
             return z3.RealVal(Fraction(float(value)))
-        return _const(int(value))
+        return const(int(value))
     return run
 
 
@@ -315,7 +315,7 @@ def _new(method: str) -> Callable[..., z3.ExprRef]:
             value = 1 if method == "new_ones" else 0
         if type(value) not in (bool, int, float):
             raise Unsupported(f"uses {method} with a non-constant value")
-        _const(value)  # refuses non-finite values
+        const(value)  # refuses non-finite values
         if dtype is None:
             source = None if isinstance(src, Meta) else expr(src)
             if source is None:
@@ -330,7 +330,7 @@ def _new(method: str) -> Callable[..., z3.ExprRef]:
             return z3.BoolVal(bool(value))
         if kind == "int":
             return z3.IntVal(int(value))  # torch truncates a float fill toward zero
-        return _const(float(value))
+        return const(float(value))
     return run
 
 
@@ -407,4 +407,4 @@ METHODS: dict[str, Callable[..., Any]] = {
 
 
 __all__ = ["Captured", "FLOAT_CONST_MAX", "FUNCTIONS", "INDEX_BOUND", "INT64", "MAX_TABLE", "METHODS", "Meta",
-           "Unsupported", "boolean", "convert", "element", "expr", "num"]
+           "Unsupported", "boolean", "const", "convert", "element", "expr", "num"]

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import z3
 
-from .hook_ops import (FUNCTIONS, INT64, MAX_TABLE, METHODS, Captured, Meta, Unsupported, convert, element,
+from .hook_ops import (FUNCTIONS, INT64, MAX_TABLE, METHODS, Captured, Meta, Unsupported, const, convert, element,
                        expr, num)
 
 
@@ -80,6 +80,17 @@ def _run_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
     except Exception:  # noqa: BLE001 - no dtypes: narrow integer tensors are then not proven
         return None
     return out
+
+
+def _float64_scalars(args: Any) -> tuple:
+    """In a float64 operation torch uses a Python float as the double it is, not its float32 rounding."""
+    out = []
+    for a in args:
+        if type(a) is float:
+            const(a)  # the same bounds as any float constant
+            a = z3.RealVal(Fraction(a))
+        out.append(a)
+    return tuple(out)
 
 
 _CASTS = frozenset({"to", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool"})
@@ -169,6 +180,8 @@ class Encoder:
             return Captured(tensor, self.names.get(id(tensor), "a captured tensor"))
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        if self.dtypes is not None and self.dtypes.get(node) == torch.float64:
+            args, kwargs = _float64_scalars(args), {k: _float64_scalars((v,))[0] for k, v in kwargs.items()}
         if node.op == "call_function":
             if node.target is getattr:
                 return Meta()

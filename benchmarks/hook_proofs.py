@@ -113,10 +113,11 @@ HOOKS: dict[str, tuple[str, str]] = {
 # -- measuring -----------------------------------------------------------------------------
 def clear_proof_caches() -> None:
     """Empty every cache a proof is served from, so the next proof is a first proof."""
-    from primus_ext.attention import hook_proof, hook_trace
+    from primus_ext.attention import hook_crosscheck, hook_proof, hook_trace
 
     hook_proof._BY_OBJECT.clear()
     hook_proof._BY_FINGERPRINT.clear()
+    hook_crosscheck._SMOKE.clear()
     for module in (hook_proof, hook_trace):  # per-code-object helpers memoised with lru_cache
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", "") == module.__name__:

@@ -35,7 +35,7 @@ from . import hook_crosscheck as crosscheck
 from .hook_subset import Outside
 from .hook_trace import Assumption, HookTrace, cell_assumptions, trace_hook
 from .hook_ops import INDEX_BOUND, Unsupported, boolean
-from .hook_score import ALIBI, SYMMETRIC, ScoreProof, prove_score_trace
+from .hook_score import ALIBI, SYMMETRIC, ScoreProof, hook_class, prove_score_trace
 from .hook_solver import broken_obligation, extreme, head_domain, solve, uses_reals, where_text
 from .hook_window import difference_window
 from .hook_z3 import Encoder
@@ -60,9 +60,7 @@ class MaskProof:
 
     @property
     def hook_class(self) -> str:
-        """``proven`` (runs on a fixed kernel), ``admitted`` (in the provable subset, not a fixed kernel's
-        attention: evaluated exactly) or ``dynamic`` (outside the subset: evaluated exactly, or refused)."""
-        return "dynamic" if self.outside is not None else "proven" if self.pattern is not None else "admitted"
+        return hook_class(self.outside, self.pattern is not None)
 
 
 def pattern_formula(pattern: Pattern, q: z3.ArithRef, kv: z3.ArithRef) -> z3.BoolRef:

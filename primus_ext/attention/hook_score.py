@@ -30,9 +30,13 @@ class ScoreProof:
 
     @property
     def hook_class(self) -> str:
-        """``proven`` (runs on a fixed kernel), ``admitted`` (in the provable subset, not a fixed kernel's
-        attention: evaluated exactly) or ``dynamic`` (outside the subset: evaluated exactly, or refused)."""
-        return "dynamic" if self.outside is not None else "proven" if self.kind in ("identity", ALIBI, SYMMETRIC) else "admitted"
+        return hook_class(self.outside, self.kind in ("identity", ALIBI, SYMMETRIC))
+
+
+def hook_class(outside: Optional[Outside], fixed: bool) -> str:
+    """``proven`` (runs on a fixed kernel), ``admitted`` (in the provable subset, not a fixed kernel's
+    attention: evaluated exactly) or ``dynamic`` (outside the subset: evaluated exactly, or refused)."""
+    return "dynamic" if outside is not None else "proven" if fixed else "admitted"
 
 
 def _float32(value: Fraction) -> bool:
@@ -131,4 +135,4 @@ def _offset(diff: Any, names: dict, head: Optional[int], q_at: int, kv_at: int) 
     return Fraction(str(at.as_fraction() if z3.is_rational_value(at) else at.as_long()))
 
 
-__all__ = ["ALIBI", "SYMMETRIC", "ScoreProof", "prove_score_trace"]
+__all__ = ["ALIBI", "SYMMETRIC", "ScoreProof", "hook_class", "prove_score_trace"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import math
+
 import torch
 
 from primus_ext.attention import masks
@@ -173,8 +175,6 @@ def tensor_width(b, h, q_idx, kv_idx):
 
 
 def signed_zero(c):
-    import math
-
     def mask(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) | (q_idx >= 0) if math.copysign(1.0, c) > 0 else kv_idx <= q_idx
     return mask

@@ -151,3 +151,39 @@ def make_window():
 
 
 first_window, second_window = make_window(), make_window()
+
+
+# ------------------------------------------------------------------ the second pass
+def _evil(q, kv):
+    if isinstance(q, torch.fx.Proxy):
+        return kv <= q
+    return (kv <= q) & ~((q == 37) & (kv == 5))
+
+
+def _good(q, kv):
+    return kv <= q
+
+
+def _helper(q, kv, *, f=_good):
+    return f(q, kv)
+
+
+def keyword_override(b, h, q_idx, kv_idx):
+    return _helper(q_idx, kv_idx, f=(_evil,)[0])  # the helper's default is not what runs
+
+
+def module_argument(b, h, q_idx, kv_idx):
+    return _helper(q_idx, kv_idx, f=proof_hooks)
+
+
+def module_cell():
+    m = proof_hooks
+
+    def mask(b, h, q_idx, kv_idx):
+        return m.causal(b, h, q_idx, kv_idx)
+    return mask
+
+
+def add_overflow(b, h, q_idx, kv_idx):
+    x = q_idx.add(2 ** 63 - 37)  # wraps to -2**63 at q_idx = 37
+    return (kv_idx <= q_idx) & ~(x < -2 ** 63 + 1)

@@ -170,14 +170,33 @@ def _same(x: Any, y: Any) -> bool:
     return x is y or (type(x) is type(y) is _Method and x.name == y.name)
 
 
+def _is_code(value: Any) -> bool:
+    """A module, function or other callable: what a hook may only use where the checker sees it."""
+    return isinstance(value, _Known) and (type(value.value) is types.ModuleType or (
+        callable(value.value) and not isinstance(value.value, torch.Tensor)))
+
+
+def _kind(value: Any) -> str:
+    return "module" if type(value.value) is types.ModuleType else "function"
+
+
+def _unify(x: Any, y: Any) -> Any:
+    if _same(x, y):
+        return x
+    if _is_code(x) or _is_code(y):  # e.g. `f = isinstance if FLAG else abs`: which one runs is not known here
+        raise _Dynamic("a function or module chosen by a branch")
+    return _RUNTIME
+
+
 def _merge(a: list[Any], b: list[Any]) -> list[Any]:
     if len(a) != len(b):
         raise _Dynamic("branches that leave different stack depths")
-    return [x if _same(x, y) else _RUNTIME for x, y in zip(a, b)]
+    return [_unify(x, y) for x, y in zip(a, b)]
 
 
 def _merge_locals(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    return {k: a[k] if k in a and k in b and _same(a[k], b[k]) else _RUNTIME for k in a.keys() | b.keys()}
+    return {k: _unify(a[k], b[k]) if k in a and k in b else _unify(a.get(k, _RUNTIME), b.get(k, _RUNTIME))
+            for k in a.keys() | b.keys()}
 
 
 def _attribute(base: Any, name: str) -> Any:
@@ -203,6 +222,7 @@ class _Checker:
     def __init__(self) -> None:
         self.active: set[int] = set()
         self.where = ""
+        self.depth = 0
 
     def function(self, fn: types.FunctionType, index_args: int, depth: int) -> None:
         if depth > _MAX_DEPTH or id(fn) in self.active:
@@ -219,10 +239,12 @@ class _Checker:
             uses_with = any(i.opname == "BEFORE_WITH" for i in dis.get_instructions(code))
             raise _Dynamic("a with block" if uses_with else "a try block")
         self.active.add(id(fn))
+        outer, self.depth = self.depth, depth
         try:
             self._code(fn, index_args, depth)
         finally:
             self.active.discard(id(fn))
+            self.depth = outer
 
     def _initial_locals(self, fn: types.FunctionType, index_args: int) -> dict[str, Any]:
         code = fn.__code__
@@ -232,8 +254,14 @@ class _Checker:
         defaults.update(fn.__kwdefaults__ or {})
         out: dict[str, Any] = {}
         for i, name in enumerate(names):
-            if i >= index_args and name in defaults:
-                out[name] = _admit(defaults[name], f"{name} (a default argument)")
+            # Only torch's call of the hook itself is known to leave the defaults in place: a function the
+            # hook calls may be passed anything for any parameter, so there each is a run-time value.
+            if self.depth == 0 and i >= index_args and name in defaults:
+                value = _admit(defaults[name], f"{name} (a default argument)")
+                if _is_code(value):
+                    raise _Dynamic(f"the {_kind(value)} {name} as a default argument (only module globals may hold "
+                                   "code the hook runs)")
+                out[name] = value
             else:
                 out[name] = _RUNTIME
         return out
@@ -289,7 +317,11 @@ class _Checker:
                     raise _Dynamic(f"the captured variable {ins.argval}, which is not yet set") from None
                 if cell is None:
                     raise _Dynamic(f"the variable {ins.argval} of an enclosing function")
-                stack.append(_admit(value, f"{ins.argval} (a captured variable)"))
+                known = _admit(value, f"{ins.argval} (a captured variable)")
+                if type(known.value) is types.ModuleType:
+                    raise _Dynamic(f"the module {known.value.__name__} held in the captured variable {ins.argval} "
+                                   "(only module globals may hold code the hook runs)")
+                stack.append(known)
             elif op == "LOAD_GLOBAL":
                 if ins.arg is not None and ins.arg & 1:
                     stack.append(_NULL)
@@ -314,6 +346,9 @@ class _Checker:
             elif op in ("UNARY_NEGATIVE", "UNARY_POSITIVE", "UNARY_INVERT", "UNARY_NOT"):
                 stack[-1] = _RUNTIME
             elif op in ("BUILD_TUPLE", "BUILD_SLICE"):
+                items = stack[len(stack) - int(ins.arg or 0):]
+                if any(_is_code(v) for v in items):
+                    raise _Dynamic("a function or module inside a tuple (it is no longer known where it is used)")
                 del stack[len(stack) - int(ins.arg or 0):]
                 stack.append(_RUNTIME)
             elif op == "POP_TOP":
@@ -333,6 +368,8 @@ class _Checker:
                 self._branch(pending, ins.argval, stack, local)
                 stack = None
             elif op == "RETURN_VALUE":
+                if _is_code(stack[-1]):
+                    raise _Dynamic("a function or module returned (the caller's use of it is not checked)")
                 stack = None
             else:
                 raise _Dynamic(f"the operation {op}")
@@ -353,8 +390,8 @@ class _Checker:
             raise _Dynamic("a call of a computed value")
         fn = callee.value
         for arg in args:
-            if isinstance(arg, _Known) and callable(arg.value) and not isinstance(arg.value, torch.Tensor):
-                raise _Dynamic(f"a function passed as an argument to {_qualname(fn)} (it is not checked)")
+            if _is_code(arg):
+                raise _Dynamic(f"a {_kind(arg)} passed as an argument to {_qualname(fn)} (it is not checked there)")
         if fn is len and all(isinstance(a, _Known) for a in args):
             return  # of a constant: a tensor's length differs between torch's calls (0-d) and broadcast grids
         if any(_member(fn, allowed) for allowed in (TORCH_FUNCTIONS, BUILTINS, MATH_FUNCTIONS, _OPERATORS)):

@@ -94,7 +94,8 @@ def _float64_scalars(args: Any) -> tuple:
 
 
 _CASTS = frozenset({"to", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool"})
-_MAY_OVERFLOW = {operator.mul, torch.mul, "mul", "__mul__", operator.add, operator.sub, torch.add, torch.sub}
+_MAY_OVERFLOW = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__", operator.add, operator.sub, torch.add,
+                 torch.sub, "add", "sub", "__add__", "__sub__", "__radd__", "__rsub__", operator.neg, torch.neg, "neg"}
 
 
 class Encoder:

@@ -26,61 +26,16 @@ from __future__ import annotations
 
 import builtins
 import dis
-import math
-import operator
-import os
-import sysconfig
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch.nn.attention import flex_attention as _flex
 
-from .hook_ops import FUNCTIONS, METHODS
+from .hook_allowlist import (BUILTINS, COMBINATORS, MATH_FUNCTIONS, OPERATORS, PACKAGE_DIRS, PLAIN, STDLIB_DIR,
+                             TENSOR_ATTRIBUTES, TENSOR_METHODS, TORCH_DIR, TORCH_FUNCTIONS, WORDS)
 from .library import is_library_mask
 
-_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
-_STDLIB_DIR = os.path.join(sysconfig.get_paths()["stdlib"], "")
-_PACKAGE_DIRS = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib")})
-
-TORCH_FUNCTIONS: frozenset[Any] = frozenset(f for f in FUNCTIONS if f not in (torch.min, torch.max)) | {
-    torch.exp, torch.exp2, torch.log, torch.log2, torch.sqrt, torch.tanh, torch.sigmoid, torch.pow,
-    torch.floor, torch.ceil, torch.round, torch.trunc, torch.clamp_min, torch.clamp_max, torch.square}
-"""Elementwise torch functions (``torch.min`` / ``torch.max`` are not: one argument reduces)."""
-TENSOR_METHODS: frozenset[str] = frozenset(METHODS) | {
-    "exp", "exp2", "log", "log2", "sqrt", "tanh", "sigmoid", "pow", "floor", "ceil", "round", "trunc", "neg",
-    "clamp_min", "clamp_max", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "square",
-    "__and__", "__or__", "__xor__", "__invert__", "__neg__", "__lt__", "__le__", "__gt__", "__ge__",
-    "__eq__", "__ne__", "__floordiv__", "__mod__", "__truediv__"}
-"""Elementwise tensor methods; no shape, size, item or reduction (they differ between calls)."""
-TENSOR_ATTRIBUTES = frozenset({"dtype", "device", "is_cuda"})
-BUILTINS = frozenset({abs, min, max, int, float, bool, round, pow, divmod})
-MATH_FUNCTIONS = frozenset({math.floor, math.ceil, math.trunc, math.sqrt, math.isqrt, math.log, math.log2,
-                            math.log10, math.exp, math.pow, math.fabs, math.gcd, math.copysign})
-_OPERATORS = frozenset(v for v in vars(operator).values() if callable(v) and v in FUNCTIONS)
-_AND = _flex.and_masks(lambda *a: None).__code__
-_OR = _flex.or_masks(lambda *a: None).__code__
-COMBINATORS = {_AND: "and_masks", _OR: "or_masks"}
-"""torch's own mask combinators, by code object: their parts are checked, not their loop."""
-
-_PLAIN = {"RESUME", "NOP", "EXTENDED_ARG", "COPY_FREE_VARS", "KW_NAMES", "PRECALL", "CACHE"}
-_WORDS = {
-    "STORE_GLOBAL": "a write to a module global", "DELETE_GLOBAL": "a write to a module global",
-    "STORE_DEREF": "a write to a captured variable", "DELETE_DEREF": "a write to a captured variable",
-    "STORE_ATTR": "a write to an attribute", "DELETE_ATTR": "a write to an attribute",
-    "STORE_SUBSCR": "a write to an item", "DELETE_SUBSCR": "a write to an item",
-    "MAKE_FUNCTION": "a nested function or lambda", "LOAD_CLOSURE": "a nested function or lambda",
-    "MAKE_CELL": "a nested function or lambda", "IMPORT_NAME": "an import", "IMPORT_FROM": "an import",
-    "GET_ITER": "a loop", "FOR_ITER": "a loop", "JUMP_BACKWARD": "a loop", "JUMP_BACKWARD_NO_INTERRUPT": "a loop",
-    "POP_JUMP_BACKWARD_IF_TRUE": "a loop", "POP_JUMP_BACKWARD_IF_FALSE": "a loop",
-    "POP_JUMP_BACKWARD_IF_NONE": "a loop", "POP_JUMP_BACKWARD_IF_NOT_NONE": "a loop",
-    "YIELD_VALUE": "a generator", "RETURN_GENERATOR": "a generator", "BEFORE_WITH": "a with block",
-    "RAISE_VARARGS": "a raise", "RERAISE": "a raise", "CALL_FUNCTION_EX": "a call with *args or **kwargs",
-    "BUILD_LIST": "a list", "BUILD_MAP": "a dict", "BUILD_SET": "a set", "BUILD_CONST_KEY_MAP": "a dict",
-    "FORMAT_VALUE": "string formatting", "BUILD_STRING": "string formatting", "LOAD_NAME": "a name looked up "
-    "at run time", "STORE_NAME": "a name bound at run time", "DELETE_FAST": "a deleted local",
-}
 _MAX_DEPTH = 16
 
 
@@ -128,9 +83,9 @@ def _qualname(value: Any) -> str:
 def user_code(code: types.CodeType) -> bool:
     """Code outside torch and the standard library (installed packages count as the user's)."""
     path = code.co_filename
-    if path.startswith(_TORCH_DIR) or path.startswith("<frozen"):
+    if path.startswith(TORCH_DIR) or path.startswith("<frozen"):
         return False
-    return path.startswith(_PACKAGE_DIRS) or not path.startswith(_STDLIB_DIR)
+    return path.startswith(PACKAGE_DIRS) or not path.startswith(STDLIB_DIR)
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -293,10 +248,10 @@ class _Checker:
             if stack is None:
                 continue  # unreachable
             op = ins.opname
-            if op in _PLAIN:
+            if op in PLAIN:
                 continue
-            if op in _WORDS:
-                raise _Dynamic(_WORDS[op])
+            if op in WORDS:
+                raise _Dynamic(WORDS[op])
             if op == "LOAD_FAST":
                 stack.append(local.get(ins.argval, _RUNTIME))
             elif op == "STORE_FAST":
@@ -394,7 +349,7 @@ class _Checker:
                 raise _Dynamic(f"a {_kind(arg)} passed as an argument to {_qualname(fn)} (it is not checked there)")
         if fn is len and all(isinstance(a, _Known) for a in args):
             return  # of a constant: a tensor's length differs between torch's calls (0-d) and broadcast grids
-        if any(_member(fn, allowed) for allowed in (TORCH_FUNCTIONS, BUILTINS, MATH_FUNCTIONS, _OPERATORS)):
+        if any(_member(fn, allowed) for allowed in (TORCH_FUNCTIONS, BUILTINS, MATH_FUNCTIONS, OPERATORS)):
             return
         if isinstance(fn, types.FunctionType):
             where = self.where

@@ -104,11 +104,9 @@ def test_the_memoised_packed_call_passes_the_kernel_the_same_arguments_and_check
 def test_a_proof_resting_on_a_global_is_checked_at_every_call(monkeypatch):
     module = types.ModuleType("memo_hooks")
     module.WIDTH = 3
-
-    def band(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx <= module.WIDTH)
-
-    module.band = band
+    # The hook reads WIDTH as a module global (a module held in a captured variable is outside the subset).
+    exec("def band(b, h, q_idx, kv_idx):\n    return (kv_idx <= q_idx) & (q_idx - kv_idx <= WIDTH)\n",  # noqa: S102
+         module.__dict__)
     monkeypatch.setitem(__import__("sys").modules, "memo_hooks", module)
     with fake_primus_turbo():
         run = adapter(settings(turbo_flex_attention_backend="turbo", turbo_flex_attention_mask_mod="memo_hooks:band"),

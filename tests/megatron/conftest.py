@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -29,6 +31,42 @@ def spawn_ranks(run_rank: Callable[..., None], nprocs: int, out_dir: Path) -> li
             if attempt or "address already in use" not in str(exc).lower():
                 raise
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+@contextlib.contextmanager
+def gloo_world(rank: int, port: int, world_size: int, *, tp: int = 1, cp: int = 1,
+               timeout_s: Optional[int] = None) -> Iterator[Any]:
+    """A spawned rank's gloo group and megatron-core's parallel state at ``tp`` x ``cp``, torn down after;
+    yields ``parallel_state``."""
+    import warnings
+
+    from megatron.core import parallel_state
+
+    warnings.simplefilter("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    timeout = {} if timeout_s is None else dict(timeout=datetime.timedelta(seconds=timeout_s))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
+    try:
+        parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+        yield parallel_state
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+class FakeGroup:
+    """What megatron-core and the layers ask of a process group without a world: its size and this rank."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,18 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-
-class _Group:
-    """What ``get_batch_on_this_cp_rank(cp_group=...)`` asks of a group: its size and this rank."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
+from tests.megatron.conftest import FakeGroup
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -29,7 +18,7 @@ def test_the_rows_of_a_rank_are_the_positions_megatron_gives_it(cp):
     seq = 4 * cp
     got = {}
     for rank in range(cp):
-        split = get_batch_on_this_cp_rank({"tokens": torch.arange(seq).view(1, seq)}, cp_group=_Group(cp, rank))
+        split = get_batch_on_this_cp_rank({"tokens": torch.arange(seq).view(1, seq)}, cp_group=FakeGroup(cp, rank))
         want = split["tokens"][0]
         assert torch.equal(Ulysses(None, cp, rank).positions(want.numel()), want), rank
         got[rank] = want.view(2, -1)

@@ -22,9 +22,7 @@ hanging the suite.
 
 from __future__ import annotations
 
-import datetime
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ import pytest
 import torch
 
 from tests.fuzz import oracle as fuzz_oracle
-from tests.megatron.conftest import spawn_ranks
+from tests.megatron.conftest import gloo_world, spawn_ranks
 from tests.megatron.cp_world import (BATCH, DIM, LAYERS, SEQ, build, heads, inputs, megatron_split, oracle, outcome,
                                      run, tp_part)
 
@@ -93,20 +91,11 @@ def fake_usp(ops: Any, cp_group: Any, ring: Any) -> dict[str, tuple]:
 
 def run_world(cp: int, rank: int, port: int, out_dir: str) -> None:
     """One CP rank: gloo + parallel state at CP ``cp``, the fake, every layer of that size, the record."""
-    import warnings
-
-    warnings.simplefilter("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from primus_ext.testing import fake_primus_turbo
 
-    dist.init_process_group("gloo", rank=rank, world_size=cp, timeout=datetime.timedelta(seconds=60))
-    try:
-        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=cp)
+    with gloo_world(rank, port, cp, cp=cp, timeout_s=60) as parallel_state:
         hq, hkv = heads(cp)
         whole = inputs(hq, hkv)
         part = megatron_split(whole)
@@ -133,9 +122,14 @@ def run_world(cp: int, rank: int, port: int, out_dir: str) -> None:
                 rings = [dist.new_group([r]) for r in range(cp)]  # collective: every rank makes every group
                 record["fake_usp"] = fake_usp(fake.module, parallel_state.get_context_parallel_group(), rings[rank])
         torch.save(record, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+
+
+def _cp2(world: tuple) -> list:
+    """The records of the CP-2 world (the checks that need only one world size)."""
+    cp, records = world
+    if cp != 2:
+        pytest.skip("checked in the CP-2 world")
+    return records
 
 
 TP_LAYERS = ("direct-window-sink", "reference-window-sink", "turbo-causal-sink",
@@ -245,9 +239,7 @@ def test_tensor_parallel_2_by_context_parallel_2_equals_the_oracle(world):
 def test_a_compiled_cp_layer_is_one_graph_with_the_exchange_and_the_attention_op_inside(world):
     """torch.compile(fullgraph=True) of a CP layer, on both paths: the functional all-to-all and primus_ext's
     attention op are in the one graph Dynamo made (its outputs are held to the oracle above)."""
-    cp, records = world
-    if cp != 2:
-        pytest.skip("checked in the CP-2 world")
+    records = _cp2(world)
     for name in ("direct-causal-sink-compiled", "reference-sink-compiled"):
         for record in records:
             (graph,) = record["layers"][name]["got"]["graphs"]
@@ -255,18 +247,12 @@ def test_a_compiled_cp_layer_is_one_graph_with_the_exchange_and_the_attention_op
 
 
 def test_megatrons_split_causal_mask_is_accepted_and_changes_nothing(world):
-    cp, records = world
-    if cp != 2:
-        pytest.skip("checked in the CP-2 world")
-    for record in records:
+    for record in _cp2(world):
         torch.testing.assert_close(record["with_mask"], record["without_mask"], atol=0, rtol=0)
 
 
 def test_what_context_parallel_refuses(world):
-    cp, records = world
-    if cp != 2:
-        pytest.skip("checked in the CP-2 world")
-    for record in records:
+    for record in _cp2(world):
         got = record["refusals"]
         assert got["packed call"][:2] == ("UnsupportedInputError", ("cp-packed",)), got["packed call"]
         assert got["odd length"][:2] == ("UnsupportedInputError", ("B22",)), got["odd length"]
@@ -281,10 +267,7 @@ def test_what_context_parallel_refuses(world):
 
 def test_fake_usp_entries_still_refuse_what_the_real_ones_refuse(world):
     """Not called any more (they join shards in rank order), but the fake stays no kinder than upstream."""
-    cp, records = world
-    if cp != 2:
-        pytest.skip("checked in the CP-2 world")
-    for record in records:
+    for record in _cp2(world):
         got = record["fake_usp"]
         assert got["ring None (WORLD)"][0] == "RuntimeError" and "WORLD" in got["ring None (WORLD)"][2]
         assert got["ring WORLD"][0] == "NotImplementedError" and "2 ranks" in got["ring WORLD"][2]

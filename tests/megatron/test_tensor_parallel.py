@@ -16,7 +16,6 @@ not called (it needs CUDA); nothing here draws from the CUDA RNG tracker.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from tests.megatron import gpt
-from tests.megatron.conftest import spawn_ranks
+from tests.megatron.conftest import gloo_world, spawn_ranks
 
 TP = 2
 STEPS = 5
@@ -46,18 +45,8 @@ def shards(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
-    """One TP rank: init gloo + parallel state, build, record, train, write the record."""
-    import warnings
-
-    warnings.simplefilter("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    from megatron.core import parallel_state
-
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=TP)
-    try:
-        parallel_state.initialize_model_parallel(TP, 1)
+    """One TP rank: gloo + parallel state, build, record, train, write the record."""
+    with gloo_world(rank, port, TP, tp=TP) as parallel_state:
         model = gpt.build_gpt(turbo_settings(), gpt.config(tensor_model_parallel_size=TP))
         sinks = []
         for module in gpt.attention_modules(model):
@@ -70,9 +59,6 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         torch.save(dict(rank=rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(), sinks=sinks,
                         initial=initial, losses=losses, trained_sinks=trained),
                    Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

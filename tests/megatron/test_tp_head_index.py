@@ -17,7 +17,6 @@ index, rank 1 would compute heads 2-3 with the values of heads 0-1.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +29,7 @@ from primus_ext.testing import fake_primus_turbo
 from tests import head_index_hooks as hooks
 from tests.fuzz import oracle
 from tests.megatron import gpt
-from tests.megatron.conftest import spawn_ranks
+from tests.megatron.conftest import FakeGroup, gloo_world, spawn_ranks
 
 TP = 2
 HOOKS = "tests.head_index_hooks:"
@@ -46,26 +45,13 @@ def keys(backend: str, mask: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- a faked TP rank
-class _Group:
-    """What the layer asks of ``pg_collection.tp``: its size and this rank."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 @pytest.fixture(params=["parallel_state", "pg_collection"])
 def tp_rank_1(request):
     """How the layer learns it is TP rank 1 of 2: megatron-core's parallel state, or a pg_collection."""
     from megatron.core import parallel_state
 
     if request.param == "pg_collection":
-        yield SimpleNamespace(tp=_Group(TP, 1), cp=None)
+        yield SimpleNamespace(tp=FakeGroup(TP, 1), cp=None)
         return
     parallel_state.set_tensor_model_parallel_rank(1)
     try:
@@ -131,23 +117,10 @@ def run_case(backend: str, mask: str, tp: int) -> dict[str, Any]:
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
     """One TP rank: gloo + megatron-core's parallel state at TP 2, each case's step, the record."""
-    import warnings
-
-    warnings.simplefilter("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    from megatron.core import parallel_state
-
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=TP)
-    try:
-        parallel_state.initialize_model_parallel(TP, 1)
+    with gloo_world(rank, port, TP, tp=TP) as parallel_state:
         record = {name: run_case(backend, mask, TP) for name, (backend, mask) in CASES.items()}
         record["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
         torch.save(record, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -97,8 +97,9 @@ def _constant(value: Any) -> bool:
     return type(value) in _SCALARS or type(value) is tuple and all(_constant(v) for v in value)
 
 
-def _numbers(value: Any) -> bool:
-    return type(value) is list and all(type(v) in (bool, int, float) or _numbers(v) for v in value)
+def number_list(value: Any) -> bool:
+    """A plain list of plain numbers (nested lists too): re-checked by value before each call."""
+    return type(value) is list and all(type(v) in (bool, int, float) or number_list(v) for v in value)
 
 
 def _member(value: Any, allowed: frozenset[Any]) -> bool:
@@ -111,7 +112,7 @@ def _member(value: Any, allowed: frozenset[Any]) -> bool:
 def _admit(value: Any, name: str) -> _Known:
     """A loaded value that may enter the hook (operations on it are checked when used)."""
     if (type(value) in (types.ModuleType, types.FunctionType, types.BuiltinFunctionType) or type(value) in _TENSORS
-            or _constant(value) or _numbers(value) or _member(value, TORCH_FUNCTIONS) or _member(value, BUILTINS)):
+            or _constant(value) or number_list(value) or _member(value, TORCH_FUNCTIONS) or _member(value, BUILTINS)):
         return _Known(value)
     if isinstance(value, type):
         raise _Dynamic(f"the class {name} (a class's attributes and operators can change between calls)")
@@ -395,4 +396,4 @@ def combined_parts(hook: Any) -> Optional[tuple[str, tuple[Any, ...]]]:
 
 
 __all__ = ["BUILTINS", "COMBINATORS", "MATH_FUNCTIONS", "Outside", "TENSOR_ATTRIBUTES", "TENSOR_METHODS",
-           "TORCH_FUNCTIONS", "combined_parts", "outside_subset", "user_code"]
+           "TORCH_FUNCTIONS", "combined_parts", "number_list", "outside_subset", "user_code"]

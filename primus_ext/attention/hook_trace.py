@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .hook_subset import COMBINATORS, Outside, outside_subset, user_code
+from .hook_subset import COMBINATORS, Outside, number_list, outside_subset, user_code
 
 _META_ATTRS = {"device", "dtype", "shape", "ndim", "is_cuda"}
 _SHAPE_ONLY_METHODS = {"new_ones", "new_zeros", "new_full", "new_empty", "size", "dim"}
@@ -77,11 +77,6 @@ def _is_code(value: Any) -> bool:
     return isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                               types.ModuleType, type, torch._ops.OpOverloadPacket)) or callable(value) and (
         getattr(value, "__module__", "") or "").startswith("torch")
-
-
-def _numbers(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and all(
-        isinstance(v, (bool, int, float)) or _numbers(v) for v in value)
 
 
 _LOADS = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "deref", "LOAD_CLASSDEREF": "deref",
@@ -269,7 +264,7 @@ def _classify(trace: HookTrace, name: str, value: Any, where: str, rebind: Optio
             trace.assumptions.append(Assumption(f"{label} is still {reprlib.repr(value)}", rebind))
             trace.reads.append(f"{label} ({reprlib.repr(value)})")
         return
-    if isinstance(value, list) and _numbers(value):
+    if number_list(value):
         check = _list_check(value)
         holds = check if rebind is None else (lambda c=check, r=rebind: r() and c())
         trace.assumptions.append(Assumption(f"{label} (a list) is unchanged", holds))

@@ -48,7 +48,7 @@ def _settings(**keys: Any) -> Any:
 
 def _adapter(packed: bool = False, **keys: Any) -> Any:
     """A flex adapter on the turbo backend (the caller's ``packed`` layout planned)."""
-    from primus_ext.backends.adapter import TurboFlexAttention
+    from primus_ext.call.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
 
     facts = LayerFacts(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, seq_length=SEQ, packed=packed)
@@ -162,8 +162,8 @@ def _per_call(fn: Callable[[], Any], number: int, repeats: int = 7) -> float:
 def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
     """The pieces of the adapter's fast path for a dense and a packed causal call, each timed
     alone (us)."""
-    from primus_ext.backends.call_checks import assert_boundaries
-    from primus_ext.backends.call_memo import _boundaries_like
+    from primus_ext.call.checks import assert_boundaries
+    from primus_ext.call.memo import _boundaries_like
 
     q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
     outputs.dense = torch.empty_like(q)

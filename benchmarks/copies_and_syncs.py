@@ -80,7 +80,7 @@ def turbo_kernels(mode: Optional[str]) -> Iterator[Any]:
 
 
 def adapter(backend: str, *, packed: bool = False, sink: bool = False, window: tuple[int, int] = (-1, -1)) -> Any:
-    from primus_ext.backends.adapter import TurboFlexAttention
+    from primus_ext.call.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
 
     plan = build_plan(_settings(turbo_flex_attention_backend=backend, use_sink_attention=sink,

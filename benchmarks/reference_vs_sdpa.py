@@ -49,7 +49,7 @@ def strided_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx
 
 
 def _adapter(heads: int = HEADS, packed: bool = False, **keys: Any) -> Any:
-    from primus_ext.backends.adapter import TurboFlexAttention
+    from primus_ext.call.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
     from primus_ext.settings import TurboAttentionSettings
 

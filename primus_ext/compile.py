@@ -2,7 +2,7 @@
 
 Under ``torch.compile`` every attention call of primus_ext is one custom op
 (``torch.ops.primus_ext.dense_attention`` / ``varlen_attention``, see
-`primus_ext.backends.ops`), so a compiled transformer block keeps one graph.  With
+`primus_ext.call.ops`), so a compiled transformer block keeps one graph.  With
 selective activation checkpointing, `attention_save_policy` saves the op's outputs
 so that backward does not run attention's forward again::
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .backends.ops import FORWARD_OPS, NAMESPACE
+from .call.ops import FORWARD_OPS, NAMESPACE
 
 OP_NAMESPACE = NAMESPACE
 

@@ -1,4 +1,4 @@
-"""One rule for calls that disagree with the plan (`primus_ext.backends.call_agreement`).
+"""One rule for calls that disagree with the plan (`primus_ext.call.agreement`).
 
 * The adapter's ``causal`` / ``window_size`` default to the plan's: ``TurboFlexAttention(plan)(q, k, v)``
   on a causal plan computes causal attention (it used to compute full attention, the call's old default
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo

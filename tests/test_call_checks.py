@@ -18,7 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from primus_ext.errors import PrimusExtError, UnsupportedInputError
 from primus_ext.megatron import PrimusTurboLocalAttention
 from primus_ext.plan import build_plan
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.testing import fake_primus_turbo
 
 from . import oracle
@@ -235,7 +235,7 @@ def test_a_malformed_config_window_is_refused_at_build(window):
 def test_boundaries_proven_once_are_checked_again_when_they_or_the_bound_change():
     """The value check runs once per boundary tensor (every layer of a step shares it), and again
     after an in-place change or for a tighter max_seqlen."""
-    from primus_ext.backends.call_checks import check_packed
+    from primus_ext.call.checks import check_packed
 
     q = torch.randn(11, 4, 8)
     cu = _cu()

@@ -1,4 +1,4 @@
-"""The adapter's fast path (`primus_ext.backends.call_memo`) changes nothing but the cost.
+"""The adapter's fast path (`primus_ext.call.memo`) changes nothing but the cost.
 
 After a valid call the adapter keeps a runner for equal calls.  Held here:
 
@@ -21,7 +21,7 @@ import torch
 
 from primus_ext.errors import PrimusExtError, UnsupportedInputError
 from primus_ext.plan import build_plan
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.testing import fake_primus_turbo
 
 from .helpers import adapter, facts, packed_qkv, qkv, settings

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError
 from primus_ext.plan import LayerFacts, build_plan
 from primus_ext.settings import TurboAttentionSettings

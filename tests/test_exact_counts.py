@@ -303,7 +303,7 @@ def test_dropped_adapters_and_their_op_targets_are_released():
     import gc
     import weakref
 
-    from primus_ext.backends import ops
+    from primus_ext.call import ops
 
     gc.collect()
     before = len(ops._TARGETS)
@@ -326,7 +326,7 @@ def test_no_route_builds_a_block_mask_and_a_shape_sweep_keeps_no_tensor():
 
     from torch.nn.attention import flex_attention as flex
 
-    from primus_ext.backends.adapter import _CALLS_MAX
+    from primus_ext.call.adapter import _CALLS_MAX
     from primus_ext.backends.call_route import _MEMO_MAX
 
     built = []

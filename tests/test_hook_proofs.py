@@ -17,7 +17,7 @@ import yaml
 from primus_ext.attention.hook_proof import PROOFS, prove_mask
 from primus_ext.attention.library import library_pattern
 from primus_ext.attention.pattern import Pattern
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.cli.check import _plans as check_plans
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.megatron.facts import layer_facts

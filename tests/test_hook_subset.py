@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import _vmap_for_bhqkv, and_masks, or_mas
 
 from primus_ext.attention.hook_proof import prove_mask, prove_score
 from primus_ext.attention.hook_subset import outside_subset
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError
 from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.backends import TurboBackend, make_backend, select_backend, sink_kwargs_for
 from primus_ext.errors import UnsupportedConfigError
 from primus_ext.plan import build_plan

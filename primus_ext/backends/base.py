@@ -9,7 +9,7 @@ tensors in the caller's layout (dense bshd ``[B, S, H, D]`` or packed thd
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Tuple, Union
+from typing import Any, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -84,6 +84,50 @@ class AttentionBackend(Protocol):
     ) -> Output: ...
 
 
+class CallArgs(NamedTuple):
+    """One call as the ops see it (``cu_q`` None for a dense call)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    cu_q: Optional[Tensor]
+    cu_kv: Optional[Tensor]
+    max_q: int
+    max_kv: int
+    sink: Optional[Tensor]
+    alibi: Optional[Tensor]
+    bias: Optional[Tensor]
+    causal: bool
+    window: tuple[int, int]
+    scale: Optional[float]
+    dropout_p: float
+    deterministic: bool
+    return_lse: bool = False
+    """Whether the caller asked for lse: the reference picks its math by it (forward and backward alike)."""
+
+
+class KernelPair(Protocol):
+    """A kernel-level forward and its backward for one call, decided from metadata only."""
+
+    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor, Tensor]:
+        """``(out, lse, rng_state)`` in the op's layouts; ``rng_state`` as the kernel returns it, with
+        `kernel_rng`'s metadata (AITER's sink path asserts its own CPU int64 ``[2]`` in the backward)."""
+        ...
+
+    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """``(dq, dk, dv, dsink, dalibi, dbias)`` from the forward's ``out``, ``lse`` and ``rng_state``."""
+        ...
+
+
+def kernel_rng(a: CallArgs, *, fake: bool = False) -> Tensor:
+    """The forward op's ``rng_state`` of a call without dropout: int64 ``[2]`` as AITER's kernels
+    return it (on the CPU from the dense sink path's Triton forward, on the device from CK), so a
+    kernel pair's own state crosses the graph unchanged; zeros where no kernel gave one."""
+    device = torch.device("cpu") if a.cu_q is None and a.sink is not None else a.q.device
+    return (torch.empty if fake else torch.zeros)(2, dtype=torch.int64, device=device)
+
+
 def fp32_sink(sink: Optional[Tensor]) -> Optional[Tensor]:
     """The sink as the kernels take it: fp32, cast differentiably so a bf16 parameter
     still receives its gradient (B12)."""
@@ -98,4 +142,4 @@ def same_tensor(a: Tensor, b: Tensor) -> bool:
                       and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
 
 
-__all__ = ["AttentionBackend", "BackendCapabilities", "KernelCall", "Output", "fp32_sink", "same_tensor"]
+__all__ = ["AttentionBackend", "BackendCapabilities", "CallArgs", "KernelCall", "KernelPair", "kernel_rng", "Output", "fp32_sink", "same_tensor"]

@@ -13,12 +13,13 @@ in the graph, in program order, instead of dropping an op whose result nobody re
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ..errors import PrimusExtError
+from .base import same_tensor
 
 _REFUSALS: list[tuple[str, Callable[[], PrimusExtError]]] = []
 """``(why, refusal)`` of each check traced so far; the op carries the index (a graph constant)."""
@@ -69,4 +70,48 @@ KEPT_IN_GRAPH = _keep_in_graph()
 """False on a torch without effect registration: compiled checks then use the device-side assert."""
 
 
-__all__ = ["KEPT_IN_GRAPH", "refusal_id", "refuse_unless"]
+
+def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]) -> None:
+    """A value check without a host sync: an on-device assertion of ``ok``.
+
+    On CPU it fails at once and ``refusal()`` is raised instead (our error type); on a GPU
+    it fails later as a device-side assert with ``why``.  Inside a compiled graph the check
+    is the op `check_op.refuse_unless`, which does the same when the graph runs.
+    """
+    if torch.compiler.is_compiling():
+        if KEPT_IN_GRAPH:
+            torch.ops.primus_ext.refuse_unless(ok, refusal_id(why, refusal))
+        else:
+            torch._assert_async(ok, why)
+        return
+    try:
+        torch._assert_async(ok, why)
+    except RuntimeError:  # CPU: the assertion fails at once
+        raise refusal() from None
+
+
+def check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, refusal: Callable[[], PrimusExtError]) -> None:
+    """Refuse a packed call whose q and kv documents differ where the path aligns masks other
+    than the caller asked for (bottom-right vs top-left inside each document).
+
+    One tensor for both sides (Megatron's case) is never read; two distinct tensors are
+    compared on the host, or on device inside a compiled graph.
+    """
+    if same_tensor(cu_q, cu_kv):
+        return
+    if torch.compiler.is_compiling() and cu_q.shape == cu_kv.shape:
+        assert_on_device((cu_q == cu_kv.to(cu_q.device)).all(), str(refusal()), refusal)
+        return
+    if cu_q.shape != cu_kv.shape or not torch.equal(cu_q, cu_kv.to(cu_q.device)):
+        raise refusal()
+
+
+def tensor_version(t: Tensor) -> Optional[int]:
+    """``t``'s in-place version counter, or None for an inference tensor, which has none (its
+    values are then checked at every call: there is no way to know they did not change)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+__all__ = ["KEPT_IN_GRAPH", "assert_on_device", "check_same_boundaries", "refusal_id", "refuse_unless", "tensor_version"]

@@ -23,7 +23,7 @@ from .base import fp32_sink
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, sink_kwargs_for
 from .dispatch import DEFAULT_ORDER, Selection
-from .ops import CallArgs, KernelPair
+from .base import CallArgs, KernelPair
 from .turbo_kernels import discover_kernels, kernel_pair
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class DirectRunner:
 
 
 class DirectTarget:
-    """What a direct-path op handle runs (see `primus_ext.backends.ops`); on a known ``arch`` a call
+    """What a direct-path op handle runs (see `primus_ext.call.ops`); on a known ``arch`` a call
     routed to AITER, FlyDSL or HipKittens gets that backend's kernel-level pair in compiled steps."""
 
     def __init__(self, runner: DirectRunner, arch: Optional[str] = None, selection: Selection = DEFAULT_ORDER,

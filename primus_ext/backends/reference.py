@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import blockwise, exact
 from .base import BackendCapabilities, KernelCall, Output, same_tensor
-from .ops import CallArgs, kernel_rng
+from .base import CallArgs, kernel_rng
 
 
 class ReferenceBackend:
@@ -150,7 +150,7 @@ class ReferenceBackend:
 
 class SdpaCpuPair:
     """aten's CPU flash-attention forward (out, logsumexp) and its backward: the kernels
-    ``scaled_dot_product_attention`` runs on CPU, split (`primus_ext.backends.ops.KernelPair`)."""
+    ``scaled_dot_product_attention`` runs on CPU, split (`primus_ext.call.ops.KernelPair`)."""
 
     def __init__(self, call: KernelCall) -> None:
         self.causal = call.pattern is not None and call.pattern.kind == "causal"
@@ -178,7 +178,7 @@ class SdpaCpuPair:
 
 
 class BlockwisePair:
-    """`blockwise.forward` / `blockwise.backward` for one call (`primus_ext.backends.ops.KernelPair`)."""
+    """`blockwise.forward` / `blockwise.backward` for one call (`primus_ext.call.ops.KernelPair`)."""
 
     def __init__(self, call: KernelCall, backend: ReferenceBackend) -> None:
         self.call, self.backend = call, backend

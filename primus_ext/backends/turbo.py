@@ -30,11 +30,11 @@ from torch import Tensor
 from ..attention.pattern import Pattern
 from ..errors import Reason, UnsupportedInputError
 from .base import BackendCapabilities, KernelCall, Output
-from .call_checks import check_same_boundaries
+from .check_op import check_same_boundaries
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
 from .dispatch import Selection
-from .ops import CallArgs, KernelPair
+from .base import CallArgs, KernelPair
 from .turbo_kernels import discover_kernels, kernel_pair
 
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from .call_route import CallRoutes
 from .dispatch import DEFAULT_ORDER, DENSE, FLYDSL, VARLEN, CallFeatures, default_scale, route, route_on
 from .layout import LayoutError, infer_qkv_format, storage_features
-from .ops import CallArgs, KernelPair
+from .base import CallArgs, KernelPair
 from .turbo_pairs_gfx950 import (FlydslPair, HipkittensPair, discover_flydsl, discover_hipkittens, flydsl_takes,
                                  hipkittens_takes, uniform_documents)
 
@@ -99,7 +99,7 @@ def _pad8(t: Tensor) -> Tensor:
 
 
 class AiterPair:
-    """AITER's kernel-level forward and backward for one call (`primus_ext.backends.ops.KernelPair`).
+    """AITER's kernel-level forward and backward for one call (`primus_ext.call.ops.KernelPair`).
 
     ``causal`` / ``window`` are the arguments the public entry would get for this call; ``arch``
     the plan's (the backward's bf16 conversion mode depends on it, as in ``flash_attn_func``).

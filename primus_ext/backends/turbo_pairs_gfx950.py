@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..errors import PrimusExtError
 from .layout import LayoutError, storage_features
-from .ops import CallArgs, kernel_rng
+from .base import CallArgs, kernel_rng
 
 FLYDSL_MODULE = "primus_turbo.pytorch.kernels.attention.attention_flydsl_impl"
 HIPKITTENS_MODULE = "primus_turbo.pytorch.kernels.attention.attention_hipkittens_impl"

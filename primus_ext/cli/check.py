@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from ..attention.heads import head_range
 from ..backends import turbo_import_problem
-from ..backends.call_agreement import DROP_IN, PLAN
+from ..call.agreement import DROP_IN, PLAN
 from ..backends.context_parallel import describe_comm
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
 from ..megatron.facts import layer_facts

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence
 from ..backends import turbo_import_problem
 from ..errors import UnsupportedConfigError
 from ..plan.plan import AttentionPlan
-from ..plan.selftest import clear, refuse_failures, self_test
+from ..call.selftest import clear, refuse_failures, self_test
 from ..testing import fake_primus_turbo
 from .check import REFUSED, _load, _plans, format_table, settings_for
 

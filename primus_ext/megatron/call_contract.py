@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.call_checks import assert_on_device, tensor_version
+from ..call.checks import assert_on_device, tensor_version
 from ..errors import Reason, UnsupportedInputError
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")

@@ -14,17 +14,17 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends.adapter import TurboFlexAttention
+from ..call.adapter import TurboFlexAttention
 from ..backends.base import fp32_sink
-from ..backends.call_checks import (assert_on_device, check_heads, check_packed, check_packing, check_qkv,
+from ..call.checks import (assert_on_device, check_heads, check_packed, check_packing, check_qkv,
                                      check_same_boundaries)
 from ..backends.direct import DirectRunner, DirectTarget, choose_direct
 from ..backends.layout import kernel_views
-from ..backends.ops import CallArgs, register_target, run_dense, run_packed
+from ..call.ops import CallArgs, register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
-from ..plan.selftest import refuse_failures, self_test, selftest_enabled
+from ..call.selftest import refuse_failures, self_test, selftest_enabled
 from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
 from .call_contract import MaskCheck, qkv_format, refuse as _contract_refusal

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..backends.call_checks import assert_on_device
+from ..call.checks import assert_on_device
 from ..errors import Reason, UnsupportedInputError
 
 

@@ -1,6 +1,6 @@
 """A call's causal / window_size under ``torch.compile(fullgraph=True)``: bound or refused at trace time.
 
-The verdict (`primus_ext.backends.call_agreement`) runs for real while Dynamo traces the call, and its
+The verdict (`primus_ext.call.agreement`) runs for real while Dynamo traces the call, and its
 result is a graph constant: a drop-in call with another window compiles into one graph and equals eager
 and the float64 oracle; a disagreeing call outside drop-in mode, a hook layer's call window, a malformed
 window and tensor flags each raise our `UnsupportedInputError` (never a Dynamo exception), with or
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_ext.backends.call_agreement import CompiledCallRefusal
+from primus_ext.call.agreement import CompiledCallRefusal
 from primus_ext.errors import UnsupportedInputError
 from primus_ext.testing import fake_primus_turbo
 

@@ -1,4 +1,4 @@
-"""The attention custom ops on their own (`primus_ext.backends.ops`).
+"""The attention custom ops on their own (`primus_ext.call.ops`).
 
 * ``torch.library.opcheck`` (schema, fake tensor, autograd registration, AOT dispatch
   with static and dynamic shapes) passes for ``dense_attention``, ``varlen_attention``
@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from primus_ext.backends import ops
+from primus_ext.call import ops
 from primus_ext.testing import fake_primus_turbo
 
 from ..helpers import adapter, facts, packed_qkv, qkv, settings

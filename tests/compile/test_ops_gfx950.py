@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from primus_ext.backends import turbo_kernels
-from primus_ext.backends.ops import CallArgs
+from primus_ext.call.ops import CallArgs
 from primus_ext.backends.turbo_pairs_gfx950 import FlydslPair, KernelOutputError
 from primus_ext.testing import fake_primus_turbo
 from primus_ext.testing._fake_math import FLYDSL_NARROW_WINDOW_BACKWARD_NAN, HIPKITTENS_FORWARD_SKIPS_ROWS

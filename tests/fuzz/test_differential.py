@@ -585,7 +585,7 @@ def run_case(case: Case, tally) -> None:
 
 # ============================================================================ the adapter
 def run_adapter(case: Case, stage: list, mutate) -> Ran:
-    from primus_ext.backends.adapter import TurboFlexAttention
+    from primus_ext.call.adapter import TurboFlexAttention
     from primus_ext.plan import LayerFacts, build_plan
     from primus_ext.settings import TurboAttentionSettings
 

@@ -13,7 +13,7 @@ import torch
 
 from primus_ext.attention.pattern import Pattern
 
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
 from primus_ext.testing.fake_turbo import fake_primus_turbo

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
-from primus_ext.backends.adapter import TurboFlexAttention
+from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.backends.direct import DirectRunner
 from primus_ext.backends.reference import ReferenceBackend
 from primus_ext.backends.turbo import TurboBackend

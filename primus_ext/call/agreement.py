@@ -32,7 +32,7 @@ import torch
 
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..errors import Reason, UnsupportedInputError, short_repr
-from .call_checks import check_window
+from .checks import check_window
 
 PLAN, DROP_IN = "plan", "drop_in"
 SETTING = "turbo_flex_attention_call_flags"

@@ -31,14 +31,14 @@ import torch
 
 from ..attention.pattern import pattern_from_flash_args
 from ..backends import make_backend
-from ..backends.adapter import TurboFlexAttention
+from .adapter import TurboFlexAttention
 from ..backends.direct import DirectRunner, choose_direct
 from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Selection, default_scale
 from ..backends.dispatch import route as dispatch_route
 from ..backends.layout import kernel_views, storage_features
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError
-from .plan import AttentionPlan
+from ..plan.plan import AttentionPlan
 
 MIN_SEQ = 64
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -39,7 +39,8 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from .call_checks import assert_boundaries
+from ..backends.base import CallArgs, KernelPair, kernel_rng
+from .checks import assert_boundaries
 from .op_rng import rng_restored, rng_size, rng_snapshot
 
 NAMESPACE = "primus_ext"
@@ -60,50 +61,6 @@ class OpTarget(Protocol):
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
                sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: tuple[int, int],
                scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Any: ...
-
-
-class CallArgs(NamedTuple):
-    """One call as the ops see it (``cu_q`` None for a dense call)."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    cu_q: Optional[Tensor]
-    cu_kv: Optional[Tensor]
-    max_q: int
-    max_kv: int
-    sink: Optional[Tensor]
-    alibi: Optional[Tensor]
-    bias: Optional[Tensor]
-    causal: bool
-    window: tuple[int, int]
-    scale: Optional[float]
-    dropout_p: float
-    deterministic: bool
-    return_lse: bool = False
-    """Whether the caller asked for lse: the reference picks its math by it (forward and backward alike)."""
-
-
-class KernelPair(Protocol):
-    """A kernel-level forward and its backward for one call, decided from metadata only."""
-
-    def forward(self, a: CallArgs) -> tuple[Tensor, Tensor, Tensor]:
-        """``(out, lse, rng_state)`` in the op's layouts; ``rng_state`` as the kernel returns it, with
-        `kernel_rng`'s metadata (AITER's sink path asserts its own CPU int64 ``[2]`` in the backward)."""
-        ...
-
-    def backward(self, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        """``(dq, dk, dv, dsink, dalibi, dbias)`` from the forward's ``out``, ``lse`` and ``rng_state``."""
-        ...
-
-
-def kernel_rng(a: CallArgs, *, fake: bool = False) -> Tensor:
-    """The forward op's ``rng_state`` of a call without dropout: int64 ``[2]`` as AITER's kernels
-    return it (on the CPU from the dense sink path's Triton forward, on the device from CK), so a
-    kernel pair's own state crosses the graph unchanged; zeros where no kernel gave one."""
-    device = torch.device("cpu") if a.cu_q is None and a.sink is not None else a.q.device
-    return (torch.empty if fake else torch.zeros)(2, dtype=torch.int64, device=device)
 
 
 _TARGETS: dict[int, OpTarget] = {}

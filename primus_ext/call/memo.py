@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .call_checks import assert_boundaries
+from .checks import assert_boundaries
 
 Runner = Callable[..., Any]
 

@@ -22,49 +22,13 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from ..errors import PrimusExtError, Reason, UnsupportedInputError
-from .base import same_tensor
-from .check_op import KEPT_IN_GRAPH, refusal_id
+from ..backends.check_op import assert_on_device, check_same_boundaries, tensor_version
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
     return UnsupportedInputError(Reason(settings, reason, alternative, "B34"))
-
-
-def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]) -> None:
-    """A value check without a host sync: an on-device assertion of ``ok``.
-
-    On CPU it fails at once and ``refusal()`` is raised instead (our error type); on a GPU
-    it fails later as a device-side assert with ``why``.  Inside a compiled graph the check
-    is the op `check_op.refuse_unless`, which does the same when the graph runs.
-    """
-    if torch.compiler.is_compiling():
-        if KEPT_IN_GRAPH:
-            torch.ops.primus_ext.refuse_unless(ok, refusal_id(why, refusal))
-        else:
-            torch._assert_async(ok, why)
-        return
-    try:
-        torch._assert_async(ok, why)
-    except RuntimeError:  # CPU: the assertion fails at once
-        raise refusal() from None
-
-
-def check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, refusal: Callable[[], PrimusExtError]) -> None:
-    """Refuse a packed call whose q and kv documents differ where the path aligns masks other
-    than the caller asked for (bottom-right vs top-left inside each document).
-
-    One tensor for both sides (Megatron's case) is never read; two distinct tensors are
-    compared on the host, or on device inside a compiled graph.
-    """
-    if same_tensor(cu_q, cu_kv):
-        return
-    if torch.compiler.is_compiling() and cu_q.shape == cu_kv.shape:
-        assert_on_device((cu_q == cu_kv.to(cu_q.device)).all(), str(refusal()), refusal)
-        return
-    if cu_q.shape != cu_kv.shape or not torch.equal(cu_q, cu_kv.to(cu_q.device)):
-        raise refusal()
 
 
 def check_heads(q: Tensor, k: Tensor, heads: int, kv_heads: int) -> None:
@@ -310,15 +274,6 @@ def _check_equal_documents(side: str, cu: Tensor, tokens: int, longest: Any) -> 
             "B36"))
 
 
-def tensor_version(t: Tensor) -> Optional[int]:
-    """``t``'s in-place version counter, or None for an inference tensor, which has none (its
-    values are then checked at every call: there is no way to know they did not change)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
 _PROVEN: list = []
 """The last boundaries proven, ``(weakref, version, tokens, longest)``: every layer of a step gets
 the same tensor, so the value check runs once per step, not once per layer and call."""
@@ -357,5 +312,5 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
 
 
 __all__ = ["assert_boundaries", "assert_on_device", "check_alibi", "check_bias", "check_dropout", "check_heads",
-           "check_kernel_alibi", "check_packed", "check_packing", "check_qkv", "check_same_boundaries", "check_sink",
+           "check_kernel_alibi", "check_packed", "check_packing", "check_qkv", "check_sink",
            "check_window", "tensor_version"]

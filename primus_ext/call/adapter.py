@@ -17,13 +17,13 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import AttentionBackend, make_backend
-from .base import KernelCall, Output, fp32_sink
-from .call_agreement import CallAgreement, eager_flash_pattern, flash_args, flash_pattern
-from .call_checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
+from ..backends import AttentionBackend, make_backend
+from ..backends.base import KernelCall, Output, fp32_sink
+from .agreement import CallAgreement, eager_flash_pattern, flash_args, flash_pattern
+from .checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
                           check_packing, check_qkv, check_sink)
-from .call_memo import MISS, CallMemo, scalars_key
-from .call_route import CallRoutes
+from .memo import MISS, CallMemo, scalars_key
+from ..backends.call_route import CallRoutes
 from .ops import CallArgs, KernelPair, register_target, run_dense, run_packed
 from ..errors import Reason, UnsupportedInputError
 from ..attention.library import library_pattern

@@ -8,7 +8,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from primus_ext.cli import main
 from primus_ext.errors import UnsupportedConfigError
 from primus_ext.megatron import PrimusTurboLocalAttention
-from primus_ext.plan import selftest
+from primus_ext.call import selftest
 from primus_ext.testing import fake_primus_turbo
 
 from . import gpt

@@ -87,7 +87,9 @@ def test_packed_training_step_has_the_gradients_of_separate_documents(path):
         for doc in docs:
             model(doc, gpt.positions(doc), None, labels=doc).sum().backward()
     for name, param in model.named_parameters():
-        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+        # Bias gradients sum over every token (|grad| ~ 8 here): one batch vs one call per document
+        # sums in another order, ~2e-7 relative in float32.
+        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))

@@ -16,7 +16,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import Reason, UnsupportedInputError
+from ..errors import UnsupportedInputError
+from ..refusals import LAYOUT, ROUTE, refuse, refuse_naming
 from .dispatch import ARCHES, DEFAULT_ORDER, CallFeatures, Route, Selection, default_scale, route
 from .layout import LayoutError, storage_features
 
@@ -89,7 +90,10 @@ class CallRoutes:
         layout = () if entry != "dense" or sbhd else (
             "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
         reason = found.reason("this call", alternatives=layout)
-        return found, (UnsupportedInputError(reason) if reason is not None else None)
+        if reason is None:
+            return found, None
+        # The dispatch model's wording, raised as the catalogue's B33 (its settings: the blocking checks').
+        return found, refuse_naming(ROUTE, reason.settings, reason=reason.reason, alternative=reason.alternative)
 
 
 def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:
@@ -98,10 +102,7 @@ def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:
     try:
         return storage_features(q, k, v)[1:]
     except LayoutError as exc:
-        raise UnsupportedInputError(Reason(
-            ("qkv_format",), f"{exc} (a call to flash_attn_func would fail there).",
-            "pass q, k and v in one storage layout, e.g. bshd views of contiguous [S, B, H, D] tensors, "
-            "as Megatron's modules do.", "B34")) from None
+        raise refuse(LAYOUT, problem=exc) from None
 
 
 __all__ = ["CallRoutes"]

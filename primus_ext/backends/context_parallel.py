@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from ..errors import Reason, UnsupportedInputError
+from ..refusals import CP_LENGTH, refuse
 
 CP_COMM_TYPES = (None, "a2a", "p2p", "a2a+p2p", "all_gather")
 """Megatron's ``cp_comm_type`` values.  Every one runs as Ulysses here: the numbers are the
@@ -49,11 +49,6 @@ def describe_comm(cp_size: int, cp_comm_type: Optional[str]) -> str:
             f"group (this rank's sequence chunks in, 1/{cp_size} of the heads of the whole sequence out, "
             f"Megatron's load-balanced chunks put in sequence order){same}; packed (THD) batches are refused "
             "(cp-packed)")
-
-
-def _refuse(reason: str, alternative: str) -> UnsupportedInputError:
-    return UnsupportedInputError(Reason(("context_parallel_size",), reason, alternative, "B22"),
-                                 context="context-parallel attention")
 
 
 def _exchange(x: Tensor, group: Any) -> Tensor:
@@ -116,11 +111,8 @@ class Ulysses:
     def check_length(self, local_len: int, what: str) -> None:
         """Megatron's split gives every rank two equal chunks: an odd length is no such part."""
         if local_len % 2:
-            raise _refuse(f"the {what} has {local_len} tokens on this context-parallel rank; megatron-core's "
-                          f"get_batch_on_this_cp_rank gives each of the {self.size} ranks two equal chunks, so "
-                          "this is not a part of a sequence split that way and its token order is unknown.",
-                          f"give each rank its part of the sequence with get_batch_on_this_cp_rank (seq_length "
-                          f"divisible by 2 * context_parallel_size = {2 * self.size}).")
+            raise refuse(CP_LENGTH, "context-parallel attention", what=what, tokens=local_len, cp=self.size,
+                         chunks=2 * self.size)
 
     def scatter_heads(self, x: Tensor) -> Tensor:
         """sbhd ``[S/CP, B, H, D]`` (this rank's chunks) -> ``[S, B, H/CP, D]`` in sequence order."""

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
-from ..errors import Reason, UnsupportedInputError
+from ..refusals import DOCUMENT_ALIGNMENT, DOCUMENTS_BIAS, refuse
 from .base import BackendCapabilities, KernelCall, Output
 from .check_op import check_same_boundaries
 from .call_route import CallRoutes
@@ -145,11 +145,7 @@ class TurboBackend:
         assert pattern is not None and pattern.boundaries is not None
         if call.bias is not None:
             # The varlen kernel takes no bias: passing the call on would drop it silently.
-            raise UnsupportedInputError(Reason(
-                ("turbo_flex_attention_mask_mod", "bias"),
-                f"a {pattern.describe()} mask runs on Primus-Turbo's varlen kernel, which takes no bias; "
-                "the bias would be dropped (B17).",
-                "remove the bias, or set turbo_flex_attention_backend: reference."))
+            raise refuse(DOCUMENTS_BIAS, mask=pattern.describe())
         batch, seq = q.shape[0], q.shape[1]
         bounds = torch.tensor(pattern.boundaries, dtype=torch.int32)
         starts = torch.arange(batch, dtype=torch.int32).repeat_interleave(len(bounds) - 1) * seq
@@ -206,13 +202,7 @@ def _check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, pattern: Pattern) -> Non
     """Refuse a causal / windowed packed call whose q and kv documents differ in length: the
     varlen kernel aligns such a window bottom-right inside each document (flash convention),
     a mask_mod (and so the reference backend) top-left."""
-    check_same_boundaries(cu_q, cu_kv, lambda: UnsupportedInputError(Reason(
-        ("cu_seqlens_q", "cu_seqlens_kv"),
-        "cu_seqlens_q and cu_seqlens_kv differ, so documents have different q and kv lengths; "
-        f"Primus-Turbo's varlen kernel aligns the {pattern.describe()} mask bottom-right inside "
-        "each document, a mask_mod (and the reference backend) top-left.",
-        "pass equal q and kv boundaries, use a full (non-causal, unwindowed) mask, or set "
-        "turbo_flex_attention_backend: reference.")))
+    check_same_boundaries(cu_q, cu_kv, lambda: refuse(DOCUMENT_ALIGNMENT, mask=pattern.describe()))
 
 
 __all__ = ["TurboBackend", "kernel_selection", "load_ops", "turbo_window_args"]

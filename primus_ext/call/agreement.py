@@ -30,13 +30,13 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from .. import refusals as R
 from ..attention.pattern import Pattern, pattern_from_flash_args
-from ..errors import Reason, UnsupportedInputError, short_repr
+from ..errors import UnsupportedInputError, short_repr
+from ..refusals import refuse
 from .checks import check_window
 
 PLAN, DROP_IN = "plan", "drop_in"
-SETTING = "turbo_flex_attention_call_flags"
-MASK_KEY = "turbo_flex_attention_mask_mod"
 
 Flags = Tuple[bool, Tuple[int, int]]
 
@@ -90,10 +90,7 @@ class CallAgreement:
 
     def __init__(self, plan: Any, drop_in: Optional[bool] = None, owner: Any = None) -> None:
         if drop_in is not None and not isinstance(drop_in, bool):
-            raise UnsupportedInputError(Reason(("drop_in",), f"drop_in must be True, False or None (the plan's "
-                                               f"{SETTING}), got {short_repr(drop_in)}.",
-                                               "pass drop_in=True for calls that pass their own causal / "
-                                               "window_size, or leave it out.", "B34"))
+            raise refuse(R.DROP_IN_TYPE, got=short_repr(drop_in))
         self.plan = plan
         self.drop_in = getattr(plan, "call_flags", PLAN) == DROP_IN if drop_in is None else drop_in
         self.hooked = plan.mask_mod is not None
@@ -136,31 +133,17 @@ class CallAgreement:
         plan = self.plan
         asked = (f"causal={self.flags[0] if causal is None else short_repr(causal)}, window_size="
                  f"{self.flags[1] if window_size is None else short_repr(window_size)}")
+        mask, context = eager_flash_pattern(flag, window).describe(), f"layer {plan.layer_number}"
         if hooked:
-            return UnsupportedInputError(Reason(
-                (MASK_KEY, "causal", "window_size"),
-                f"the layer's mask comes from the hook {plan.mask_hook}, but the call also asks for {asked} "
-                f"({eager_flash_pattern(flag, window).describe()}); the two are not silently composed (B11).",
-                "call with causal=False, window_size=(-1, -1), or leave both out, and put the whole mask in the "
-                f"hook ({SETTING}: drop_in does not change this).", "B11"), context=f"layer {plan.layer_number}")
-        return UnsupportedInputError(Reason(
-            ("causal", "window_size", SETTING),
-            f"the call asks for {asked} ({eager_flash_pattern(flag, window).describe()}), but the layer was planned "
-            f"for causal={self.flags[0]}, window_size={self.flags[1]} ({self.pattern.describe()}); a call does not "
-            "replace the attention the plan approved (B34).",
-            "leave causal and window_size out (None: the plan's) or pass the plan's; for a flash_attn_func-style "
-            f"caller that passes its own, set {SETTING}: drop_in (or TurboFlexAttention(plan, drop_in=True)), "
-            "which checks each call's own flags by the layer's rules.", "B34"), context=f"layer {plan.layer_number}")
+            return refuse(R.HOOK_FLAGS, context, hook=plan.mask_hook, asked=asked, mask=mask)
+        return refuse(R.CALL_FLAGS, context, asked=asked, mask=mask, causal=self.flags[0], window=self.flags[1],
+                      planned=self.pattern.describe())
 
     def opaque(self, odd_flag: str, odd_window: str) -> UnsupportedInputError:
         """The refusal of flags that cannot be graph constants (a tensor, an object) in a traced call."""
         what = " and ".join(f"{name} is {odd}" for name, odd in (("causal", odd_flag), ("window_size", odd_window))
                             if odd)
-        return UnsupportedInputError(Reason(
-            ("causal", "window_size"), f"under torch.compile {what}: the flags decide the mask and are checked "
-            "while the call is traced, so they must be Python values there (B34).",
-            "pass causal as a bool and window_size as a pair of ints (or leave them out: the plan's).", "B34"),
-            context=f"layer {self.plan.layer_number}")
+        return refuse(R.TRACED_FLAGS, f"layer {self.plan.layer_number}", what=what)
 
 
 def _as_constant(value: Any) -> Tuple[Any, str]:

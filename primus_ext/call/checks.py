@@ -13,52 +13,43 @@ it fails as a device-side assert carrying the same text, asynchronously.
 
 from __future__ import annotations
 
-import weakref
 import operator
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .. import refusals as R
 from ..attention.pattern import Pattern
-from ..errors import PrimusExtError, Reason, UnsupportedInputError
-from ..backends.check_op import assert_on_device, check_same_boundaries, tensor_version
+from ..backends.check_op import assert_on_device, check_same_boundaries, tensor_version  # noqa: F401 (re-exported)
+from ..refusals import CallRule, refuse
+from .facts import FACTS
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
-    return UnsupportedInputError(Reason(settings, reason, alternative, "B34"))
 
 
 def check_heads(q: Tensor, k: Tensor, heads: int, kv_heads: int) -> None:
     """The call's query and key/value head counts are those the layer was planned for."""
     if q.shape[-2] != heads or k.shape[-2] != kv_heads:
         # Hooks are proven for the planned heads only, and sinks / slopes are per head.
-        raise _refuse(("num_attention_heads", "num_query_groups"),
-                      f"the call has {q.shape[-2]} query and {k.shape[-2]} key/value heads, but the layer "
-                      f"was planned for {heads} and {kv_heads}.",
-                      "build the layer with the head counts (per tensor-parallel rank) it is called with.")
+        raise refuse(R.HEADS, q_heads=q.shape[-2], kv_heads=k.shape[-2], heads=heads, planned_kv=kv_heads)
 
 
 def check_qkv(q: Any, k: Any, v: Any) -> None:
     """q, k, v are floating tensors of one dtype, one device and one rank."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
-            raise _refuse((name,), f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+            raise refuse(R.QKV_TYPE, name=name, kind=type(t).__name__)
         if t.dtype not in _FLOATS:
-            raise _refuse((name,), f"{name} has dtype {t.dtype}; attention takes floating point inputs.",
-                          "pass bf16 or fp16 tensors (float32 / float64 on the reference backend).")
+            raise refuse(R.QKV_DTYPE, name=name, dtype=t.dtype)
     if not (q.dtype == k.dtype == v.dtype):
-        raise _refuse(("q", "k", "v"), f"q, k and v have different dtypes ({q.dtype}, {k.dtype}, {v.dtype}); "
-                      "no kernel mixes them.", "cast all three to one dtype.")
+        raise refuse(R.MIXED_DTYPES, q=q.dtype, k=k.dtype, v=v.dtype)
     if not (q.device == k.device == v.device):
-        raise _refuse(("q", "k", "v"), f"q, k and v are on different devices ({q.device}, {k.device}, {v.device}).")
+        raise refuse(R.MIXED_DEVICES, q=q.device, k=k.device, v=v.device)
     if not (q.dim() == k.dim() == v.dim()):
-        raise _refuse(("q", "k", "v"), f"q, k and v have different ranks ({q.dim()}, {k.dim()}, {v.dim()}).")
+        raise refuse(R.MIXED_RANKS, q=q.dim(), k=k.dim(), v=v.dim())
     if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1]:
-        raise _refuse(("q", "k", "v"), f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do "
-                      "not fit: q and k need one head dim, k and v one shape up to the head dim.")
+        raise refuse(R.QKV_SHAPES, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape))
 
 
 def check_bias(bias: Any, q: Tensor, k: Tensor, *, kernel_shape: bool) -> None:
@@ -69,42 +60,38 @@ def check_bias(bias: Any, q: Tensor, k: Tensor, *, kernel_shape: bool) -> None:
     q_len, kv_len = q.shape[1], k.shape[1]
     if not isinstance(bias, Tensor) or bias.dtype not in _FLOATS or bias.device != q.device:
         got = f"{bias.dtype} on {bias.device}" if isinstance(bias, Tensor) else type(bias).__name__
-        raise _refuse(("bias",), f"the bias must be a floating tensor on {q.device}, got {got}.")
+        raise refuse(R.BIAS_TYPE, device=q.device, got=got)
     if kernel_shape:
         if tuple(bias.shape) != (q_len, kv_len) or bias.dtype != q.dtype:
-            raise _refuse(("bias",), f"Primus-Turbo's kernels take one [{q_len}, {kv_len}] bias in {q.dtype}, "
-                          f"got {tuple(bias.shape)} in {bias.dtype}.",
-                          "pass one [Sq, Skv] bias in q's dtype, or set turbo_flex_attention_backend: reference.")
+            raise refuse(R.BIAS_KERNEL, q_len=q_len, kv_len=kv_len, dtype=q.dtype, shape=tuple(bias.shape),
+                         got=bias.dtype)
         return
     full = (q.shape[0], q.shape[2], q_len, kv_len)
     if bias.dim() > 4 or any(b not in (1, f) for b, f in zip(reversed(bias.shape), reversed(full))):
-        raise _refuse(("bias",), f"the bias of shape {tuple(bias.shape)} does not broadcast to [B, Hq, Sq, Skv] "
-                      f"= {list(full)}.")
+        raise refuse(R.BIAS_SHAPE, shape=tuple(bias.shape), full=list(full))
 
 
-def _per_head(t: Any, q: Tensor, name: str, settings: Tuple[str, ...], alternative: str = "") -> None:
-    """``t`` is a floating tensor of one value per query head, on q's device."""
+def _per_head(t: Any, q: Tensor, kind: CallRule, shape: CallRule) -> None:
+    """``t`` is a floating tensor of one value per query head, on q's device (else ``kind`` or
+    ``shape`` refuses it)."""
     heads = q.shape[-2]
     if not isinstance(t, Tensor) or t.dtype not in _FLOATS:
         got = t.dtype if isinstance(t, Tensor) else type(t).__name__
-        raise _refuse(settings, f"{name} must be a floating tensor, got {got}.", alternative)
+        raise refuse(kind, got=got, heads=heads)
     if tuple(t.shape) != (heads,) or t.device != q.device:
-        raise _refuse(settings, f"{name} must hold one value per local query head ([{heads}]) on {q.device}, got "
-                      f"shape {tuple(t.shape)} on {t.device}.", alternative)
+        raise refuse(shape, heads=heads, device=q.device, shape=tuple(t.shape), got=t.device)
 
 
 def check_sink(sink: Any, q: Tensor) -> None:
     """A sink: one floating logit per query head, on q's device."""
-    _per_head(sink, q, "the sink", ("use_sink_attention", "sink"))
+    _per_head(sink, q, R.SINK_TYPE, R.SINK_SHAPE)
 
 
 def check_alibi(slopes: Any, q: Tensor, *, kernel_dtype: bool) -> None:
     """ALiBi slopes: one floating value per query head, on q's device; fp32 for Primus-Turbo."""
-    _per_head(slopes, q, "alibi_slopes", ("alibi_slopes",),
-              f"pass torch.tensor(slopes, dtype=torch.float32, device=q.device) with {q.shape[-2]} entries.")
+    _per_head(slopes, q, R.ALIBI_TYPE, R.ALIBI_SHAPE)
     if kernel_dtype and slopes.dtype != torch.float32:
-        raise _refuse(("alibi_slopes",), f"Primus-Turbo's kernels take fp32 alibi_slopes, got {slopes.dtype}.",
-                      "pass the slopes in float32.")
+        raise refuse(R.ALIBI_DTYPE, dtype=slopes.dtype)
 
 
 def check_kernel_alibi(pattern: Pattern, return_lse: bool, *, symmetric: bool = False,
@@ -119,22 +106,11 @@ def check_kernel_alibi(pattern: Pattern, return_lse: bool, *, symmetric: bool = 
     kernels align it bottom-right, a hook top-left); the lse never (plain causal CK adds ``slope * q``).
     """
     if not symmetric and pattern.right != 0:
-        raise UnsupportedInputError(Reason(
-            ("alibi_slopes", "causal", "window_size"), f"alibi_slopes with a {pattern.describe()} mask, which reaches "
-            "right of the diagonal: Primus-Turbo's ALiBi kernels add the symmetric -slope * |q - kv| there, the "
-            "project's ALiBi (and the reference backend) slope * (kv - q).",
-            "use ALiBi with a causal mask (right bound 0), a symmetric ALiBi score hook, or "
-            "turbo_flex_attention_backend: reference.", "B35"))
+        raise refuse(R.ALIBI_RIGHT, mask=pattern.describe())
     if lengths is not None and lengths[0] != lengths[1]:
-        raise UnsupportedInputError(Reason(
-            ("alibi_slopes", "turbo_flex_attention_score_mod"), f"ALiBi with q_len={lengths[0]} != kv_len={lengths[1]}: "
-            "Primus-Turbo's kernels measure the distance bottom-right aligned, a hook (and the reference) top-left.",
-            "use equal q and kv lengths, or turbo_flex_attention_backend: reference.", "B35"))
+        raise refuse(R.ALIBI_LENGTHS, q_len=lengths[0], kv_len=lengths[1])
     if return_lse:
-        raise UnsupportedInputError(Reason(
-            ("alibi_slopes", "return_lse"), "return_lse with ALiBi on Primus-Turbo: the causal ALiBi kernel adds "
-            "slope * kv (not slope * (kv - q)), so its lse is off by slope * q per row.",
-            "call with return_lse=False, or use turbo_flex_attention_backend: reference.", "B35"))
+        raise refuse(R.ALIBI_LSE)
 
 
 def check_packing(declared: Optional[bool], packed_call: bool, eod_documents: bool = False) -> None:
@@ -144,18 +120,8 @@ def check_packing(declared: Optional[bool], packed_call: bool, eod_documents: bo
     if declared is None or declared is packed_call:
         return
     if packed_call:
-        raise UnsupportedInputError(Reason(
-            ("packed_sequences", "cu_seqlens_q"), "a packed (thd) call reached a layer declared packed_sequences: "
-            "false; its packed kernels were never checked for this layer.",
-            "set packed_sequences: true (or leave it out) to train packed batches.", "B34"))
-    lost = (" with reset_attention_mask: its documents come from EOD tokens as cu_seqlens, and a dense call "
-            "would attend across them") if eod_documents else ""
-    raise UnsupportedInputError(Reason(
-        ("packed_sequences", "reset_attention_mask") if eod_documents else ("packed_sequences",),
-        f"a dense call reached a layer declared packed_sequences: true{lost}.",
-        "convert each micro-batch with primus_ext.megatron.pack_eod_micro_batch (packed_seq_params with "
-        "cu_seqlens), or set packed_sequences: false (or leave it out) for dense batches.",
-        "B25" if eod_documents else "B34"))
+        raise refuse(R.PACKED_CALL)
+    raise refuse(R.EOD_DENSE_CALL if eod_documents else R.DENSE_CALL)
 
 
 def check_dropout(dropout_p: Any) -> float:
@@ -165,8 +131,7 @@ def check_dropout(dropout_p: Any) -> float:
     except (TypeError, ValueError, RuntimeError):
         p = float("nan")
     if not 0.0 <= p < 1.0:
-        raise _refuse(("dropout_p",), f"dropout_p must be a probability in [0, 1), got {dropout_p!r}.",
-                      "pass 0.0 for no dropout.")
+        raise refuse(R.DROPOUT, got=dropout_p)
     return p
 
 
@@ -177,27 +142,21 @@ def check_window(window_size: Any) -> Tuple[int, int]:
         if len(window_size) != 2:
             raise ValueError
     except (TypeError, ValueError, IndexError, OverflowError, RuntimeError):
-        raise _refuse(("window_size",), f"window_size must be a pair (left, right) of ints, got {window_size!r}.",
-                      "use (-1, -1) for no window, (W, 0) for a causal sliding window.") from None
+        raise refuse(R.WINDOW, got=window_size) from None
     if left < -1 or right < -1:
-        raise _refuse(("window_size",), f"window_size={window_size!r}: each bound is -1 (unbounded) or >= 0.",
-                      "use (-1, -1) for no window, (W, 0) for a causal sliding window.")
+        raise refuse(R.WINDOW_BOUND, got=window_size)
     return left, right
 
 
 def _boundaries(name: str, cu: Any, device: torch.device) -> Tensor:
     if not isinstance(cu, Tensor):
-        raise _refuse((name,), f"{name} must be a 1-D int32 tensor on the inputs' device, got {type(cu).__name__}.",
-                      f"pass torch.tensor({name}, dtype=torch.int32, device=q.device).")
+        raise refuse(R.CU_TYPE, name=name, kind=type(cu).__name__)
     if cu.dim() != 1 or cu.numel() < 2:
-        raise _refuse((name,), f"{name} must be 1-D with at least two entries (0 and the token count), got "
-                      f"shape {tuple(cu.shape)}.")
+        raise refuse(R.CU_SHAPE, name=name, shape=tuple(cu.shape))
     if cu.dtype not in (torch.int32, torch.int64):
-        raise _refuse((name,), f"{name} has dtype {cu.dtype}; document boundaries are integers.",
-                      "pass int32 boundaries.")
+        raise refuse(R.CU_DTYPE, name=name, dtype=cu.dtype)
     if cu.device != device:
-        raise _refuse((name,), f"{name} is on {cu.device} but the inputs are on {device}.",
-                      f"move {name} to the inputs' device.")
+        raise refuse(R.CU_DEVICE, name=name, device=cu.device, inputs=device)
     return cu
 
 
@@ -212,15 +171,12 @@ def _max_seqlen(name: str, value: Any, tokens: int) -> Any:
         return tokens  # bounds every document, with no host read of the boundaries
     if isinstance(value, Tensor):
         if torch.compiler.is_compiling():
-            raise _refuse((name,), f"{name} is a tensor; a compiled graph passes max_seqlen to the kernel op as a "
-                          "Python int.", "pass an int (Megatron's PackedSeqParams holds one), or leave it None.")
+            raise refuse(R.MAX_SEQLEN_TRACED, name=name)
         if value.numel() != 1 or value.dtype.is_floating_point:
-            raise _refuse((name,), f"{name} must be a positive int, got a tensor of shape {tuple(value.shape)} "
-                          f"and dtype {value.dtype}.")
+            raise refuse(R.MAX_SEQLEN_TENSOR, name=name, shape=tuple(value.shape), dtype=value.dtype)
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _refuse((name,), f"{name} must be a positive int, got {value!r}.",
-                      "pass the longest document's length, or leave it None.")
+        raise refuse(R.MAX_SEQLEN, name=name, got=value)
     return value
 
 
@@ -236,14 +192,11 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     """
     same = cu_q is cu_kv
     if same and k.shape[0] != q.shape[0]:
-        raise _refuse(("cu_seqlens_q", "cu_seqlens_kv"), f"one boundary tensor was given for q and kv, but q has "
-                      f"{q.shape[0]} tokens and k {k.shape[0]}; one set of boundaries cannot end at both.",
-                      "pass each side's own boundaries.")
+        raise refuse(R.SHARED_BOUNDARIES, q_tokens=q.shape[0], kv_tokens=k.shape[0])
     cu_q = _boundaries("cu_seqlens_q", cu_q, q.device)
     cu_kv = cu_q if same else _boundaries("cu_seqlens_kv", cu_kv, q.device)
     if cu_q.numel() != cu_kv.numel():
-        raise _refuse(("cu_seqlens_q", "cu_seqlens_kv"), f"cu_seqlens_q has {cu_q.numel() - 1} documents and "
-                      f"cu_seqlens_kv {cu_kv.numel() - 1}; q and kv need the same documents.")
+        raise refuse(R.DOCUMENT_COUNT, q_documents=cu_q.numel() - 1, kv_documents=cu_kv.numel() - 1)
     max_q = _max_seqlen("max_seqlen_q", max_q, q.shape[0])
     max_kv = _max_seqlen("max_seqlen_kv", max_kv, k.shape[0])
     if equal_documents:
@@ -259,42 +212,29 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
 def _check_equal_documents(side: str, cu: Tensor, tokens: int, longest: Any) -> None:
     documents = cu.numel() - 1
     if isinstance(longest, Tensor):
-        raise UnsupportedInputError(Reason(
-            ("packed_equal_documents", f"max_seqlen_{side}"),
-            f"packed_equal_documents is true, but max_seqlen_{side} is a tensor: the documents' one length "
-            "cannot be checked without reading it on the host.",
-            f"pass max_seqlen_{side} as an int (the length of every document).", "B36"))
+        raise refuse(R.EQUAL_MAX_TENSOR, side=side)
     if documents * longest != tokens:
-        raise UnsupportedInputError(Reason(
-            ("packed_equal_documents", f"max_seqlen_{side}", f"cu_seqlens_{side}"),
-            f"packed_equal_documents is true, but {documents} documents of max_seqlen_{side}={longest} tokens make "
-            f"{documents * longest}, not the {tokens} tokens given: the documents are not all of one length "
-            "(or max_seqlen is not it).",
-            f"pack documents of one length with max_seqlen_{side} equal to it, or set packed_equal_documents: false.",
-            "B36"))
-
-
-_PROVEN: list = []
-"""The last boundaries proven, ``(weakref, version, tokens, longest)``: every layer of a step gets
-the same tensor, so the value check runs once per step, not once per layer and call."""
+        raise refuse(R.EQUAL_LENGTHS, side=side, documents=documents, longest=longest, total=documents * longest,
+                     tokens=tokens)
 
 
 def assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     """The values of ``cu`` (start 0, no decrease, end at ``tokens``, no document over ``longest``),
-    checked on the device once per tensor.  Under ``torch.compile`` nothing is traced: the
-    varlen op checks its boundaries itself when it runs (`ops.varlen_attention`)."""
+    checked on the device once per tensor: every layer of a step gets the same tensor, so the
+    value check runs once per step, not once per layer and call (`facts.FACTS`, shared with
+    every other call site).  A tensor ``longest`` is checked every time.  Under
+    ``torch.compile`` nothing is traced: the varlen op checks its boundaries itself when it
+    runs (`ops.varlen_attention`)."""
     if torch.compiler.is_compiling():
         return
     if isinstance(longest, Tensor):
         _check_boundaries(name, cu, tokens, longest)
         return
-    version = tensor_version(cu)
-    for ref, seen, n, bound in _PROVEN:
-        if ref() is cu and seen == version is not None and n == tokens and bound <= longest:
-            return
+    claim = ("boundaries", tokens, longest)
+    if FACTS.known(cu, claim):
+        return
     _check_boundaries(name, cu, tokens, longest)
-    if version is not None:
-        _PROVEN[:] = [(weakref.ref(cu), version, tokens, longest)] + _PROVEN[:1]
+    FACTS.learn(cu, claim)
 
 
 def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
@@ -303,12 +243,10 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     first = torch.arange(cu.numel(), device=cu.device) == 0
     lengths = torch.where(first, torch.zeros_like(cu), cu - cu.roll(1))
     ok = (cu[0] == 0) & (cu[-1] == tokens) & (lengths >= 0).all() & (lengths.max() <= longest)
-    why = (f"{name} must start at 0, never decrease, end at the token count ({tokens}), and have no document "
-           f"longer than max_seqlen ({longest if not isinstance(longest, Tensor) else 'the tensor given'}) (B34)")
-    assert_on_device(ok, why, lambda: _refuse(
-        (name, "max_seqlen_q" if name.endswith("_q") else "max_seqlen_kv"), why + ".",
-        "build the boundaries as the cumulative document lengths, and max_seqlen as the longest document "
-        "(or leave it None)."))
+    values = dict(name=name, max_name="max_seqlen_q" if name.endswith("_q") else "max_seqlen_kv", tokens=tokens,
+                  longest=longest if not isinstance(longest, Tensor) else "the tensor given")
+    why = R.BOUNDARIES.reason_for(**values).reason.removesuffix(".")  # the device assert's text
+    assert_on_device(ok, why, lambda: refuse(R.BOUNDARIES, **values))
 
 
 __all__ = ["assert_boundaries", "assert_on_device", "check_alibi", "check_bias", "check_dropout", "check_heads",

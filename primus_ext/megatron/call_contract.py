@@ -7,7 +7,8 @@
   ``reset_attention_mask``) and the layer's own attention must stay inside it (its
   pattern has right bound 0).  Anything else, a document mask above all, is refused,
   never ignored.  Proving it costs one on-device comparison per distinct mask tensor:
-  every layer of a step gets the same tensor object, so a step pays once, and nothing
+  every layer of a step gets the same tensor object, and a mask proven by one layer is
+  known to every layer (`primus_ext.call.facts.FACTS`), so a step pays once, and nothing
   is read on the host (on a GPU a failure is a device-side assert with this text).
 * ``qkv_format``: one of Megatron's ``sbhd``, ``bshd``, ``thd``; ``bshd`` dense inputs
   are read as ``[B, S, H, D]``.
@@ -15,23 +16,18 @@
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch import Tensor
 
-from ..call.checks import assert_on_device, tensor_version
-from ..errors import Reason, UnsupportedInputError
+from .. import refusals as R
+from ..call.checks import assert_on_device
+from ..call.facts import FACTS
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
-_MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader); the layer "
-                     "applies its configured causal / window / document mask itself. For document masks, pack "
-                     "batches as THD (packed_seq_params with cu_seqlens).")
-
-
-def refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
-    return UnsupportedInputError(Reason(settings, reason, alternative, "B34"), context="Megatron core attention")
+CONTEXT = "Megatron core attention"
 
 
 def qkv_format(packed_seq_params: Any, default: str) -> str:
@@ -39,57 +35,67 @@ def qkv_format(packed_seq_params: Any, default: str) -> str:
     fmt = getattr(packed_seq_params, "qkv_format", None) if packed_seq_params is not None else None
     fmt = fmt or default
     if fmt not in QKV_FORMATS:
-        raise refuse(("packed_seq_params",), f"qkv_format={fmt!r} is not one of Megatron's {QKV_FORMATS}.",
-                     "use 'sbhd' (Megatron's default), 'bshd' or 'thd' (packed, with cu_seqlens).")
+        raise R.refuse(R.QKV_FORMAT, CONTEXT, fmt=fmt, formats=QKV_FORMATS)
     return fmt
+
+
+@dataclass(frozen=True)
+class MaskRules:
+    """The refusals of one kind of layer's masks: on a layer that is not causal, of the wrong
+    shape or dtype, of other values."""
+
+    on_layer: R.CallRule
+    shape: R.CallRule
+    values: R.CallRule
+
+
+CAUSAL_MASK = MaskRules(R.MASK_ON_LAYER, R.MASK_SHAPE, R.MASK_VALUES)
+"""A layer's whole causal mask (``get_ltor_masks_and_position_ids``)."""
 
 
 class MaskCheck:
     """Accepts ``attention_mask`` tensors that are provably Megatron's causal mask."""
 
-    def __init__(self, layer_is_causal: bool, what: str, alternative: str = _MASK_ALTERNATIVE) -> None:
+    def __init__(self, layer_is_causal: bool, what: str, rules: MaskRules = CAUSAL_MASK) -> None:
         self.layer_is_causal = layer_is_causal
-        self.alternative = alternative
+        self.rules = rules
         self.what = what  # the layer's attention, for messages
-        # The mask last proven, by weak reference and version: a freed mask's address can be
-        # reused by another tensor, so identity, not address, says "the same mask".
-        self._seen: Optional[Tuple[Any, int]] = None
+        # The device assert's text and the rule's code: plain strings, which a compiled graph
+        # keeps as constants (the refusal is built only when the check fails).
+        self._why = rules.values.reason_for().reason.removesuffix(".")
+        self._values_code = rules.values.code
 
     def __call__(self, mask: Optional[Any], q_len: int, kv_len: int,
-                 rows: Optional[Callable[[torch.device], Tensor]] = None) -> None:
+                 rows: Optional[Callable[[torch.device], Tensor]] = None, rows_key: Optional[Hashable] = None) -> None:
         """``rows``: the query positions of this context-parallel rank's rows (``get_batch_on_this_cp_rank``
-        keeps two chunks of each sequence); ``None``: rows ``0 .. q_len - 1``."""
+        keeps two chunks of each sequence), ``rows_key`` a hashable name of them (e.g. ``(cp_size,
+        cp_rank)``: a mask is known proven only for the same rows); ``None``: rows ``0 .. q_len - 1``."""
         if mask is None:
             return
         if not isinstance(mask, Tensor):
-            raise refuse(("attention_mask",), f"attention_mask must be a tensor or None, got {type(mask).__name__}.")
+            raise R.refuse(R.MASK_OBJECT, CONTEXT, kind=type(mask).__name__)
         if not self.layer_is_causal:
-            raise refuse(("attention_mask",), f"an attention_mask tensor reached a layer whose attention is "
-                         f"{self.what}; the layer cannot apply a mask tensor, and it would be ignored.",
-                         self.alternative)
-        whose = "Megatron's causal mask" if rows is None else "this context-parallel rank's rows of Megatron's causal mask"
+            raise R.refuse(self.rules.on_layer, CONTEXT, what=self.what)
         shape = tuple(mask.shape)
         if (mask.dtype != torch.bool or mask.dim() != 4 or shape[1] != 1 or shape[2:] != (q_len, kv_len)):
-            settings = ("attention_mask",) if rows is None else ("attention_mask", "context_parallel_size")
-            raise refuse(settings, f"attention_mask of dtype {mask.dtype} and shape {shape} is not {whose} "
-                         f"(bool [B or 1, 1, {q_len}, {kv_len}]); it would be ignored.", self.alternative)
-        why = (f"attention_mask is not {whose} (a document mask from reset_attention_mask, or another mask); "
-               "the layer would ignore it (B25, B34)")
+            raise R.refuse(self.rules.shape, CONTEXT, dtype=mask.dtype, shape=shape, q_len=q_len, kv_len=kv_len)
 
         def expected() -> Tensor:  # True = masked: the keys after each row's position
             at = torch.arange(q_len, device=mask.device) if rows is None else rows(mask.device)
             return torch.arange(kv_len, device=mask.device).view(1, -1) > at.view(-1, 1)
 
-        alternative = self.alternative  # a plain string in the closure: Dynamo keeps the refusal as a constant
-        refusal = lambda: refuse(("attention_mask", "reset_attention_mask"), why + ".", alternative)  # noqa: E731
+        why, code = self._why, self._values_code
+        refusal = lambda: R.refuse(R.CALL_RULES[code], CONTEXT)  # noqa: E731
         if torch.compiler.is_compiling():  # no memo inside a graph: one fused comparison per call
             assert_on_device((mask == expected()).all(), why, refusal)
             return
-        seen, version = self._seen, tensor_version(mask)
-        if seen is not None and seen[0]() is mask and seen[1] == version is not None:
+        # A fact of the tensor, not of this layer: every layer of a step gets the same mask.
+        claim = None if rows is not None and rows_key is None else ("causal-mask", q_len, kv_len, rows_key)
+        if claim is not None and FACTS.known(mask, claim):
             return
         assert_on_device((mask == expected()).all(), why, refusal)
-        self._seen = (weakref.ref(mask), version)
+        if claim is not None:
+            FACTS.learn(mask, claim)
 
 
-__all__ = ["MaskCheck", "QKV_FORMATS", "qkv_format", "refuse"]
+__all__ = ["CAUSAL_MASK", "CONTEXT", "MaskCheck", "MaskRules", "QKV_FORMATS", "qkv_format"]

@@ -30,13 +30,14 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import refusals as R
 from ..attention.heads import mask_on_heads, score_on_heads
 from ..backends.context_parallel import Ulysses
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
-from .call_contract import MaskCheck
+from .call_contract import CONTEXT, MaskCheck, MaskRules
 
-_MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader), or the causal "
-                     "mask split by get_batch_on_this_cp_rank; the layer applies its own causal / window mask.")
+CP_MASK = MaskRules(R.CP_MASK_ON_LAYER, R.CP_MASK_SHAPE, R.CP_MASK_VALUES)
+"""This rank's rows of the causal mask, as ``get_batch_on_this_cp_rank`` splits it."""
 
 
 def cp_process_group(pg_collection: Any) -> Any:
@@ -76,7 +77,7 @@ class LayerContextParallel:
 
     def __init__(self, ulysses: Ulysses, layer_is_causal: bool, what: str) -> None:
         self.ulysses = ulysses
-        self._mask = MaskCheck(layer_is_causal, what, _MASK_ALTERNATIVE)
+        self._mask = MaskCheck(layer_is_causal, what, CP_MASK)
 
     def local_plan(self, plan: Any) -> Any:
         """``plan`` for this rank's heads of the whole sequence (what the per-rank kernel call gets)."""
@@ -110,18 +111,13 @@ class LayerContextParallel:
 
     def packed_refusal(self) -> UnsupportedInputError:
         """A packed (thd) call: megatron-core's THD split is per document, which Ulysses does not reorder."""
-        return UnsupportedInputError(Reason(
-            ("packed_seq_params", "context_parallel_size"),
-            f"a packed (thd) call at context_parallel_size={self.ulysses.size}: megatron-core splits THD batches "
-            "per document (each padded and cut into 2 * CP chunks, cu_seqlens_*_padded), which this layer's "
-            "Ulysses exchange does not put back in order; the documents would be attended in the wrong order.",
-            "train unpacked (sbhd) with context parallelism, or packed at context_parallel_size: 1.",
-            "cp-packed"), context="Megatron core attention")
+        return R.refuse(R.CP_PACKED, CONTEXT, cp=self.ulysses.size)
 
     def check_mask(self, mask: Optional[Any], q_local: int, kv_local: int) -> None:
         """Megatron's causal mask, split along its query rows by ``get_batch_on_this_cp_rank``, or None."""
         self._mask(mask, q_local, kv_local * self.ulysses.size,
-                   rows=lambda device: self.ulysses.positions(q_local, device))
+                   rows=lambda device: self.ulysses.positions(q_local, device),
+                   rows_key=(self.ulysses.size, self.ulysses.rank))
 
 
 def layer_context_parallel(configured: int, pg_collection: Any, layer_is_causal: bool,

@@ -27,8 +27,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from .. import refusals as R
 from ..call.checks import assert_on_device
-from ..errors import Reason, UnsupportedInputError
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,7 @@ class PackedMicroBatch:
     packed_seq_params: Any
 
 
-def _refuse(settings: tuple, reason: str, alternative: str = "") -> UnsupportedInputError:
-    return UnsupportedInputError(Reason(settings, reason, alternative, "B25"), context="EOD packing")
+CONTEXT = "EOD packing"
 
 
 def document_starts(tokens: Tensor, eod_token: int) -> Tensor:
@@ -68,20 +67,17 @@ def pack_eod_micro_batch(tokens: Tensor, *, eod_token: int, max_documents: int, 
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
-        raise _refuse(("tokens",), f"tokens must be an integer [B, S] tensor, got "
-                      f"{tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__}.")
+        raise R.refuse(R.EOD_TOKENS, CONTEXT,
+                       got=tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__)
     batch, seq = tokens.shape
     if not isinstance(max_documents, int) or max_documents < batch:
-        raise _refuse(("max_documents",), f"max_documents must be an int >= the micro-batch size ({batch}), "
-                      f"got {max_documents!r}.", "bound it by the most documents a micro-batch can hold.")
+        raise R.refuse(R.EOD_MAX_DOCUMENTS, CONTEXT, batch=batch, got=max_documents)
     total = batch * seq
     starts = document_starts(tokens, eod_token)
     count = starts.sum()
-    too_many = (f"a micro-batch holds more documents than max_documents={max_documents}; they would be merged "
-                "(B25)")
-    assert_on_device(count <= max_documents, too_many, lambda: _refuse(
-        ("max_documents",), too_many + ".",
-        "raise max_documents (e.g. to seq_length // 2 times the micro-batch size) or use longer documents."))
+    limit = f"{max_documents}"  # a plain string in the closure: a compiled graph keeps the refusal as a constant
+    too_many = R.EOD_TOO_MANY.reason_for(max_documents=limit).reason.removesuffix(".")
+    assert_on_device(count <= max_documents, too_many, lambda: R.refuse(R.EOD_TOO_MANY, CONTEXT, max_documents=limit))
     index = torch.arange(total, device=tokens.device)
     first = torch.nonzero_static(starts, size=max_documents, fill_value=total).reshape(-1)
     cu = torch.cat([first, first.new_full((1,), total)]).to(torch.int32)

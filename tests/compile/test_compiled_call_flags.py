@@ -78,7 +78,7 @@ def test_a_disagreeing_call_outside_drop_in_mode_is_our_refusal_under_compile(ba
         with pytest.raises(UnsupportedInputError) as err:
             call(q, k, v)
     assert isinstance(err.value, CompiledCallRefusal)
-    assert err.value.codes == ("B34",) and "turbo_flex_attention_call_flags" in err.value.settings
+    assert err.value.codes == ("B34.call-flags",) and "turbo_flex_attention_call_flags" in err.value.settings
     assert "planned for causal=True, window_size=(-1, -1)" in str(err.value)
     assert fake.calls == []
 
@@ -91,7 +91,7 @@ def test_a_disagreeing_packed_call_is_our_refusal_under_compile():
                                             max_seqlen_q=8, max_seqlen_kv=8))
     with pytest.raises(UnsupportedInputError) as err:
         call(q, k, v, cu)
-    assert err.value.codes == ("B34",)
+    assert err.value.codes == ("B34.call-flags",)
 
 
 @pytest.mark.parametrize("drop_in", [False, True])

@@ -61,7 +61,7 @@ def test_a_document_mask_on_a_causal_layer_is_refused_not_ignored(path):
         layer = module(path)
         with pytest.raises(UnsupportedInputError, match="not Megatron's causal mask") as err:
             layer(q, k, v, document_mask(2, 16, 6))
-    assert "attention_mask" in err.value.settings and "B34" in err.value.codes
+    assert "attention_mask" in err.value.settings and "B34.mask-values" in err.value.codes
     assert fake.calls == []
 
 

@@ -257,8 +257,10 @@ def test_what_context_parallel_refuses(world):
         assert got["packed call"][:2] == ("UnsupportedInputError", ("cp-packed",)), got["packed call"]
         assert got["odd length"][:2] == ("UnsupportedInputError", ("B22",)), got["odd length"]
         assert "get_batch_on_this_cp_rank" in got["odd length"][2]
-        for name in ("unsplit causal mask", "rows of another rank", "mask on a full layer"):
-            assert got[name][:2] == ("UnsupportedInputError", ("B34",)), (name, got[name])
+        for name, code in (("unsplit causal mask", "B34.cp-mask-shape"),
+                           ("rows of another rank", "B34.cp-mask-values"),
+                           ("mask on a full layer", "B34.cp-mask-on-layer")):
+            assert got[name][:2] == ("UnsupportedInputError", (code,)), (name, got[name])
             assert "attention_mask" in got[name][2]
         kind, codes, text = got["config cp 1"]
         assert (kind, codes) == ("UnsupportedConfigError", ("B22",)) and "context_parallel_size=1" in text

@@ -101,12 +101,12 @@ def test_a_layer_declared_packed_refuses_dense_calls(path):
         assert packed.plan.packed is True
         with pytest.raises(UnsupportedInputError, match="packed_sequences: true") as err:
             packed(q, k, v, None)
-        assert "B34" in err.value.codes
+        assert "B34.dense-call" in err.value.codes
         eod = module(path, keys=dict(packed_sequences=True, reset_attention_mask=True))
         assert eod.plan.eod_documents
         with pytest.raises(UnsupportedInputError, match="attend across them") as err:
             eod(q, k, v, None)  # what B25's own alternative used to invite: documents silently lost
-        assert "B25" in err.value.codes and "reset_attention_mask" in err.value.settings
+        assert "B25.dense-call" in err.value.codes and "reset_attention_mask" in err.value.settings
         dense = module(path, keys=dict(packed_sequences=False))
         tq, tk, tv = qkv_thd()
         cu = torch.tensor([0, 5, 12], dtype=torch.int32)

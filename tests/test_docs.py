@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from primus_ext.plan import RULES
+from primus_ext.refusals import CALL_RULES
 from primus_ext.settings import SETTING_KEYS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -22,6 +23,15 @@ def test_refusal_table_matches_the_rules():
     documented = set(re.findall(r"^\| `([\w-]+)` \|", text, flags=re.M))
     codes = {rule.code for rule in RULES}
     assert documented == codes, (sorted(codes - documented), sorted(documented - codes))
+
+
+def test_call_time_table_matches_the_catalogue():
+    """Every call-time rule (`primus_ext.refusals.CALL_RULES`) has its row, and every row is a rule."""
+    text = (DOCS / "refusals.md").read_text().split("## Refused at call time")[1].split("\n## ")[0]
+    documented = re.findall(r"^\| `([\w.-]+)` \|", text, flags=re.M)
+    assert len(documented) == len(set(documented)), "a code has two rows"
+    assert set(documented) == set(CALL_RULES), (sorted(set(CALL_RULES) - set(documented)),
+                                                sorted(set(documented) - set(CALL_RULES)))
 
 
 def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():

@@ -99,8 +99,7 @@ def cases(ops: Any, outputs: Any) -> list[tuple[str, str, Callable[[], Any], Cal
          lambda: sinks(q, k, v, window_size=(-1, -1), sink=sink, **kw),
          lambda: flash(q, k, v, window_size=(-1, -1), sink=sink, **kw)),
         ("packed causal (thd)", "flash_attn_varlen_func",
-         lambda: packed(tq, tk, tv, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                        max_seqlen_kv=longest, window_size=(-1, -1), **kw),
+         lambda: packed.varlen(tq, tk, tv, cu, cu, longest, longest, window_size=(-1, -1), **kw),
          lambda: varlen(tq, tk, tv, cu, cu, longest, longest, window_size=(-1, -1), **kw)),
         ("Megatron core forward (sbhd)", "flex path vs direct path",
          lambda: flex_core.forward(sq, sk, sv, None),
@@ -138,8 +137,7 @@ def first_calls(ops: Any, outputs: Any, fresh: int = 40) -> list[tuple[str, floa
         "causal": (dict(), lambda run: run(q, k, v, window_size=(-1, -1), **kw)),
         f"window {WINDOW}": (dict(sink_sliding_window=WINDOW[0]), lambda run: run(q, k, v, window_size=WINDOW, **kw)),
         "causal + sink": (dict(use_sink_attention=True), lambda run: run(q, k, v, sink=sink, **kw)),
-        "packed causal (thd)": (dict(packed=True), lambda run: run(tq, tk, tv, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                                  max_seqlen_q=1596, max_seqlen_kv=1596, **kw)),
+        "packed causal (thd)": (dict(packed=True), lambda run: run.varlen(tq, tk, tv, cu, cu, 1596, 1596, **kw)),
     }
     rows = []
     for label, (keys, call) in paths.items():
@@ -160,10 +158,9 @@ def _per_call(fn: Callable[[], Any], number: int, repeats: int = 7) -> float:
 
 
 def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
-    """The pieces of the adapter's fast path for a dense and a packed causal call, each timed
-    alone (us)."""
+    """The pieces of the prepared-call path for a dense and a packed causal call, each timed alone (us)."""
     from primus_ext.call.checks import assert_boundaries
-    from primus_ext.call.memo import _boundaries_like
+    from primus_ext.call.prepared import _boundaries_like, call_key
 
     q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
     outputs.dense = torch.empty_like(q)
@@ -174,15 +171,16 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
     run = _adapter()
     kw = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1))
     run(q, k, v, **kw)
-    memo, flash = run._fast, ops.flash_attn_func
+    scalars = (0.0, None, True, (-1, -1), False, False)
+    key = call_key(scalars, q, k, v, None, False)
+    prepared, flash = run.calls.get(key), ops.flash_attn_func
     packed = _adapter(packed=True)
-    pkw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest, **kw)
-    packed(tq, tk, tv, **pkw)
-    pmemo, varlen = packed._fast, ops.flash_attn_varlen_func
+    packed.varlen(tq, tk, tv, cu, cu, longest, longest, **kw)
+    pkey = call_key(scalars, tq, tk, tv, None, True)
+    pprepared, varlen = packed.calls.get(pkey), ops.flash_attn_varlen_func
 
     def signature_like(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), bias=None,
-                       alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False, sink=None,
-                       *, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None):
+                       alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False, sink=None):
         return None
 
     pieces = [
@@ -190,19 +188,19 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
         ("direct stub call (the baseline)", lambda: flash(q, k, v, **kw)),
         ("calling a no-op with the adapter's signature", lambda: signature_like(q, k, v, **kw)),
         ("torch.compiler.is_compiling()", torch.compiler.is_compiling),
-        ("scalar arguments compared", lambda: memo._same_scalars(0.0, None, True, (-1, -1), False, False)),
-        ("q/k/v shapes and q's strides compared", lambda: q.shape == memo.q_shape and k.shape == memo.k_shape
-         and v.shape == memo.v_shape and q.stride() == memo.q_stride),
-        ("q/k/v dtypes and devices, sink compared", lambda: memo._tensors(q, k, v, None)),
-        ("bound kernel runner (keywords prepared) incl. the stub", lambda: memo.run(q, k, v, None)),
-        ("packed: whole adapter call", lambda: packed(tq, tk, tv, **pkw)),
+        ("the call's key (scalar types checked, q/k/v/sink metadata)", lambda: call_key(scalars, q, k, v, None,
+                                                                                        False)),
+        ("cache lookup (hash of the key)", lambda: run.calls.get(key)),
+        ("bound kernel runner (keywords prepared) incl. the stub", lambda: prepared.run(q, k, v, None)),
+        ("packed: whole adapter call", lambda: packed.varlen(tq, tk, tv, cu, cu, longest, longest, **kw)),
         ("packed: direct varlen stub call (the baseline)", lambda: varlen(tq, tk, tv, cu, cu, longest, longest,
                                                                           **kw)),
-        ("packed: boundary tensor's type, dtype, rank, length, device", lambda: _boundaries_like(cu, pmemo.device)),
-        ("packed: boundary values found proven (memo lookup)", lambda: assert_boundaries("cu_seqlens_q", cu, SEQ,
-                                                                                         longest)),
-        ("packed: bound kernel runner incl. the stub", lambda: pmemo.run(tq, tk, tv, cu, cu, longest, longest,
-                                                                          None)),
+        ("packed, new boundaries: tensor's type, dtype, rank, length, device", lambda: _boundaries_like(cu,
+                                                                                                  tq.device)),
+        ("packed, new boundaries: values found proven (shared facts)", lambda: assert_boundaries(
+            "cu_seqlens_q", cu, SEQ, longest)),
+        ("packed: bound kernel runner incl. the stub", lambda: pprepared.run(tq, tk, tv, cu, cu, longest, longest,
+                                                                              None)),
     ]
     return [(label, _per_call(fn, number)) for label, fn in pieces]
 

@@ -145,7 +145,7 @@ def scenarios() -> list[tuple[str, str, Optional[str], Callable[[], Callable[[],
     tq, tk, tv = x["thd"]
     sq, sk, sv = x["sbhd"]
     cu, longest = x["cu"], x["longest"]
-    thd_kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    thd_kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
     sink_bf16 = torch.zeros(HQ, dtype=torch.bfloat16)
 
     def dense(backend: str, window: tuple[int, int] = (-1, -1), **kw: Any) -> Callable[[], Callable[[], Any]]:
@@ -154,7 +154,7 @@ def scenarios() -> list[tuple[str, str, Optional[str], Callable[[], Callable[[],
             adapter(backend, sink=sink is not None, window=window))
 
     def thd(backend: str) -> Callable[[], Callable[[], Any]]:
-        return lambda: (lambda run: lambda: run(tq, tk, tv, causal=True, **thd_kw))(adapter(backend, packed=True))
+        return lambda: (lambda run: lambda: run.varlen(tq, tk, tv, causal=True, **thd_kw))(adapter(backend, packed=True))
 
     def megatron(backend: Optional[str], storage: str = "as-given", layout: str = "sbhd"):
         def build() -> Callable[[], Any]:

@@ -118,8 +118,8 @@ def packed_row(total: int) -> tuple[str, Callable[[], None], dict[str, Callable[
                           for a, b in bounds])
 
     goal = ("packed_vs_per_document", "SDPA per document") if total == PACKED else None
-    ours = _step(lambda: run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length,
-                             max_seqlen_kv=length), [q, k, v], grad)
+    ours = _step(lambda: run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length,
+                             max_seqlen_k=length), [q, k, v], grad)
     return (f"packed ({DOCUMENTS} docs, causal)", ours, {"SDPA per document": _step(per_document, [q, k, v], grad)},
             goal)
 

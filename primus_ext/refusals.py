@@ -95,7 +95,7 @@ PACKED_RANK = rule(
     "B34.packed-rank", ("qkv_format",), "packed inputs are thd [T, H, D]; got a {rank}-D query.",
     "pass [T, H, D] tensors to the varlen entry, or bshd tensors to the dense one.")
 PACKED_EXTRAS = rule(
-    "B17", ("{dropped}",),
+    "B17", (),
     "packed (thd) attention runs the document kernel, which takes no mask_mod, score_mod or bias; they would be "
     "dropped (B17).",
     "remove them for packed batches, or pass dense bshd inputs.")

@@ -55,8 +55,8 @@ def test_a_packed_causal_plan_called_with_the_default_flags_runs_causal_document
     bounds = [0, 5, 13]
     q, k, v = packed_qkv(13)
     cu = torch.tensor(bounds, dtype=torch.int32)
-    out = adapter(settings(), facts(packed=True))(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8,
-                                                  max_seqlen_kv=8)
+    out = adapter(settings(), facts(packed=True)).varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8,
+                                                  max_seqlen_k=8)
     torch.testing.assert_close(out, oracle.packed_attention(q, k, v, bounds, -1, 0), **TOL)
 
 
@@ -81,7 +81,7 @@ def test_a_packed_call_asking_for_another_mask_is_refused_outside_drop_in_mode()
     with fake_primus_turbo() as fake:
         run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(packed=True))
         with pytest.raises(UnsupportedInputError) as err:
-            run(q, k, v, causal=True, window_size=(2, 0), cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            run.varlen(q, k, v, causal=True, window_size=(2, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=None, max_seqlen_k=None)
     assert err.value.codes == ("B34.call-flags",) and fake.calls == []
 
 

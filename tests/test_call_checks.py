@@ -8,6 +8,8 @@ and asserts that only `PrimusExtError` subclasses come out; where an input is ac
 
 from __future__ import annotations
 
+import types
+
 from typing import Any, Callable
 
 import pytest
@@ -33,11 +35,13 @@ def _cu(dtype=torch.int32):
     return torch.tensor(CU, dtype=dtype)
 
 
-def packed_call(run: Callable, **over: Any):
+def packed_call(run: Any, **over: Any):
+    """``run.varlen`` (``flash_attn_varlen_func``'s arguments) on 11 packed tokens, ``over`` replacing them."""
     q, k, v = packed_qkv(11)
     kw = dict(causal=True, cu_seqlens_q=_cu(), cu_seqlens_kv=_cu(), max_seqlen_q=7, max_seqlen_kv=7)
     kw.update(over)
-    return run(q, k, v, **kw)
+    bounds = [kw.pop(name) for name in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")]
+    return run.varlen(q, k, v, *bounds, **kw)
 
 
 SWEEP: dict[str, Callable[[Callable], Any]] = {
@@ -79,8 +83,8 @@ SWEEP: dict[str, Callable[[Callable], Any]] = {
     "cu_seqlens int64 wrapping in int32": lambda run: packed_call(
         run, cu_seqlens_q=torch.tensor([0, 2**32 + 4, 11]), cu_seqlens_kv=torch.tensor([0, 2**32 + 4, 11])),
     "one boundary tensor for q and kv of different token counts": lambda run: (
-        lambda q, kv, cu: run(q, kv[0], kv[1], causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7,
-                              max_seqlen_kv=7))(packed_qkv(11)[0], packed_qkv(14)[1:], _cu()),
+        lambda q, kv, cu: run.varlen(q, kv[0], kv[1], causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7,
+                              max_seqlen_k=7))(packed_qkv(11)[0], packed_qkv(14)[1:], _cu()),
 }
 
 
@@ -102,10 +106,12 @@ def test_no_foreign_exception_escapes_megatrons_direct_packed_path(name):
         layer = PrimusTurboLocalAttention(gpt.config(kv_channels=8), 1, AttnMaskType.causal, "self",
                                           settings=gpt.settings())
 
-        def run(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal):
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                                     max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_k,
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_k)
             return layer(q.float(), k.float(), v.float(), None, packed_seq_params=params)
+
+        run = types.SimpleNamespace(varlen=varlen)
 
         with pytest.raises(UnsupportedInputError):
             SWEEP[name](run)

@@ -1,4 +1,4 @@
-"""The adapter's fast path (`primus_ext.call.memo`) changes nothing but the cost.
+"""The adapter's prepared-call cache (`primus_ext.call.prepared`) changes nothing but the cost.
 
 After a valid call the adapter keeps a runner for equal calls.  Held here:
 
@@ -9,7 +9,7 @@ After a valid call the adapter keeps a runner for equal calls.  Held here:
 * the memoised call hands the kernel exactly the arguments the full path handed it, for
   dense causal, window, the plan's own flags (none passed), sink (a bf16 sink still cast to fp32)
   and packed calls;
-* a hook proof resting on a module global is re-checked at every call (no memo for it).
+* a hook proof resting on a module global is re-checked at every call, cached or not.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def warm_up(run, name: str) -> None:
         packed_call(run)
     else:
         run(*qkv())
-    assert run._fast is not None, "the valid call left no memo: the sweep would not test it"
+    assert len(run.calls) == 1, "the valid call was not prepared: the sweep would not test it"
 
 
 @pytest.mark.parametrize("backend", ["reference", "turbo"])
@@ -73,8 +73,8 @@ def test_the_memoised_call_passes_the_kernel_the_same_arguments(name):
         run = adapter(settings(turbo_flex_attention_backend="turbo", **keys), facts(packed=False))
         q, k, v = qkv(dtype=torch.float32)
         first = run(q, k, v, **kwargs)
-        assert run._fast is not None
         second = run(q, k, v, **kwargs)
+        assert (run.calls.misses, run.calls.hits) == (1, 1)
     slow, fast = fake.calls
     assert slow.entry == fast.entry and slow.args.keys() == fast.args.keys()
     for key, value in slow.args.items():
@@ -90,8 +90,8 @@ def test_the_memoised_packed_call_passes_the_kernel_the_same_arguments_and_check
     with fake_primus_turbo() as fake:
         run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(packed=True))
         packed_call(run)
-        assert run._fast is not None
         packed_call(run)
+        assert (run.calls.misses, run.calls.hits) == (1, 1)
         slow, fast = fake.calls
         assert {k: v for k, v in slow.args.items() if not isinstance(v, torch.Tensor)} == \
             {k: v for k, v in fast.args.items() if not isinstance(v, torch.Tensor)}
@@ -114,6 +114,7 @@ def test_a_proof_resting_on_a_global_is_checked_at_every_call(monkeypatch):
         q, k, v = qkv(dtype=torch.float32)
         run(q, k, v)
         run(q, k, v)
+        assert run.calls.hits == 1, "a proof resting on a global gets the fast path too, re-checked"
         module.WIDTH = 5
         with pytest.raises(UnsupportedInputError) as err:
             run(q, k, v)
@@ -126,8 +127,8 @@ def test_packed_inputs_keep_their_own_memo_checks():
         run = adapter(settings(turbo_flex_attention_backend="reference"), facts(packed=True))
         q, k, v = packed_qkv(11)
         cu = torch.tensor([0, 4, 11])
-        a = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-        b = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        a = run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=None, max_seqlen_k=None)
+        b = run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=None, max_seqlen_k=None)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -148,10 +149,10 @@ def test_inference_mode_tensors_are_checked_at_every_call():
         q, k, v = packed_qkv(11)
         cu = torch.tensor([0, 4, 11], dtype=torch.int32)
         for _ in range(2):
-            run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+            run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
         bad = torch.tensor([0, 2, 11], dtype=torch.int32)
         with pytest.raises(UnsupportedInputError, match="max_seqlen"):
-            run(q, k, v, causal=True, cu_seqlens_q=bad, cu_seqlens_kv=bad, max_seqlen_q=7, max_seqlen_kv=7)
+            run.varlen(q, k, v, causal=True, cu_seqlens_q=bad, cu_seqlens_k=bad, max_seqlen_q=7, max_seqlen_k=7)
 
 
 def test_a_window_equal_in_value_but_not_of_ints_is_refused_after_the_memo():

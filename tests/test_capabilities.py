@@ -107,7 +107,7 @@ def outcome(row: Row, column: str) -> str:
         if facts.packed:
             q = k = v = torch.randn(SEQ, 4, 16)
             cu = torch.tensor([0, 100, SEQ], dtype=torch.int32)
-            run(q, k[:, :2], v[:, :2], cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=156, max_seqlen_kv=156, **args)
+            run.varlen(q, k[:, :2], v[:, :2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156, **args)
         else:
             q = torch.randn(1, SEQ, 4, 16)
             run(q, q[:, :, :2], q[:, :, :2], **args)

@@ -47,8 +47,8 @@ def test_with_it_the_layer_runs_on_flydsl_and_equals_the_oracle_forward_and_back
     with fake_primus_turbo(arch="gfx950") as fake:
         layer = plan(packed_equal_documents=True)
         assert layer.equal_documents and any("FlyDSL" in k for k in layer.kernels), layer.kernels
-        out = TurboFlexAttention(layer)(q, k, v, causal=True, sink=sink, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                        max_seqlen_q=16, max_seqlen_kv=16)
+        out = TurboFlexAttention(layer).varlen(q, k, v, causal=True, sink=sink, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        max_seqlen_q=16, max_seqlen_k=16)
         assert fake.calls[-1].entry == "flash_attn_varlen_func" and fake.calls[-1].backend == "FlyDSL"
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(BF16)
         got = torch.autograd.grad(out, (q, k, v, sink), grad)
@@ -74,8 +74,8 @@ def test_a_call_that_breaks_the_declaration_is_refused_by_us(bounds, longest, wh
     with fake_primus_turbo(arch="gfx950") as fake:
         run = TurboFlexAttention(plan(packed_equal_documents=True))
         with pytest.raises(UnsupportedInputError, match=why) as err:
-            run(q, k, v, causal=True, sink=torch.zeros(HQ), cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=longest, max_seqlen_kv=longest)
+            run.varlen(q, k, v, causal=True, sink=torch.zeros(HQ), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                max_seqlen_q=longest, max_seqlen_k=longest)
         assert "packed_equal_documents" in err.value.settings and "B36.unequal" in err.value.codes
         assert not fake.calls  # refused before any kernel
 
@@ -87,8 +87,8 @@ def test_a_document_longer_than_max_seqlen_fails_the_device_check_even_when_the_
     with fake_primus_turbo(arch="gfx950") as fake:
         run = TurboFlexAttention(plan(packed_equal_documents=True))
         with pytest.raises(UnsupportedInputError, match="max_seqlen"):
-            run(q, k, v, causal=True, sink=torch.zeros(HQ), cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=16, max_seqlen_kv=16)
+            run.varlen(q, k, v, causal=True, sink=torch.zeros(HQ), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                max_seqlen_q=16, max_seqlen_k=16)
         assert not fake.calls
 
 
@@ -98,8 +98,8 @@ def test_a_tensor_max_seqlen_is_refused_with_the_declaration():
     with fake_primus_turbo(arch="gfx950"):
         run = TurboFlexAttention(plan(packed_equal_documents=True))
         with pytest.raises(UnsupportedInputError, match="is a tensor") as err:
-            run(q, k, v, causal=True, sink=torch.zeros(HQ), cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=torch.tensor(32), max_seqlen_kv=torch.tensor(32))
+            run.varlen(q, k, v, causal=True, sink=torch.zeros(HQ), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                max_seqlen_q=torch.tensor(32), max_seqlen_k=torch.tensor(32))
         assert "B36.max-tensor" in err.value.codes
 
 
@@ -115,9 +115,9 @@ def test_the_reference_backend_checks_the_declaration_too():
     cu = torch.tensor([0, 16, 64], dtype=torch.int32)
     run = TurboFlexAttention(build_plan(settings(packed_equal_documents=True), facts(packed=True)))
     with pytest.raises(UnsupportedInputError, match="not all of one length"):
-        run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=48, max_seqlen_kv=48)
-    run(q, k, v, causal=True, cu_seqlens_q=torch.tensor([0, 32, 64], dtype=torch.int32),
-        cu_seqlens_kv=torch.tensor([0, 32, 64], dtype=torch.int32), max_seqlen_q=32, max_seqlen_kv=32)
+        run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=48, max_seqlen_k=48)
+    run.varlen(q, k, v, causal=True, cu_seqlens_q=torch.tensor([0, 32, 64], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 32, 64], dtype=torch.int32), max_seqlen_q=32, max_seqlen_k=32)
 
 
 @pytest.mark.parametrize("flex", [False, True], ids=["direct", "flex-turbo"])

@@ -81,7 +81,7 @@ def packed_inputs(dtype=torch.float32):
     q, k, v = qkv(1, BOUNDS[-1], dtype=dtype)
     cu = torch.tensor(BOUNDS, dtype=torch.int32)
     longest = max(b - a for a, b in zip(BOUNDS, BOUNDS[1:]))
-    return (q[0], k[0], v[0]), dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    return (q[0], k[0], v[0]), dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
 
 
 # -- the counter itself -------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_reference_packed_call_off_cpu_has_no_host_sync_anywhere():
     (q, k, v), bounds = packed_inputs()
     run = reference_is_kernel(adapter(settings(), facts(packed=True)))
     run.backend.read_boundaries = False  # what a non-CPU device gets
-    counts = counted(lambda: run(q, k, v, causal=True, **bounds))
+    counts = counted(lambda: run.varlen(q, k, v, causal=True, **bounds))
     assert counts.syncs == 0 and counts.kernel_syncs == 0, counts.summary()
     assert counts.copies == 0, counts.summary()
 
@@ -185,7 +185,7 @@ def test_reference_packed_call_on_cpu_reads_only_host_memory():
     (no device to sync with) to visit each document's own tiles, and the caller nothing."""
     (q, k, v), bounds = packed_inputs()
     run = reference_is_kernel(adapter(settings(), facts(packed=True)))
-    counts = counted(lambda: run(q, k, v, causal=True, **bounds))
+    counts = counted(lambda: run.varlen(q, k, v, causal=True, **bounds))
     assert counts.syncs == 0 and counts.copies == 0, counts.summary()
     assert counts.by_op("sync", kernel=True) == {"Tensor.tolist": 2}, counts.summary()
 
@@ -196,12 +196,12 @@ def test_turbo_packed_call_syncs_only_inside_turbo(fake_kernels):
     fill a missing max_seqlen."""
     (q, k, v), bounds = packed_inputs()
     run = adapter(turbo(), facts(packed=True))
-    counts = counted(lambda: run(q, k, v, causal=True, **bounds))
+    counts = counted(lambda: run.varlen(q, k, v, causal=True, **bounds))
     assert fake_kernels.calls[-1].entry == "flash_attn_varlen_func"
     assert (counts.copies, counts.syncs) == (0, 0), counts.summary()
     assert counts.by_op("sync", kernel=True) == {"Tensor.tolist": 2}
-    del bounds["max_seqlen_q"], bounds["max_seqlen_kv"]
-    counts = counted(lambda: run(q, k, v, causal=True, **bounds))
+    bounds.update(max_seqlen_q=None, max_seqlen_k=None)
+    counts = counted(lambda: run.varlen(q, k, v, causal=True, **bounds))
     assert (counts.copies, counts.syncs) == (0, 0), counts.summary()
 
 
@@ -326,8 +326,7 @@ def test_no_route_builds_a_block_mask_and_a_shape_sweep_keeps_no_tensor():
 
     from torch.nn.attention import flex_attention as flex
 
-    from primus_ext.call.adapter import _CALLS_MAX
-    from primus_ext.backends.call_route import _MEMO_MAX
+    from primus_ext.call.prepared import LIMIT as PREPARED_LIMIT
 
     built = []
     original = flex.BlockMask.__init__
@@ -357,8 +356,8 @@ def test_no_route_builds_a_block_mask_and_a_shape_sweep_keeps_no_tensor():
                 if run.plan.packed:
                     q, k, v = (t[0] for t in qkv(1, seq, dtype=torch.bfloat16))
                     cu = torch.tensor([0, seq // 2, seq], dtype=torch.int32)
-                    run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=seq - seq // 2,
-                        max_seqlen_kv=seq - seq // 2)
+                    run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq - seq // 2,
+                        max_seqlen_k=seq - seq // 2)
                     refs += [weakref.ref(t) for t in (q, k, v, cu)]
                     del cu
                 else:
@@ -375,5 +374,4 @@ def test_no_route_builds_a_block_mask_and_a_shape_sweep_keeps_no_tensor():
         assert sum(r() is not None for r in refs) == 0, "a cache keeps inputs alive"
         assert len(runs) == 24
         for run in runs:
-            assert len(run._target._calls) <= _CALLS_MAX
-            assert run._routes is None or len(run._routes._seen) <= _MEMO_MAX
+            assert len(run.calls) <= PREPARED_LIMIT

@@ -141,7 +141,7 @@ def _():
         with pytest.raises(ValueError, match="int32"):
             fake.module.flash_attn_varlen_func(q, k, v, cu64, cu64, 5, 5, causal=True)
         run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(head_dim=16, dtype="bf16", packed=True))
-        run(q, k, v, causal=True, cu_seqlens_q=cu64, cu_seqlens_kv=cu64)
+        run.varlen(q, k, v, causal=True, cu_seqlens_q=cu64, cu_seqlens_k=cu64, max_seqlen_q=None, max_seqlen_k=None)
         assert fake.calls[-1].args["cu_seqlens_q"].dtype == torch.int32
 
 

@@ -164,8 +164,8 @@ def test_builds_without_flex_entries_run_windows_and_documents_on_the_flash_entr
     with fake_primus_turbo(build=build) as fake:
         run = adapter(turbo(sink_sliding_window=4))
         out = run(q, k, v, causal=True, window_size=(4, 0))
-        packed = run(tq, tk, tv, causal=True, window_size=(4, 0), cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                     max_seqlen_q=7, max_seqlen_kv=7)
+        packed = run.varlen(tq, tk, tv, causal=True, window_size=(4, 0), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                     max_seqlen_q=7, max_seqlen_k=7)
         assert [c.entry for c in fake.calls] == ["flash_attn_func", "flash_attn_varlen_func"]
         assert fake.calls[0].args["window_size"] == (4, 0) and fake.calls[0].args["causal"] is True
     torch.testing.assert_close(out, oracle.attention(q, k, v, oracle.window(4, 0)), atol=1e-10, rtol=1e-10)
@@ -185,8 +185,8 @@ def test_packed_with_bias_refused():
     q, k, v = packed_qkv(6)
     cu = torch.tensor([0, 6], dtype=torch.int32)
     with pytest.raises(UnsupportedInputError, match="bias"):
-        adapter(settings())(q, k, v, bias=torch.zeros(6, 6, dtype=q.dtype), causal=True,
-                            cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+        adapter(settings()).varlen(q, k, v, bias=torch.zeros(6, 6, dtype=q.dtype), causal=True,
+                            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
 
 
 def test_hook_plus_call_time_causal_is_not_composed():

@@ -76,8 +76,8 @@ def test_packed_documents_match_oracle(window):
     q, k, v = packed_qkv(13)
     cu = torch.tensor(bounds, dtype=torch.int32)
     run = adapter(settings(), facts(packed=True), drop_in=True)
-    out = run(q, k, v, causal=window[1] == 0, window_size=window, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-              max_seqlen_q=7, max_seqlen_kv=7)
+    out = run.varlen(q, k, v, causal=window[1] == 0, window_size=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
+              max_seqlen_q=7, max_seqlen_k=7)
     assert out.shape == q.shape
     torch.testing.assert_close(out, oracle.packed_attention(q, k, v, bounds, *window), **TOL)
 

@@ -81,7 +81,7 @@ def test_packed_goes_to_flash_attn_varlen_func():
     cu = torch.tensor([0, 4, 11], dtype=torch.int32)
     with fake_primus_turbo() as fake:
         run = adapter(turbo(), facts(packed=True))
-        out = run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+        out = run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
     (call,) = fake.calls
     assert call.entry == "flash_attn_varlen_func" and call.args["causal"] is True
     assert call.args["cu_seqlens_q"] is cu
@@ -134,7 +134,7 @@ def test_deterministic_reaches_both_direct_entries():
         run(q, k, v, causal=True, window_size=(3, 0))
         pq, pk, pv = packed_qkv(6)
         cu = torch.tensor([0, 6], dtype=torch.int32)
-        run(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+        run.varlen(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
     assert [(c.entry, c.args["deterministic"]) for c in fake.calls] == [
         ("flash_attn_func", True), ("flash_attn_varlen_func", True)]
 

@@ -104,8 +104,9 @@ def test_turbo_route_in_bf16_runs_exactly_or_was_refused(arch, name, group):
         if packed:
             cu = torch.tensor(case["packed"], dtype=torch.int32)
             longest = max(b - a for a, b in zip(case["packed"], case["packed"][1:]))
-            call.update(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
-        out = TurboFlexAttention(plan)(q, k, v, **call)
+            call.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+        layer = TurboFlexAttention(plan)
+        out = (layer.varlen if packed else layer)(q, k, v, **call)
         assert out.dtype == BF16 and fake.calls[-1].backend is not None
         grad = _leaf(*out.shape, seed=11)
         got = torch.autograd.grad(out, leaves + ([sink] if sink is not None else []), grad)

@@ -8,8 +8,9 @@ tensors in the caller's layout (dense bshd ``[B, S, H, D]`` or packed thd
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -63,25 +64,51 @@ class BackendCapabilities:
 
 
 class AttentionBackend(Protocol):
-    """A way to run attention: ``reference`` (exact torch math) or ``turbo`` (Primus-Turbo)."""
+    """A way to run attention: ``reference`` (exact torch math) or ``turbo`` (Primus-Turbo).
+
+    Everything the call path asks of a backend is declared here; a backend subclasses this
+    Protocol to get the defaults of the optional methods (`bind_dense`, `bind_packed`,
+    `kernel_pair`) and writes `capabilities`, `dense` and `packed`.  Tensors come in the
+    caller's layout (dense bshd ``[B, S, H, D]``, packed thd ``[T, H, D]``), the mask and
+    numerics in a `KernelCall`, already approved by the plan and checked by the call path.
+    """
 
     name: str
 
-    def capabilities(self) -> BackendCapabilities: ...
+    def capabilities(self) -> BackendCapabilities:
+        """What this backend runs, read by the plan's rules at build time and by the call path
+        (``runs_any_mask``: it evaluates hooks itself and computes every mask exactly)."""
+        ...
 
-    def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output: ...
+    def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
+        """One dense call: ``out`` ``[B, Sq, Hq, Dv]``, ``(out, lse [B, Hq, Sq])`` with ``return_lse``."""
+        ...
 
-    def packed(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_kv: Tensor,
-        max_seqlen_q: Any,
-        max_seqlen_kv: Any,
-        call: KernelCall,
-    ) -> Output: ...
+    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,
+               max_seqlen_q: Any, max_seqlen_kv: Any, call: KernelCall) -> Output:
+        """One packed call: ``out`` ``[T, Hq, Dv]``, ``(out, lse [Hq, T])`` with ``return_lse``."""
+        ...
+
+    def bind_dense(self, call: KernelCall) -> Callable[..., Output]:
+        """``run(q, k, v, sink)`` making ``call`` again with new tensors (the prepared-call cache keeps
+        it for equal calls); a backend overrides it to prepare its kernel's arguments once."""
+        def run(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor]) -> Output:
+            return self.dense(q, k, v, call if sink is call.sink else dataclasses.replace(call, sink=sink))
+        return run
+
+    def bind_packed(self, call: KernelCall) -> Callable[..., Output]:
+        """``run(q, k, v, cu_q, cu_kv, max_q, max_kv, sink)``, as `bind_dense` for packed calls."""
+        def run(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: Any, max_kv: Any,
+                sink: Optional[Tensor]) -> Output:
+            same = call if sink is call.sink else dataclasses.replace(call, sink=sink)
+            return self.packed(q, k, v, cu_q, cu_kv, max_q, max_kv, same)
+        return run
+
+    def kernel_pair(self, a: "CallArgs", call: KernelCall, routes: Any) -> Optional["KernelPair"]:
+        """The kernel-level forward / backward of a compiled step for this call, or None: then the
+        backward op differentiates a recompute of `dense` / `packed`.  ``routes``: the layer's
+        `~primus_ext.backends.call_route.CallRoutes` on a known arch, else None."""
+        return None
 
 
 class CallArgs(NamedTuple):

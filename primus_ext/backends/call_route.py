@@ -11,18 +11,19 @@ with the same dispatch model, once, and refused with our error when it would fai
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import functools
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..errors import UnsupportedInputError
 from ..refusals import LAYOUT, ROUTE, refuse, refuse_naming
+from .base import CallArgs
 from .dispatch import ARCHES, DEFAULT_ORDER, CallFeatures, Route, Selection, default_scale, route
 from .layout import LayoutError, storage_features
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
-_MEMO_MAX = 256
 
 
 class CallRoutes:
@@ -37,63 +38,61 @@ class CallRoutes:
         # packed_equal_documents (B36): every varlen call's documents are of one length, which
         # `check_packed` proves per call before the call is routed.
         self.equal_documents = equal_documents
-        self._seen: dict[tuple, tuple[Route, Optional[UnsupportedInputError]]] = {}
 
-    def check(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
-              sink: Any, dropout: float, deterministic: bool, alibi: Any, bias: Any, scale: Optional[float]) -> None:
+    def check(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]) -> None:
+        """Refuse ``a`` where no kernel backend runs it right; ``causal`` / ``window`` are the mask the
+        entry gets (a hook layer's proven pattern, not the call's flags)."""
         # Inside a graph being traced the memo would be a guarded, mutated dict: the custom op runs
         # this check itself when it executes (`OpTarget.check`), on the real tensors.
         if torch.compiler.is_compiling():
             return
         if self.arch is None:
             if entry == "dense":
-                _storage(q, k, v)
+                _storage(a.q, a.k, a.v)
             return
-        problem = self._lookup(entry, q, k, v, causal, window, sink, dropout, deterministic, alibi, bias, scale)[1]
+        problem = self._lookup(entry, a, causal, window)[1]
         if problem is not None:
             raise problem
 
-    def backend(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
-                sink: Any, dropout: float, deterministic: bool, alibi: Any, bias: Any,
-                scale: Optional[float]) -> Optional[str]:
+    def backend(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]) -> Optional[str]:
         """The kernel backend this call reaches and runs right on, or None (unknown arch, or refused)."""
         if self.arch is None:
             return None
-        found, problem = self._lookup(entry, q, k, v, causal, window, sink, dropout, deterministic, alibi, bias,
-                                      scale)
+        found, problem = self._lookup(entry, a, causal, window)
         return None if problem is not None else found.backend
 
-    def _lookup(self, entry: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Tuple[int, int],
-                sink: Any, dropout: float, deterministic: bool, alibi: Any,
-                bias: Any, scale: Optional[float]) -> tuple[Route, Optional[UnsupportedInputError]]:
+    def _lookup(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]
+                ) -> tuple[Route, Optional[UnsupportedInputError]]:
+        q, k, v = a.q, a.k, a.v
         sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" else (True, True, True)
         within = entry != "dense" or q.shape[1] <= k.shape[1]  # bshd: Sq <= Skv
-        key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, sink is not None,
-               dropout > 0, deterministic, alibi is not None, bias is not None, scale, sbhd, contiguous, bshd, within)
-        found = self._seen.get(key)
-        if found is None:
-            if len(self._seen) >= _MEMO_MAX:
-                self._seen.clear()
-            found = self._seen[key] = self._route(key)
-        return found
+        return _routed(self.arch, self.selection, self.equal_documents and entry == "varlen", (
+            entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, a.sink is not None,
+            a.dropout_p > 0, a.deterministic, a.alibi is not None, a.bias is not None, a.scale, sbhd, contiguous,
+            bshd, within))
 
-    def _route(self, key: tuple) -> tuple[Route, Optional[UnsupportedInputError]]:
-        (entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd,
-         within) = key
-        found = route(CallFeatures(
-            arch=self.arch or "", entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
-            head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
-            dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
-            default_scale=default_scale(scale, int(d)),
-            equal_documents=True if self.equal_documents and entry == "varlen" else None, sbhd_storage=sbhd,
-            contiguous_sbhd=contiguous, contiguous_bshd=bshd, q_within_kv=within), self.selection)
-        layout = () if entry != "dense" or sbhd else (
-            "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
-        reason = found.reason("this call", alternatives=layout)
-        if reason is None:
-            return found, None
-        # The dispatch model's wording, raised as the catalogue's B33 (its settings: the blocking checks').
-        return found, refuse_naming(ROUTE, reason.settings, reason=reason.reason, alternative=reason.alternative)
+
+@functools.lru_cache(maxsize=1024)
+def _routed(arch: str, selection: Selection, equal_documents: bool, key: tuple
+            ) -> tuple[Route, Optional[UnsupportedInputError]]:
+    """The dispatch model's verdict on one call's features: a pure function of its arguments, so its
+    memo is keyed by all of them (a call site's own cache is `primus_ext.call.prepared`)."""
+    (entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd,
+     within) = key
+    found = route(CallFeatures(
+        arch=arch, entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
+        head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
+        dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
+        default_scale=default_scale(scale, int(d)),
+        equal_documents=True if equal_documents else None, sbhd_storage=sbhd,
+        contiguous_sbhd=contiguous, contiguous_bshd=bshd, q_within_kv=within), selection)
+    layout = () if entry != "dense" or sbhd else (
+        "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
+    reason = found.reason("this call", alternatives=layout)
+    if reason is None:
+        return found, None
+    # The dispatch model's wording, raised as the catalogue's B33 (its settings: the blocking checks').
+    return found, refuse_naming(ROUTE, reason.settings, reason=reason.reason, alternative=reason.alternative)
 
 
 def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:

@@ -15,7 +15,7 @@ never takes process groups.  fp8 with CP stays refused (``cp-fp8``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 from torch import Tensor
 
@@ -73,25 +73,19 @@ class DirectRunner:
         self.dense = getattr(ops, entries.dense)
         self.packed_entry = getattr(ops, entries.packed) if entries.packed else None
 
-    def dense_call(self, q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, scale: Optional[float],
-                   causal: bool, window: Tuple[int, int], sink: Optional[Tensor], deterministic: bool) -> Tensor:
-        kwargs: dict[str, Any] = dict(
-            dropout_p=dropout_p, softmax_scale=scale, causal=causal, deterministic=deterministic,
-        )
-        if self.entries.takes_window:
-            kwargs["window_size"] = window
-        kwargs.update(sink_kwargs_for(self.dense, fp32_sink(sink), where="dense"))
-        return self.dense(q, k, v, **kwargs)
-
-    def packed_call(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: Any,
-                    max_kv: Any, *, dropout_p: float, scale: Optional[float], causal: bool,
-                    window: Tuple[int, int], sink: Optional[Tensor], deterministic: bool) -> Tensor:
+    def run(self, a: CallArgs) -> Tensor:
+        """One checked call on its entry: ``flash_attn_func`` (or fp8) dense, ``flash_attn_varlen_func`` packed."""
+        assert a.alibi is None and a.bias is None and not a.return_lse, "refused before the direct call"
+        kwargs: dict[str, Any] = dict(dropout_p=a.dropout_p, softmax_scale=a.scale, causal=a.causal,
+                                      deterministic=a.deterministic)
+        if a.cu_q is None:
+            if self.entries.takes_window:
+                kwargs["window_size"] = a.window
+            kwargs.update(sink_kwargs_for(self.dense, fp32_sink(a.sink), where="dense"))
+            return self.dense(a.q, a.k, a.v, **kwargs)
         assert self.packed_entry is not None, "refused before the packed call (B18)"
-        return self.packed_entry(
-            q, k, v, cu_q, cu_kv, max_q, max_kv,
-            dropout_p=dropout_p, softmax_scale=scale, causal=causal, window_size=window,
-            deterministic=deterministic, **sink_kwargs_for(self.packed_entry, fp32_sink(sink), where="packed"),
-        )
+        kwargs.update(sink_kwargs_for(self.packed_entry, fp32_sink(a.sink), where="packed"))
+        return self.packed_entry(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv, window_size=a.window, **kwargs)
 
 
 class DirectTarget:
@@ -109,26 +103,14 @@ class DirectTarget:
         """Refuse a call the kernels would fail or compute wrongly (its route on the plan's arch,
         its storage layout on any), as the flex adapter does (B33, B34)."""
         if self.routes is not None:
-            self.routes.check("dense" if a.cu_q is None else "varlen", a.q, a.k, a.v, a.causal, a.window, a.sink,
-                              a.dropout_p, a.deterministic, None, None, a.scale)
+            self.routes.check("dense" if a.cu_q is None else "varlen", a, a.causal, a.window)
 
     def pair(self, a: CallArgs) -> Optional[KernelPair]:
         # The direct path passes Megatron's own causal / window to the entry: the same here.
         return kernel_pair(self.kernels, self.routes, a, a.causal, a.window)
 
-    def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
-              bias: Optional[Tensor], causal: bool, window: Tuple[int, int], scale: Optional[float],
-              dropout_p: float, deterministic: bool, return_lse: bool) -> Tensor:
-        assert alibi is None and bias is None and not return_lse, "refused before the direct call"
-        return self.runner.dense_call(q, k, v, dropout_p=dropout_p, scale=scale, causal=causal, window=window,
-                                      sink=sink, deterministic=deterministic)
-
-    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
-               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: Tuple[int, int],
-               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Tensor:
-        assert alibi is None and not return_lse, "refused before the direct call"
-        return self.runner.packed_call(q, k, v, cu_q, cu_kv, max_q, max_kv, dropout_p=dropout_p, scale=scale,
-                                       causal=causal, window=window, sink=sink, deterministic=deterministic)
+    def run(self, a: CallArgs) -> Tensor:
+        return self.runner.run(a)
 
 
 __all__ = ["DirectEntries", "DirectRunner", "DirectTarget", "choose_direct"]

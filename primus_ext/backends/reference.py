@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import blockwise, exact
-from .base import BackendCapabilities, KernelCall, Output, same_tensor
+from .base import AttentionBackend, BackendCapabilities, KernelCall, Output, same_tensor
 from .base import CallArgs, kernel_rng
 
 
-class ReferenceBackend:
+class ReferenceBackend(AttentionBackend):
     """Runs any plan exactly; nothing is recognised, nothing is refused for speed."""
 
     name = "reference"

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from ..refusals import DOCUMENT_ALIGNMENT, DOCUMENTS_BIAS, refuse
-from .base import BackendCapabilities, KernelCall, Output
+from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
 from .check_op import check_same_boundaries
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
@@ -75,7 +75,7 @@ def turbo_window_args(pattern: Pattern) -> tuple[bool, tuple[int, int]]:
     return causal, pattern.window
 
 
-class TurboBackend:
+class TurboBackend(AttentionBackend):
     """Runs recognised patterns on Primus-Turbo; entries are chosen by signature."""
 
     name = "turbo"
@@ -152,13 +152,13 @@ class TurboBackend:
         cu = torch.cat([(starts + bounds[:-1].repeat(batch)), torch.tensor([batch * seq], dtype=torch.int32)])
         cu = cu.to(q.device)
         longest = max(b - a for a, b in zip(pattern.boundaries, pattern.boundaries[1:]))
-        flat = lambda t: t.reshape(batch * t.shape[1], *t.shape[2:])  # noqa: E731
-        result = self.packed(flat(q), flat(k), flat(v), cu, cu, longest, longest, call)
+        q_thd, k_thd, v_thd = (t.reshape(batch * t.shape[1], *t.shape[2:]) for t in (q, k, v))  # bshd -> thd
+        result = self.packed(q_thd, k_thd, v_thd, cu, cu, longest, longest, call)
         if call.return_lse:
-            out, lse = result  # [H, T] from `packed`
+            out_thd, lse = result  # [H, T] from `packed`
             lse = lse.reshape(lse.shape[0], batch, seq).transpose(0, 1)
-            return out.reshape(batch, seq, *out.shape[1:]), lse
-        return result.reshape(batch, seq, *result.shape[1:])
+            return out_thd.reshape(batch, seq, *out_thd.shape[1:]), lse
+        return result.reshape(batch, seq, *result.shape[1:])  # thd -> bshd
 
     # -- packed --------------------------------------------------------------
     def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,

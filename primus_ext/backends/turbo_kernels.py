@@ -203,8 +203,7 @@ def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple
     known from the call's metadata: refused, autotuned among several, or a varlen call that
     FlyDSL takes exactly when its documents are equal, which only a host read would tell."""
     entry = DENSE if a.cu_q is None else VARLEN
-    backend = routes.backend(entry, a.q, a.k, a.v, causal, window, a.sink, a.dropout_p, a.deterministic, a.alibi,
-                             a.bias, a.scale)
+    backend = routes.backend(entry, a, causal, window)
     if backend is None or routes.arch is None:
         return None
     selection = getattr(routes, "selection", DEFAULT_ORDER)

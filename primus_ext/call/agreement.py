@@ -40,34 +40,6 @@ PLAN, DROP_IN = "plan", "drop_in"
 
 Flags = Tuple[bool, Tuple[int, int]]
 
-_PATTERNS: dict[Flags, Pattern] = {}
-_PATTERNS_MAX = 256
-
-
-def flash_pattern(causal: bool, window: Tuple[int, int]) -> Pattern:
-    """`pattern_from_flash_args` for normalised arguments, memoised in eager mode.
-
-    A layer calls with one or two ``(causal, window_size)`` values, and building the frozen
-    `Pattern` (validation included) on every call cost more than the rest of the routing.
-    Patterns are immutable, so one object per value is shared.  Under ``torch.compile`` the
-    pattern is built as before, so Dynamo traces no cache.
-    """
-    if torch.compiler.is_compiling():
-        return pattern_from_flash_args(causal, window)
-    return eager_flash_pattern(causal, window)
-
-
-def eager_flash_pattern(causal: bool, window: Tuple[int, int]) -> Pattern:
-    """`flash_pattern` outside any traced region (the op targets and trace-time verdicts run eagerly)."""
-    key = (causal, window)
-    found = _PATTERNS.get(key)
-    if found is None:
-        if len(_PATTERNS) >= _PATTERNS_MAX:
-            _PATTERNS.clear()
-        found = _PATTERNS[key] = pattern_from_flash_args(causal, window)
-    return found
-
-
 def flash_args(causal: Any, window_size: Any) -> Flags:
     """``(causal, (left, right))`` as plain bool and ints, the window checked (B34)."""
     return bool(causal), check_window(window_size)
@@ -117,7 +89,7 @@ class CallAgreement:
         planned_flag, planned_window = self.flags
         flag = planned_flag if causal is None else bool(causal)
         window = planned_window if window_size is None else check_window(window_size)
-        if (flag == planned_flag and window == planned_window) or eager_flash_pattern(flag, window) == self.pattern:
+        if (flag == planned_flag and window == planned_window) or pattern_from_flash_args(flag, window) == self.pattern:
             return self.flags
         if self.hooked:
             raise self._refusal(causal, window_size, flag, window, hooked=True)
@@ -133,7 +105,7 @@ class CallAgreement:
         plan = self.plan
         asked = (f"causal={self.flags[0] if causal is None else short_repr(causal)}, window_size="
                  f"{self.flags[1] if window_size is None else short_repr(window_size)}")
-        mask, context = eager_flash_pattern(flag, window).describe(), f"layer {plan.layer_number}"
+        mask, context = pattern_from_flash_args(flag, window).describe(), f"layer {plan.layer_number}"
         if hooked:
             return refuse(R.HOOK_FLAGS, context, hook=plan.mask_hook, asked=asked, mask=mask)
         return refuse(R.CALL_FLAGS, context, asked=asked, mask=mask, causal=self.flags[0], window=self.flags[1],
@@ -177,5 +149,4 @@ def _traced_verdict(handle: int, causal: Any, window_size: Any, odd_flag: str, o
         raise CompiledCallRefusal(list(exc.reasons), context=exc.context) from None
 
 
-__all__ = ["DROP_IN", "PLAN", "CallAgreement", "CompiledCallRefusal", "eager_flash_pattern", "flash_args",
-           "flash_pattern"]
+__all__ = ["DROP_IN", "PLAN", "CallAgreement", "CompiledCallRefusal", "flash_args"]

@@ -128,7 +128,7 @@ def check_dropout(dropout_p: Any) -> float:
     """The dropout probability as a float in [0, 1)."""
     try:
         p = float(dropout_p)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         p = float("nan")
     if not 0.0 <= p < 1.0:
         raise refuse(R.DROPOUT, got=dropout_p)

@@ -3,7 +3,7 @@
 Why ops: a compiled transformer block must not break its graph at attention, and
 selective activation checkpointing must be able to *save* attention instead of
 recomputing it.  Under ``torch.compile`` each call goes through one op per layout
-(`run_dense` / `run_packed`; eager calls run the target directly, keeping the kernels'
+(`run_call`; eager calls run the target directly, keeping the kernels'
 native backward):
 
 * ``primus_ext::dense_attention`` (bshd) and ``primus_ext::varlen_attention`` (thd),
@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from typing import Any, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -47,20 +47,20 @@ NAMESPACE = "primus_ext"
 
 
 class OpTarget(Protocol):
-    """What a handle names: runs one call eagerly, with autograd when asked."""
+    """What a handle names: checks, runs and pairs one call (`PlanTarget`, `DirectTarget`)."""
 
-    def check(self, a: "CallArgs") -> None:
+    def check(self, a: CallArgs) -> None:
         """Refuse a call its kernels would fail or compute wrongly (its route on the plan's arch, its
         storage layout): run by the forward op itself, since a traced graph skips the eager check."""
         ...
 
-    def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
-              bias: Optional[Tensor], causal: bool, window: tuple[int, int], scale: Optional[float],
-              dropout_p: float, deterministic: bool, return_lse: bool) -> Any: ...
+    def run(self, a: CallArgs) -> Any:
+        """The call, eagerly, with the backend's own autograd."""
+        ...
 
-    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
-               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: tuple[int, int],
-               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Any: ...
+    def pair(self, a: CallArgs) -> Optional[KernelPair]:
+        """The kernel-level pair of a compiled step, or None (the backward op recomputes)."""
+        ...
 
 
 _TARGETS: dict[int, OpTarget] = {}
@@ -89,8 +89,7 @@ def _pair(handle: int, a: CallArgs) -> Optional[KernelPair]:
     travel through the graph in each kernel's own format)."""
     if a.dropout_p > 0.0:
         return None
-    find = getattr(_TARGETS.get(handle), "pair", None)
-    return None if find is None else find(a)
+    return target(handle).pair(a)
 
 
 def _fake_rng(a: CallArgs) -> Tensor:
@@ -118,22 +117,11 @@ def _run_forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Te
         return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), rng
     rng = rng_snapshot(a.q.device, a.dropout_p) if a.dropout_p > 0 else kernel_rng(a)
     with torch.no_grad():
-        result = _target_call(handle, a, a.q, a.k, a.v, a.sink, a.alibi, a.bias)
+        result = target(handle).run(a)
     out, lse = result if a.return_lse else (result, None)
     # zeros, not garbage: an output nobody asked for must still be deterministic
     lse = lse.to(_lse_dtype(a.q)) if lse is not None else a.q.new_zeros(lse_shape, dtype=_lse_dtype(a.q))
     return _contiguous(out), _contiguous(lse), rng
-
-
-def _target_call(handle: int, a: CallArgs, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor],
-                 alibi: Optional[Tensor], bias: Optional[Tensor]) -> Any:
-    """The target's own eager call of ``a`` with these tensors (leaves, for a recompute)."""
-    t = target(handle)
-    if a.cu_q is None:
-        return t.dense(q, k, v, sink, alibi, bias, a.causal, a.window, a.scale, a.dropout_p, a.deterministic,
-                       a.return_lse)
-    return t.packed(q, k, v, a.cu_q, a.cu_kv, a.max_q, a.max_kv, sink, alibi, a.causal, a.window, a.scale,
-                    a.dropout_p, a.deterministic, a.return_lse)
 
 
 def _run_backward(handle: int, a: CallArgs, grad_out: Tensor, out: Tensor, lse: Tensor,
@@ -149,7 +137,8 @@ def _run_backward(handle: int, a: CallArgs, grad_out: Tensor, out: Tensor, lse: 
         return tuple(_fit(g, t, a.q) for g, t in zip(grads, like))
     leaves = [_leaf(t) for t in like]
     with _autograd_inside_op(), rng_restored(rng_state if a.dropout_p > 0 else None, a.q.device):
-        again = _target_call(handle, a, *leaves[:5], leaves[5] if dense else None)
+        q, k, v, sink, alibi = leaves[:5]
+        again = target(handle).run(a._replace(q=q, k=k, v=v, sink=sink, alibi=alibi, bias=leaves[5] if dense else None))
         return tuple(_grads(again[0] if a.return_lse else again, leaves, grad_out, a.q))
 
 
@@ -204,19 +193,32 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ali
                     bias: Optional[Tensor], handle: int, causal: bool, window_left: int, window_right: int,
                     scale: Optional[float], dropout_p: float, deterministic: bool,
                     return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
-    a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
-                 (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+    a = _dense_call((q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_right, scale, dropout_p,
+                     deterministic, return_lse))
     return _run_forward(handle, a, (q.shape[0], q.shape[2], q.shape[1]))
 
 
+def _dense_call(args: tuple) -> CallArgs:
+    """The `CallArgs` of ``dense_attention``'s arguments, in its schema's order."""
+    q, k, v, sink, alibi, bias, _handle, causal, left, right, scale, dropout_p, deterministic, return_lse = args
+    return CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi, bias, causal, (left, right), scale,
+                    dropout_p, deterministic, return_lse)
+
+
+def _varlen_call(args: tuple) -> CallArgs:
+    """The `CallArgs` of ``varlen_attention``'s arguments, in its schema's order."""
+    (q, k, v, cu_q, cu_kv, sink, alibi, _handle, max_q, max_kv, causal, left, right, scale, dropout_p,
+     deterministic, return_lse) = args
+    return CallArgs(q, k, v, cu_q, cu_kv, max_q, max_kv, sink, alibi, None, causal, (left, right), scale, dropout_p,
+                    deterministic, return_lse)
+
+
 @dense_attention.register_fake
-def _(q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_right, scale, dropout_p,
-      deterministic, return_lse):
-    batch, q_len, heads = q.shape[0], q.shape[1], q.shape[2]
-    out = q.new_empty(batch, q_len, heads, v.shape[-1])
-    lse = q.new_empty((batch, heads, q_len), dtype=_lse_dtype(q))
-    a = CallArgs(q, k, v, None, None, q_len, k.shape[1], sink, alibi_slopes, bias, causal,
-                 (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+def _(*args):
+    a = _dense_call(args)
+    batch, q_len, heads = a.q.shape[0], a.q.shape[1], a.q.shape[2]
+    out = a.q.new_empty(batch, q_len, heads, a.v.shape[-1])
+    lse = a.q.new_empty((batch, heads, q_len), dtype=_lse_dtype(a.q))
     return out, lse, _fake_rng(a)
 
 
@@ -226,18 +228,20 @@ def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                              rng_state: Tensor, handle: int, causal: bool, window_left: int, window_right: int,
                              scale: Optional[float], dropout_p: float, deterministic: bool,
                              return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    a = CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi_slopes, bias, causal,
-                 (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+    a = _dense_call((q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_right, scale, dropout_p,
+                     deterministic, return_lse))
     return _run_backward(handle, a, grad_out, out, lse, rng_state)  # type: ignore[return-value]
 
 
-@dense_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, sink, alibi_slopes, bias, rng_state, handle, causal, window_left, window_right,
-      scale, dropout_p, deterministic, return_lse):
-    def like(t: Optional[Tensor]) -> Tensor:
-        return torch.empty_like(t) if t is not None else q.new_empty(0)
+def _like(t: Optional[Tensor], q: Tensor) -> Tensor:
+    """A gradient's metadata: ``empty_like(t)``, or empty where there is no ``t``."""
+    return torch.empty_like(t) if t is not None else q.new_empty(0)
 
-    return like(q), like(k), like(v), like(sink), like(alibi_slopes), like(bias)
+
+@dense_attention_backward.register_fake
+def _(*args):
+    q, k, v, sink, alibi, bias = args[1], args[2], args[3], args[6], args[7], args[8]
+    return _like(q, q), _like(k, q), _like(v, q), _like(sink, q), _like(alibi, q), _like(bias, q)
 
 
 def _dense_setup(ctx, inputs, output) -> None:
@@ -268,19 +272,17 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     # on CPU, as in eager (on a GPU it is a device-side assert either way).
     assert_boundaries("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     assert_boundaries("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], max_seqlen_kv)
-    a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
-                 causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+    a = _varlen_call((q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seqlen_q, max_seqlen_kv,
+                      causal, window_left, window_right, scale, dropout_p, deterministic, return_lse))
     return _run_forward(handle, a, (q.shape[1], q.shape[0]))
 
 
 @varlen_attention.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seqlen_q, max_seqlen_kv, causal,
-      window_left, window_right, scale, dropout_p, deterministic, return_lse):
-    tokens, heads = q.shape[0], q.shape[1]
-    out = q.new_empty(tokens, heads, v.shape[-1])
-    lse = q.new_empty((heads, tokens), dtype=_lse_dtype(q))
-    a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
-                 causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+def _(*args):
+    a = _varlen_call(args)
+    tokens, heads = a.q.shape[0], a.q.shape[1]
+    out = a.q.new_empty(tokens, heads, a.v.shape[-1])
+    lse = a.q.new_empty((heads, tokens), dtype=_lse_dtype(a.q))
     return out, lse, _fake_rng(a)
 
 
@@ -291,17 +293,15 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
                               scale: Optional[float], dropout_p: float, deterministic: bool,
                               return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, sink, alibi_slopes, None,
-                 causal, (window_left, window_right), scale, dropout_p, deterministic, return_lse)
+    a = _varlen_call((q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seqlen_q, max_seqlen_kv,
+                      causal, window_left, window_right, scale, dropout_p, deterministic, return_lse))
     return _run_backward(handle, a, grad_out, out, lse, rng_state)  # type: ignore[return-value]
 
 
 @varlen_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, rng_state, handle,
-      max_seqlen_q, max_seqlen_kv, causal, window_left, window_right, scale, dropout_p, deterministic, return_lse):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(sink) if sink is not None else q.new_empty(0),
-            torch.empty_like(alibi_slopes) if alibi_slopes is not None else q.new_empty(0))
+def _(*args):
+    q, k, v, sink, alibi = args[1], args[2], args[3], args[8], args[9]
+    return _like(q, q), _like(k, q), _like(v, q), _like(sink, q), _like(alibi, q)
 
 
 def _varlen_setup(ctx, inputs, output) -> None:
@@ -321,23 +321,6 @@ def _varlen_backward(ctx, grad_out, _grad_lse, _grad_rng):
 varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
-def run_dense(handle: int, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], alibi: Optional[Tensor],
-              bias: Optional[Tensor], causal: bool, window: tuple[int, int], scale: Optional[float],
-              dropout_p: float, deterministic: bool, return_lse: bool) -> Any:
-    """One dense call: the op under ``torch.compile``, the target's own autograd in eager.
-
-    Eager keeps the kernels' native backward (no recompute); a compiled graph gets one
-    opaque op that selective checkpointing can save.
-    """
-    if torch.compiler.is_compiling():
-        out, lse, _ = torch.ops.primus_ext.dense_attention(
-            q, k, v, sink, alibi, bias, handle, causal, window[0], window[1], scale, dropout_p, deterministic,
-            return_lse)
-        return (out, lse.float()) if return_lse else out
-    return target(handle).dense(q, k, v, sink, alibi, bias, causal, window, scale, dropout_p, deterministic,
-                                return_lse)
-
-
 # How max_seqlen reaches the kernel without a recompile per micro-batch: it is an
 # ``int`` argument of the op (``SymInt`` in the schema), passed as the caller gives it.
 # Dynamo's automatic dynamic shapes turn it symbolic the first time it changes, so a
@@ -345,20 +328,27 @@ def run_dense(handle: int, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tenso
 # the exact bound (no bucketing, which would waste kernel blocks, and no host read of
 # cu_seqlens, which would sync).  A caller without max_seqlen passes the token count,
 # a static shape.  docs/compile.md shows how to declare both dynamic up front.
-def run_packed(handle: int, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
-               sink: Optional[Tensor], alibi: Optional[Tensor], causal: bool, window: tuple[int, int],
-               scale: Optional[float], dropout_p: float, deterministic: bool, return_lse: bool) -> Any:
-    """One packed (thd) call; like `run_dense`."""
-    if torch.compiler.is_compiling():
+def run_call(handle: int, a: CallArgs) -> Any:
+    """One checked call: the op of its layout under ``torch.compile``, the target's own autograd in eager.
+
+    Eager keeps the kernels' native backward (no recompute); a compiled graph gets one
+    opaque op that selective checkpointing can save.
+    """
+    if not torch.compiler.is_compiling():
+        return target(handle).run(a)
+    left, right = a.window
+    if a.cu_q is None:
+        out, lse, _ = torch.ops.primus_ext.dense_attention(
+            a.q, a.k, a.v, a.sink, a.alibi, a.bias, handle, a.causal, left, right, a.scale, a.dropout_p,
+            a.deterministic, a.return_lse)
+    else:
         out, lse, _ = torch.ops.primus_ext.varlen_attention(
-            q, k, v, cu_q, cu_kv, sink, alibi, handle, max_q, max_kv, causal, window[0], window[1], scale,
-            dropout_p, deterministic, return_lse)
-        return (out, lse.float()) if return_lse else out
-    return target(handle).packed(q, k, v, cu_q, cu_kv, max_q, max_kv, sink, alibi, causal, window, scale,
-                                 dropout_p, deterministic, return_lse)
+            a.q, a.k, a.v, a.cu_q, a.cu_kv, a.sink, a.alibi, handle, a.max_q, a.max_kv, a.causal, left, right,
+            a.scale, a.dropout_p, a.deterministic, a.return_lse)
+    return (out, lse.float()) if a.return_lse else out
 
 
 FORWARD_OPS = (torch.ops.primus_ext.dense_attention.default, torch.ops.primus_ext.varlen_attention.default)
 
 __all__ = ["CallArgs", "FORWARD_OPS", "KernelPair", "NAMESPACE", "OpTarget", "dense_attention", "kernel_rng",
-           "register_target", "run_dense", "run_packed", "target", "varlen_attention"]
+           "register_target", "run_call", "target", "varlen_attention"]

@@ -32,6 +32,7 @@ import torch
 from ..attention.pattern import pattern_from_flash_args
 from ..backends import make_backend
 from .adapter import TurboFlexAttention
+from ..backends.base import CallArgs
 from ..backends.direct import DirectRunner, choose_direct
 from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Selection, default_scale
 from ..backends.dispatch import route as dispatch_route
@@ -166,24 +167,19 @@ def _calls(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]]):
 
     def through(layer):
         if packed:
-            return lambda q, k, v, s: layer(q, k, v, sink=s, cu_seqlens_q=cu.to(q.device),
-                                            cu_seqlens_kv=cu.to(q.device), max_seqlen_q=longest,
-                                            max_seqlen_kv=longest, **flash)
+            return lambda q, k, v, s: layer.varlen(q, k, v, cu.to(q.device), cu.to(q.device), longest, longest,
+                                                   sink=s, **flash)
         return lambda q, k, v, s: layer(q, k, v, sink=s, **flash)
 
     if plan.flex:
         return through(TurboFlexAttention(plan)), through(reference)
     runner = DirectRunner(load_ops(), choose_direct(load_ops(), fp8=False, context_parallel=False))
-    if packed:
-        def direct(q, k, v, s):
-            c = cu.to(q.device)
-            return runner.packed_call(q, k, v, c, c, longest, longest, dropout_p=0.0, scale=plan.scale,
-                                      causal=plan.causal, window=plan.window, sink=s,
-                                      deterministic=plan.deterministic)
-    else:
-        def direct(q, k, v, s):
-            return runner.dense_call(q, k, v, dropout_p=0.0, scale=plan.scale, causal=plan.causal,
-                                     window=plan.window, sink=s, deterministic=plan.deterministic)
+
+    def direct(q, k, v, s):
+        c = cu.to(q.device) if packed else None
+        lengths = (longest, longest) if packed else (q.shape[1], k.shape[1])
+        return runner.run(CallArgs(q, k, v, c, c, *lengths, s, None, None, plan.causal, plan.window, plan.scale, 0.0,
+                                   plan.deterministic))
     return direct, through(reference)
 
 

@@ -14,26 +14,27 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..call.adapter import TurboFlexAttention
-from ..backends.base import fp32_sink
-from ..call.checks import (assert_on_device, check_heads, check_packed, check_packing, check_qkv,
-                                     check_same_boundaries)
+from ..backends.base import CallArgs, fp32_sink
 from ..backends.direct import DirectRunner, DirectTarget, choose_direct
 from ..backends.layout import kernel_views
-from ..call.ops import CallArgs, register_target, run_dense, run_packed
 from ..backends.turbo import load_ops
+from ..call.adapter import TurboFlexAttention
+from ..call.checks import (assert_on_device, check_heads, check_packed, check_packing, check_qkv,
+                           check_same_boundaries)
+from ..call.ops import register_target, run_call
+from ..call.selftest import refuse_failures, self_test, selftest_enabled
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
-from ..call.selftest import refuse_failures, self_test, selftest_enabled
+from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, MASK_TYPE, MASK_WITH_THD, MISSING_SINK,
+                        NO_PACKED_ENTRY, PADDED, PADDED_TYPE, THD_WITHOUT_BOUNDS, TOP_LEFT, WINDOW_ALIGNMENT, refuse)
 from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
-from .call_contract import MaskCheck, qkv_format, refuse as _contract_refusal
+from .call_contract import MaskCheck, qkv_format
 from .context_parallel import LayerContextParallel, layer_context_parallel
 from .facts import layer_facts
 
 
-def _refuse(settings: Tuple[str, ...], reason: str, alternative: str = "") -> UnsupportedInputError:
-    return UnsupportedInputError(Reason(settings, reason, alternative), context="Megatron core attention")
+CONTEXT = "Megatron core attention"
 
 
 def tensor_parallel(config: Any, pg_collection: Any) -> Tuple[int, int]:
@@ -122,14 +123,9 @@ class TurboAttentionCore:
     # -- input checks ------------------------------------------------------------
     def _check_call(self, attn_mask_type: Any, attention_bias: Optional[Tensor]) -> None:
         if attention_bias is not None:
-            raise _refuse(("position_embedding_type", "attention_bias"),
-                          "an attention_bias tensor (ALiBi) reached core attention; Primus-Turbo attention "
-                          "cannot take a dense bias, so it would be ignored.",
-                          "give ALiBi as turbo_flex_attention_score_mod, or use another position embedding.")
+            raise refuse(ATTENTION_BIAS, CONTEXT)
         if attn_mask_type is not None and attn_mask_type != self.attn_mask_type:
-            raise _refuse(("attn_mask_type",),
-                          f"the call asks for attn_mask_type={attn_mask_type} but the layer was built and "
-                          f"checked for {self.attn_mask_type}.", "build the layer with the mask type it runs.")
+            raise refuse(MASK_TYPE, CONTEXT, asked=attn_mask_type, built=self.attn_mask_type)
 
     def _packing(self, packed_seq_params: Any, fmt: str) -> Optional[Any]:
         """The packed params when this call is thd, None when dense; refuse anything ambiguous."""
@@ -137,17 +133,13 @@ class TurboAttentionCore:
             return None
         has_bounds = packed_seq_params.cu_seqlens_q is not None or packed_seq_params.cu_seqlens_kv is not None
         if self.plan.packed_entry is None:
-            raise _refuse(("packed_seq_params", "context_parallel_size", "enable_turbo_attention_float8"),
-                          "packed_seq_params were passed but this layer's path has no packed kernel "
-                          f"({self.plan.dense_entry}); they would be ignored.",
-                          "use context_parallel_size: 1 without fp8 for packed training, or do not pack.")
+            raise refuse(NO_PACKED_ENTRY, CONTEXT, entry=self.plan.dense_entry)
         if fmt != "thd":
             if has_bounds:
-                raise _refuse(("packed_seq_params",), f"packed_seq_params carry cu_seqlens but qkv_format="
-                              f"{fmt!r}; the document boundaries would be ignored.", "set qkv_format='thd'.")
+                raise refuse(BOUNDS_NOT_THD, CONTEXT, fmt=fmt)
             return None
         if packed_seq_params.cu_seqlens_q is None or packed_seq_params.cu_seqlens_kv is None:
-            raise _refuse(("packed_seq_params",), "qkv_format='thd' without cu_seqlens_q/cu_seqlens_kv.")
+            raise refuse(THD_WITHOUT_BOUNDS, CONTEXT)
         for plain, padded in (("cu_seqlens_q", "cu_seqlens_q_padded"), ("cu_seqlens_kv", "cu_seqlens_kv_padded")):
             pad = getattr(packed_seq_params, padded)
             ref = getattr(packed_seq_params, plain)
@@ -155,20 +147,17 @@ class TurboAttentionCore:
                 continue
             if not isinstance(pad, Tensor) or not isinstance(ref, Tensor):
                 bad = padded if not isinstance(pad, Tensor) else plain
-                kind = type(getattr(packed_seq_params, bad)).__name__
-                raise _contract_refusal((bad,), f"packed_seq_params.{bad} is a {kind}, not a tensor; the boundaries "
-                                        "could not be checked or passed on.",
-                                        "pass int32 tensors, as megatron-core's PackedSeqParams holds them.")
-            why = (f"{padded} differ from {plain}; the kernel takes one pair of boundaries, so "
-                   "per-sequence padding would be attended as tokens.")
+                raise refuse(PADDED_TYPE, CONTEXT, name=bad, kind=type(getattr(packed_seq_params, bad)).__name__)
             if pad.shape == ref.shape and torch.compiler.is_compiling():
                 # No host read inside a graph: the check op refuses when the graph runs (our error on CPU).
-                assert_on_device((pad == ref).all(), why, lambda p=padded, w=why: _refuse(
-                    (p,), w, "pack without per-sequence padding (padded == unpadded boundaries)."))
+                why = PADDED.reason_for(padded=padded, plain=plain).reason
+                # Plain strings in the closure: Dynamo keeps the refusal as a constant.
+                assert_on_device((pad == ref).all(), why, lambda p=padded, q=plain: refuse(PADDED, CONTEXT, padded=p,
+                                                                                            plain=q))
                 continue
             # One host comparison per batch, only when distinct padded boundaries are given (B19).
             if pad.shape != ref.shape or not torch.equal(pad.to(ref.device), ref):
-                raise _refuse((padded,), why, "pack without per-sequence padding (padded == unpadded boundaries).")
+                raise refuse(PADDED, CONTEXT, padded=padded, plain=plain)
         return packed_seq_params
 
     # -- forward -----------------------------------------------------------------
@@ -184,8 +173,7 @@ class TurboAttentionCore:
         dropout_p = self.dropout if training else 0.0  # B30
         plan = self.plan
         if plan.sink and sink is None:
-            raise _contract_refusal(("use_sink_attention",), "the layer was planned with a learned sink but the "
-                                    "call passes none; it would run without one.", "pass the layer's sink.")
+            raise refuse(MISSING_SINK, CONTEXT)
         seq = 0 if packed is not None or fmt == "sbhd" else 1
         if self.cp is not None:
             if packed is not None:
@@ -200,31 +188,28 @@ class TurboAttentionCore:
             self._check_lengths(query.shape[seq], key.shape[seq])
             self.check_mask(attention_mask, query.shape[seq], key.shape[seq])
         elif attention_mask is not None:
-            raise _contract_refusal(("attention_mask", "packed_seq_params"), "an attention_mask tensor came with a "
-                                    "packed (thd) call; the documents are the cu_seqlens, the mask would be ignored.",
-                                    "pass attention_mask=None with packed batches.")
+            raise refuse(MASK_WITH_THD, CONTEXT)
         hooked = plan.mask_mod is not None
         causal = plan.causal and not hooked
         window = (-1, -1) if hooked else plan.window
         if packed is not None:
             squeeze = query.dim() == 4
-            q, k, v = (t.squeeze(1) if squeeze else t for t in (query, key, value))
+            q_thd, k_thd, v_thd = (t.squeeze(1) if squeeze else t for t in (query, key, value))
             if self.storage != "as-given":  # as upstream Primus does; megatron-core's value is a split view
-                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            out = self._packed(q, k, v, packed, dropout_p, causal, window, sink)
-            out = out.reshape(out.shape[0], -1)
+                q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
+            out_thd = self._packed(q_thd, k_thd, v_thd, packed, dropout_p, causal, window, sink)
+            out = out_thd.reshape(out_thd.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
         q_bshd, k_bshd, v_bshd = kernel_views(query, key, value, self.storage, fmt)  # as the self-test feeds them
         if self.adapter is not None:
             out_bshd = self.adapter(q_bshd, k_bshd, v_bshd, dropout_p=dropout_p, causal=causal, window_size=window,
                                     sink=sink, deterministic=plan.deterministic)
         else:
-            sink32 = fp32_sink(sink)
-            self.direct.check(CallArgs(q_bshd, k_bshd, v_bshd, None, None, q_bshd.shape[1], k_bshd.shape[1], sink32,
-                                       None, None, causal, window, plan.scale, dropout_p, plan.deterministic))
-            out_bshd = run_dense(self.handle, q_bshd, k_bshd, v_bshd, sink32, None, None, causal, window, plan.scale,
-                                 dropout_p, plan.deterministic, False)
-        out = out_bshd.transpose(0, 1) if fmt == "sbhd" else out_bshd
+            a = CallArgs(q_bshd, k_bshd, v_bshd, None, None, q_bshd.shape[1], k_bshd.shape[1], fp32_sink(sink), None,
+                         None, causal, window, plan.scale, dropout_p, plan.deterministic)
+            self.direct.check(a)
+            out_bshd = run_call(self.handle, a)
+        out = out_bshd.transpose(0, 1) if fmt == "sbhd" else out_bshd  # Megatron's own layout again
         if self.cp is not None:
             out = self.cp.gather(out, fmt)
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -244,47 +229,34 @@ class TurboAttentionCore:
         document for packed calls whose q and kv boundaries differ."""
         if not self.plan.causal:
             if self.plan.flex and self.plan.mask_mod is None and self.plan.window != (-1, -1):
-                return _contract_refusal(("window_size", "use_turbo_flex_attention"),
-                                         f"window_size={self.plan.window} on a non-causal layer with {unequal}: "
-                                         "megatron-core (and the direct path's flash kernels) align the window "
-                                         "bottom-right, the flex path top-left (FlexAttention's convention).",
-                                         "use_turbo_flex_attention: false, whose flash kernels align it as "
-                                         "megatron-core does, or equal q and kv lengths.")
+                return refuse(WINDOW_ALIGNMENT, CONTEXT, window=self.plan.window, unequal=unequal)
             return None
         bottom_right = getattr(self.attn_mask_type, "name", str(self.attn_mask_type)) == "causal_bottom_right"
         if bottom_right and self.plan.flex:
-            return _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
-                                     f"attn_mask_type=causal_bottom_right with {unequal}: "
-                                     "the flex path aligns masks top-left (FlexAttention's convention).",
-                                     "use_turbo_flex_attention: false, whose flash kernels align bottom-right.")
+            return refuse(BOTTOM_RIGHT, CONTEXT, unequal=unequal)
         if not bottom_right and not self.plan.flex:
-            return _contract_refusal(("attn_mask_type", "use_turbo_flex_attention"),
-                                     f"attn_mask_type=causal (top-left) with {unequal}: "
-                                     "the direct path's flash kernels align it bottom-right.",
-                                     "use attn_mask_type=causal_bottom_right if that is meant, or "
-                                     "use_turbo_flex_attention: true with turbo_flex_attention_backend: reference "
-                                     "for top-left.")
+            return refuse(TOP_LEFT, CONTEXT, unequal=unequal)
         return None
 
-    def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: Any, dropout_p: float, causal: bool,
+    def _packed(self, q_thd: Tensor, k_thd: Tensor, v_thd: Tensor, params: Any, dropout_p: float, causal: bool,
                 window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if self.unequal_refused and isinstance(cu_q, Tensor) and isinstance(cu_kv, Tensor):
             check_same_boundaries(cu_q, cu_kv, lambda: self._alignment_refusal(
                 "cu_seqlens_q != cu_seqlens_kv (documents of unequal q and kv lengths)"))
         # Missing max_seqlen: the token count bounds it, with no host read of the boundaries.
-        max_q = params.max_seqlen_q if params.max_seqlen_q is not None else q.shape[0]
-        max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else k.shape[0]
+        max_q = params.max_seqlen_q if params.max_seqlen_q is not None else q_thd.shape[0]
+        max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else k_thd.shape[0]
         if self.adapter is not None:
-            return self.adapter(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window, sink=sink,
-                                deterministic=self.plan.deterministic, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
-                                max_seqlen_q=max_q, max_seqlen_kv=max_kv)
-        cu_q, cu_kv, max_q, max_kv = check_packed(q, k, cu_q, cu_kv, max_q, max_kv,  # as the adapter does
+            return self.adapter.varlen(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, dropout_p=dropout_p,
+                                       causal=causal, window_size=window, deterministic=self.plan.deterministic,
+                                       sink=sink)
+        cu_q, cu_kv, max_q, max_kv = check_packed(q_thd, k_thd, cu_q, cu_kv, max_q, max_kv,  # as the adapter does
                                                   equal_documents=self.plan.equal_documents)
-        self.direct.check(CallArgs(q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, None, causal, window,
-                                   self.plan.scale, dropout_p, self.plan.deterministic))
-        return run_packed(self.handle, q, k, v, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, causal, window,
-                          self.plan.scale, dropout_p, self.plan.deterministic, False)
+        a = CallArgs(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, None, causal, window,
+                     self.plan.scale, dropout_p, self.plan.deterministic)
+        self.direct.check(a)
+        return run_call(self.handle, a)
 
 
 __all__ = ["TurboAttentionCore"]

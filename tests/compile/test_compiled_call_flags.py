@@ -54,8 +54,8 @@ def test_a_drop_in_packed_call_with_another_window_compiles():
     q, k, v = packed_qkv(13)
     cu = torch.tensor(bounds, dtype=torch.int32)
     run = adapter(settings(), facts(packed=True), drop_in=True)
-    call = compiled(lambda q, k, v, cu: run(q, k, v, causal=True, window_size=(2, 0), cu_seqlens_q=cu,
-                                            cu_seqlens_kv=cu, max_seqlen_q=8, max_seqlen_kv=8))
+    call = compiled(lambda q, k, v, cu: run.varlen(q, k, v, causal=True, window_size=(2, 0), cu_seqlens_q=cu,
+                                            cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=8))
     torch.testing.assert_close(call(q, k, v, cu), oracle.packed_attention(q, k, v, bounds, 2, 0), **TOL)
 
 
@@ -87,8 +87,8 @@ def test_a_disagreeing_packed_call_is_our_refusal_under_compile():
     q, k, v = packed_qkv(13)
     cu = torch.tensor([0, 5, 13], dtype=torch.int32)
     run = adapter(settings(), facts(packed=True))
-    call = compiled(lambda q, k, v, cu: run(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                            max_seqlen_q=8, max_seqlen_kv=8))
+    call = compiled(lambda q, k, v, cu: run.varlen(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                            max_seqlen_q=8, max_seqlen_k=8))
     with pytest.raises(UnsupportedInputError) as err:
         call(q, k, v, cu)
     assert err.value.codes == ("B34.call-flags",)

@@ -167,8 +167,8 @@ def test_compiled_packed_refusals_are_ours_on_cpu():
     from ..helpers import adapter, facts, packed_qkv, settings
 
     run = adapter(settings(), facts(packed=True))
-    fn = torch.compile(lambda q, k, v, cu, m: run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                  max_seqlen_q=m, max_seqlen_kv=m), backend="aot_eager")
+    fn = torch.compile(lambda q, k, v, cu, m: run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                  max_seqlen_q=m, max_seqlen_k=m), backend="aot_eager")
     q, k, v = packed_qkv(11)
     fn(q, k, v, torch.tensor([0, 4, 11], dtype=torch.int32), 7)
     with pytest.raises(UnsupportedInputError, match="max_seqlen"):
@@ -181,8 +181,8 @@ def test_a_tensor_max_seqlen_under_compile_is_refused_by_us():
     from ..helpers import adapter, facts, packed_qkv, settings
 
     run = adapter(settings(), facts(packed=True))
-    fn = torch.compile(lambda q, k, v, cu, m: run(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                  max_seqlen_q=m, max_seqlen_kv=m), backend="aot_eager")
+    fn = torch.compile(lambda q, k, v, cu, m: run.varlen(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                  max_seqlen_q=m, max_seqlen_k=m), backend="aot_eager")
     q, k, v = packed_qkv(11)
     with pytest.raises(UnsupportedInputError, match="max_seqlen"):
         fn(q, k, v, torch.tensor([0, 4, 11], dtype=torch.int32), torch.tensor(7))

@@ -47,11 +47,11 @@ def test_conversion_and_attention_call_have_no_host_sync_of_ours():
         run = adapter(settings(turbo_flex_attention_backend="turbo"), facts(packed=True))
         packed = pack_eod_micro_batch(tokens, eod_token=0, max_documents=24)
         p = packed.packed_seq_params
-        run(q, k, v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv,
-            max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv)  # warm-up
+        run.varlen(q, k, v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_kv,
+            max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_kv)  # warm-up
         with count_copies_and_syncs() as counts:
             packed = pack_eod_micro_batch(tokens, eod_token=0, max_documents=24)
             p = packed.packed_seq_params
-            run(q, k, v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_kv=p.cu_seqlens_kv,
-                max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv)
+            run.varlen(q, k, v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_kv,
+                max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_kv)
     assert counts.syncs == 0, counts.summary()  # Turbo's own boundary reads are the kernel's

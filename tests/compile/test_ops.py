@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from primus_ext.backends.base import CallArgs
 from primus_ext.call import ops
 from primus_ext.testing import fake_primus_turbo
 
@@ -121,11 +122,9 @@ def forward_op(packed: bool):
 
 def target_call(handle: int, case: Case, packed: bool, q, k, v, sink, dropout_p: float = 0.0):
     """The same call straight on the target, with its own autograd (what eager runs)."""
-    target = ops.target(handle)
-    if packed:
-        return target.packed(q, k, v, cu(), cu(), LONGEST, LONGEST, sink, None, case.causal, case.window,
-                             case.scale, dropout_p, False, False)
-    return target.dense(q, k, v, sink, None, None, case.causal, case.window, case.scale, dropout_p, False, False)
+    bounds = (cu(), cu(), LONGEST, LONGEST) if packed else (None, None, q.shape[1], k.shape[1])
+    return ops.target(handle).run(CallArgs(q, k, v, *bounds, sink, None, None, case.causal, case.window, case.scale,
+                                           dropout_p, False, False))
 
 
 def assert_turbo_ran(fake, packed: bool) -> None:

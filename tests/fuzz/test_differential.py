@@ -44,9 +44,10 @@ from .strategies import DTYPES, LIB, USER, Case, adapter_cases, bounds_of, megat
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "refusals.md"
 _BUILD_TABLE, _CALL_TABLE = DOCS.read_text().split("## Refused at call time")[:2]
-DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w-]+)` \|", _BUILD_TABLE, flags=re.M)) | frozenset(
+DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w.-]+)` \|", _BUILD_TABLE, flags=re.M)) | frozenset(
+    re.findall(r"^\| `([\w.-]+)` \|", _CALL_TABLE.split("## Refused when a hook is resolved")[0], flags=re.M)) | frozenset(
     re.findall(r"\b(B\d+(?:-[\w]+)?)\b", _CALL_TABLE.split("## Refused when a hook is resolved")[0]))
-"""Codes of the build-time rule table, and the behaviour codes the call-time table cites."""
+"""Codes of the build-time rule table and of the call-time table, and the behaviour codes it cites."""
 AWAITED = frozenset({"B30-cp", "cp-heads"})
 """Rules predicted only when docs/refusals.md lists them (added with the CP direct path)."""
 HOOK_PROBE = 8  # hooks are first called on a (2, 2, 8, 8) index grid when settings are resolved
@@ -630,10 +631,10 @@ def run_adapter(case: Case, stage: list, mutate) -> Ran:
         cu_q = torch.tensor(bounds_of(c["docs_q"]), dtype=torch.int32)
         cu_kv = cu_q if c["docs_kv"] is c["docs_q"] else torch.tensor(bounds_of(c["docs_kv"]), dtype=torch.int32)
         exact = c["max_seqlen"] == "exact"
-        kwargs.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+        kwargs.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_kv,
                       max_seqlen_q=max(c["docs_q"]) if exact else None,
-                      max_seqlen_kv=max(c["docs_kv"]) if exact else None)
-    result = adapter(q, k, v, **kwargs)
+                      max_seqlen_k=max(c["docs_kv"]) if exact else None)
+    result = (adapter.varlen if c["thd"] else adapter)(q, k, v, **kwargs)
     out, lse = result if c["return_lse"] else (result, None)
 
     scale = c["scale"] if c["scale"] is not None else layer["softmax_scale"]

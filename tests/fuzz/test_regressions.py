@@ -127,15 +127,15 @@ def test_regression_turbo_packed_window_with_unequal_q_kv_documents():
         run = TurboFlexAttention(build_plan(settings(turbo_flex_attention_backend="turbo"), facts()), drop_in=True)
         for causal, window in ((False, (0, -1)), (True, (-1, -1))):
             with pytest.raises(UnsupportedInputError) as info:
-                run(q, k, v, causal=causal, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+                run.varlen(q, k, v, causal=causal, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_kv, max_seqlen_q=None, max_seqlen_k=None)
             assert info.value.settings == ("cu_seqlens_q", "cu_seqlens_kv")
         assert fake.calls == []
-        full = run(q, k, v, causal=False, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+        full = run.varlen(q, k, v, causal=False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_kv, max_seqlen_q=None, max_seqlen_k=None)
         want, _ = oracle.packed_attention(q, k, v, oracle.packed_mask([0, 1, 3], [0, 2, 5], causal=False,
                                                                       window=(-1, -1)))
         torch.testing.assert_close(full, want, **TOL)
         q, k, v = packed_qkv(5)
-        same = run(q, k, v, causal=True, cu_seqlens_q=cu_kv, cu_seqlens_kv=cu_kv.clone())
+        same = run.varlen(q, k, v, causal=True, cu_seqlens_q=cu_kv, cu_seqlens_k=cu_kv.clone(), max_seqlen_q=None, max_seqlen_k=None)
     want, _ = oracle.packed_attention(q, k, v, oracle.packed_mask([0, 2, 5], [0, 2, 5], causal=True, window=(-1, -1)))
     torch.testing.assert_close(same, want, **TOL)
 

@@ -1,0 +1,163 @@
+"""The prepared-call cache: a call equal to one already checked skips the checks.
+
+Every check a call site (the adapter) makes per call depends only on the call's key:
+the scalar arguments and the q, k, v and sink metadata (shapes, strides, dtypes, devices),
+compared by value with no host read.  So a call whose key was checked once goes straight
+to the runner prepared for it (the backend's kernel entry with its keyword arguments
+bound).  What the key cannot hold is checked again at every hit:
+
+* packed boundaries are values: their on-device check runs once per tensor, shared by
+  every layer (`primus_ext.call.facts`), and ``max_seqlen`` is read as passed;
+* a hook proof that rests on a module global or a captured tensor re-checks them
+  (`primus_ext.attention.hook_trace.Assumption`): a broken one takes the full path,
+  which refuses.
+
+A call with a bias or explicit ALiBi slopes (tensors a runner would have to bind), with a
+scalar that is not a plain Python value, or under ``torch.compile``, takes the full path.
+One rule evicts: beyond `LIMIT` keys the oldest goes.  ``hits`` / ``misses`` count calls
+served from the cache and calls that took the full path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .checks import assert_boundaries
+
+Runner = Callable[..., Any]
+LIMIT = 16
+"""Keys one call site keeps: a layer makes one or two kinds of call, step after step."""
+
+
+def call_key(scalars: tuple, q: Any, k: Any, v: Any, sink: Any, packed: bool) -> Optional[tuple]:
+    """The key of a call: its scalar arguments ``(dropout_p, softmax_scale, causal, window_size,
+    deterministic, return_lse)`` as plain values, and the q, k, v and sink metadata (a packed
+    call's token counts excluded: they change per batch); None when a value cannot be a key.
+
+    Types are checked, not just values: ``(2.0, 0) == (2, 0)`` and ``True == 1`` in Python, but the
+    full path refuses a float window bound and reads ``causal=1`` as an int, not a flag."""
+    dropout_p, scale, causal, window, deterministic, return_lse = scalars
+    if ((causal is not None and type(causal) is not bool) or type(deterministic) is not bool
+            or type(return_lse) is not bool or (type(dropout_p) is not float and type(dropout_p) is not int)
+            or (scale is not None and type(scale) is not float)):
+        return None
+    if window is not None and (type(window) is not tuple or len(window) != 2 or type(window[0]) is not int
+                               or type(window[1]) is not int):
+        return None
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return None
+    if sink is None:
+        sink_part = None
+    elif isinstance(sink, Tensor):
+        sink_part = (sink.shape, sink.dtype, sink.device)
+    else:
+        return None
+    # q, k and v each: the kernel route and upstream's layout inference read all three.
+    if packed:
+        return (scalars, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+                v.dtype, q.device, k.device, v.device, sink_part)
+    return (scalars, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, sink_part)
+
+
+class Prepared:
+    """One checked call: the runner that makes it again and what a hit must still check."""
+
+    __slots__ = ("run", "cast_sink", "assumptions", "same_cu", "max_given", "equal_documents", "device")
+
+    def __init__(self, run: Runner, sink: Optional[Tensor], assumptions: tuple = (), *, device: Any = None,
+                 same_cu: bool = False, max_given: tuple = (), equal_documents: bool = False) -> None:
+        self.run = run
+        self.cast_sink = sink is not None and sink.dtype is not torch.float32  # fp32 for the kernels (B12)
+        self.assumptions = assumptions
+        self.device, self.same_cu, self.max_given, self.equal_documents = device, same_cu, max_given, equal_documents
+
+    def holds(self) -> bool:
+        """Whether every value a hook proof rests on is as it was."""
+        for assumption in self.assumptions:
+            if not assumption.holds():
+                return False
+        return True
+
+    def dense(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor]) -> Any:
+        if self.assumptions and not self.holds():
+            return MISS
+        return self.run(q, k, v, sink.float() if self.cast_sink else sink)  # type: ignore[union-attr]
+
+    def packed(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], cu_q: Any, cu_kv: Any, max_q: Any,
+               max_kv: Any) -> Any:
+        """Like `dense`, for a thd call: the boundaries as passed are checked as the full path checks
+        them (their values once per tensor and version, `primus_ext.call.facts`)."""
+        if (cu_q is cu_kv) is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
+            return MISS
+        if k.shape[0] != v.shape[0] or not _boundaries_like(cu_q, self.device):
+            return MISS
+        if cu_q is cu_kv:
+            if k.shape[0] != q.shape[0]:  # one boundary tensor cannot describe two token counts
+                return MISS
+        elif not (_boundaries_like(cu_kv, self.device) and cu_kv.shape == cu_q.shape):
+            return MISS
+        longest_q = q.shape[0] if max_q is None else max_q
+        longest_kv = k.shape[0] if max_kv is None else max_kv
+        if not (_positive_int(longest_q) and _positive_int(longest_kv)):
+            return MISS
+        if self.equal_documents and ((cu_q.shape[0] - 1) * longest_q != q.shape[0]
+                                     or (cu_kv.shape[0] - 1) * longest_kv != k.shape[0]):
+            return MISS  # the full path refuses it (B36)
+        if self.assumptions and not self.holds():
+            return MISS
+        assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], longest_q)
+        if cu_kv is not cu_q:
+            assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], longest_kv)
+        return self.run(q, k, v, cu_q, cu_kv, longest_q, longest_kv,
+                        sink.float() if self.cast_sink else sink)  # type: ignore[union-attr]
+
+
+MISS = object()
+"""What `Prepared.dense` / `Prepared.packed` return when the call must take the full path."""
+
+
+def _boundaries_like(cu: Any, device: Any) -> bool:
+    return (type(cu) is Tensor and cu.dtype is torch.int32 and cu.dim() == 1 and cu.shape[0] >= 2
+            and cu.device == device)
+
+
+def _positive_int(value: Any) -> bool:
+    return type(value) is int and value >= 1
+
+
+class PreparedCalls:
+    """One call site's prepared calls, by key (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, Prepared] = {}
+        self.get = self._entries.get  # a bound dict method: no Python frame on the hot path
+        """The `Prepared` call of a key, or None."""
+        self.last_key: Optional[tuple] = None
+        """The key put last: a layer makes the same call step after step, and comparing one key costs
+        less than hashing it."""
+        self.last: Optional[Prepared] = None
+        self.hits = 0
+        """Calls served from the cache."""
+        self.misses = 0
+        """Calls that took the full path (a new key, a key the cache cannot hold, or a failed re-check)."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: tuple, prepared: Prepared) -> None:
+        entries = self._entries
+        if key not in entries and len(entries) >= LIMIT:
+            del entries[next(iter(entries))]
+        entries[key] = prepared
+        self.last_key, self.last = key, prepared
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.last_key = self.last = None
+
+
+__all__ = ["LIMIT", "MISS", "Prepared", "PreparedCalls", "Runner", "call_key"]

@@ -1,0 +1,86 @@
+"""`PlanTarget`: one layer's approved plan on its backend, for one checked call.
+
+It turns a checked `CallArgs` into the backend's `KernelCall` (the mask and numerics the
+plan approved for it) and runs it: eagerly, as the bound runner the prepared-call cache
+keeps, or as the kernel-level pair a compiled step's ops call.  What an op handle names
+(`primus_ext.call.ops`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..attention.library import library_pattern
+from ..attention.pattern import pattern_from_flash_args
+from ..backends.base import AttentionBackend, CallArgs, KernelCall, KernelPair, Output
+from ..backends.call_route import CallRoutes
+from ..plan.plan import AttentionPlan
+from .prepared import Runner
+
+
+class PlanTarget:
+    """Runs ``plan`` on ``backend``; calls come checked and normalised (``causal`` a bool, ``window``
+    two ints), by the adapter or by an op's schema."""
+
+    def __init__(self, plan: AttentionPlan, backend: AttentionBackend) -> None:
+        self.plan = plan
+        self.backend = backend
+        exact = backend.capabilities().runs_any_mask
+        # A hook plan takes no packed calls (B17), so its varlen calls are its own documents, not declared ones.
+        self.routes = None if exact else CallRoutes(plan.arch, plan.selection,
+                                                    plan.equal_documents and plan.mask_mod is None)
+        # Fixed kernels take ALiBi as slopes; a backend that runs any mask runs the score_mod itself.
+        self.score_mod = plan.score_mod if exact else None
+        # Such a backend evaluates every user hook itself at every call, proven or not, so it stays
+        # exact whatever a proof assumed; only library masks run as their pattern.
+        self.hook_runs_itself = exact and plan.mask_mod is not None and library_pattern(plan.mask_mod) is None
+        # Chunks and constant document cuts hold at every length; a call gets its boundaries.
+        self.per_length = plan.pattern is not None and (plan.pattern.chunk is not None
+                                                        or plan.pattern.cuts is not None)
+
+    def kernel_call(self, a: CallArgs) -> KernelCall:
+        """What ``a`` computes: the plan's pattern (at the call's length) for a dense call on a hook
+        layer, else the call's own ``(causal, window)``."""
+        dense = a.cu_q is None
+        if not dense or self.plan.mask_mod is None:
+            return KernelCall(pattern=pattern_from_flash_args(a.causal, a.window),
+                              mask_mod=self.plan.mask_mod if dense else None,
+                              score_mod=self.score_mod if dense else None, scale=a.scale, dropout_p=a.dropout_p,
+                              sink=a.sink, alibi_slopes=a.alibi, bias=a.bias, deterministic=a.deterministic,
+                              return_lse=a.return_lse, flash_args=(a.causal, a.window) if dense else None)
+        pattern = None if self.hook_runs_itself else self.plan.pattern
+        if pattern is not None and self.per_length:
+            pattern = pattern.at_length(a.q.shape[1])
+        return KernelCall(pattern=pattern, mask_mod=self.plan.mask_mod, score_mod=self.score_mod, scale=a.scale,
+                          dropout_p=a.dropout_p, sink=a.sink, alibi_slopes=a.alibi, bias=a.bias,
+                          deterministic=a.deterministic, return_lse=a.return_lse)
+
+    def check(self, a: CallArgs, call: Optional[KernelCall] = None) -> None:
+        """The call's kernel route and storage layout on the plan's arch (B33, B34): the adapter runs
+        it on an eager call, the forward op inside a compiled graph (``call``: `kernel_call` of ``a``)."""
+        if self.routes is None:
+            return
+        pattern = (call or self.kernel_call(a)).pattern
+        if pattern is None:
+            return
+        entry = "varlen" if a.cu_q is not None or pattern.documents else "dense"
+        self.routes.check(entry, a, pattern.right == 0, pattern.window)
+
+    def run(self, a: CallArgs) -> Output:
+        """The call, eagerly, with the backend's own autograd."""
+        call = self.kernel_call(a)
+        if a.cu_q is None:
+            return self.backend.dense(a.q, a.k, a.v, call)
+        return self.backend.packed(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv, call)
+
+    def pair(self, a: CallArgs) -> Optional[KernelPair]:
+        """The backend's kernel-level pair for this call, if it has one (compiled steps)."""
+        return self.backend.kernel_pair(a, self.kernel_call(a), self.routes)
+
+    def runner(self, call: KernelCall, dense: bool) -> Runner:
+        """``call`` with only its tensors to give (the adapter's eager call, and the prepared-call cache):
+        ``run(q, k, v, sink)``, packed ``run(q, k, v, cu_q, cu_kv, max_q, max_kv, sink)``."""
+        return self.backend.bind_dense(call) if dense else self.backend.bind_packed(call)
+
+
+__all__ = ["PlanTarget"]

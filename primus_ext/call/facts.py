@@ -14,39 +14,35 @@ from __future__ import annotations
 import weakref
 from typing import Hashable, Optional
 
-import torch
 from torch import Tensor
 
 from ..backends.check_op import tensor_version
 
 _LIMIT = 8
 """Facts kept at once: a step's boundaries (q and kv) and mask, with room for a few more."""
-_SNAPSHOT_MAX = 4096
-"""Elements of a CPU tensor whose values are kept and compared (boundaries are; a mask is not)."""
 
 
 class TensorFacts:
     """The last few ``(tensor, state, claim)`` proven; the oldest goes first.
 
     A tensor's state is its version counter, storage pointer and metadata: ``t.data = other``
-    swaps storage (and may change shape or dtype) without a version bump.  On the CPU, where
-    reading values costs no sync, a copy of a small tensor's values (boundaries, up to 4096
-    elements) is kept and compared too: writes that bypass the version counter (through
-    ``t.data[...]`` or a numpy alias) are caught there.  Elsewhere (an accelerator, a mask)
-    such writes are not seen, as autograd does not see them either.
+    swaps storage (and may change shape or dtype) without a version bump.  Values written
+    behind the version counter (in place through ``t.data``, or through a numpy or DLPack
+    alias) are not seen, as autograd does not see them either: reading them back would be a
+    host sync per call.
     """
 
     def __init__(self) -> None:
-        self._facts: list[tuple[weakref.ref, tuple, Optional[Tensor], Hashable]] = []
+        self._facts: list[tuple[weakref.ref, tuple, Hashable]] = []
 
     def known(self, t: Tensor, claim: Hashable) -> bool:
-        """Whether ``claim`` was proven for ``t`` as it is now (same object, state and values)."""
+        """Whether ``claim`` was proven for ``t`` as it is now (same object and state)."""
         state = _state(t)
         if state is None:
             return False
-        for ref, seen, values, said in self._facts:
+        for ref, seen, said in self._facts:
             if ref() is t and seen == state and said == claim:
-                return values is None or torch.equal(values, t)
+                return True
         return False
 
     def learn(self, t: Tensor, claim: Hashable) -> None:
@@ -54,8 +50,7 @@ class TensorFacts:
         state = _state(t)
         if state is None:
             return
-        values = t.detach().clone() if t.device.type == "cpu" and t.numel() <= _SNAPSHOT_MAX else None
-        self._facts.insert(0, (weakref.ref(t), state, values, claim))
+        self._facts.insert(0, (weakref.ref(t), state, claim))
         del self._facts[_LIMIT:]
 
     def forget(self) -> None:

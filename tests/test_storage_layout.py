@@ -16,6 +16,8 @@ after RoPE) but a value that is a ``torch.split`` view of the fused QKV projecti
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -222,3 +224,20 @@ def test_packed_megatron_calls_reach_the_varlen_kernel_contiguous_where_the_plan
         call = fake.calls[-1]
         assert call.entry == "flash_attn_varlen_func"
         assert all(call.args[name].is_contiguous() for name in ("q", "k", "v"))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_contiguity_read_from_strides_is_torchs(seed):
+    """`_contiguous` (no view made) agrees with torch's own ``transpose(0, 1).is_contiguous()``:
+    permuted, sliced and transposed tensors, with empty and size-1 dimensions."""
+    from primus_ext.backends.layout import _contiguous
+
+    rng = random.Random(seed)
+    for _ in range(500):
+        shape = [rng.choice([0, 1, 2, 3, 5]) for _ in range(4)]
+        t = torch.empty([s * rng.choice([1, 2]) for s in shape])
+        t = t.permute(*rng.sample(range(4), 4)).contiguous().permute(*rng.sample(range(4), 4))
+        t = t[tuple(slice(0, max(1, n // 2)) if rng.random() < 0.3 else slice(None) for n in t.shape)]
+        if rng.random() < 0.3:
+            t = t.transpose(0, 1)
+        assert _contiguous(t, (1, 0, 2, 3)) == t.transpose(0, 1).is_contiguous(), (t.shape, t.stride())

@@ -58,8 +58,24 @@ def storage_features(q: Any, k: Any, v: Any) -> Storage:
     """The `Storage` of a dense call's q, k, v, as upstream reads it (raises `LayoutError` where it asserts)."""
     fmt = infer_qkv_format(q, k, v)
     sbhd = fmt == "sbhd" or (fmt == "bshd" and q.shape[0] == 1)
-    return Storage(fmt, sbhd, sbhd and all(t.transpose(0, 1).is_contiguous() for t in (q, k, v)),
+    return Storage(fmt, sbhd, sbhd and all(_contiguous(t, (1, 0, 2, 3)) for t in (q, k, v)),
                    all(t.is_contiguous() for t in (q, k, v)))
+
+
+def _contiguous(t: Any, order: tuple[int, ...]) -> bool:
+    """``t.permute(order).is_contiguous()`` from the sizes and strides alone (no view is made):
+    every dimension of size above 1, innermost first, has the stride of those inside it."""
+    shape, stride = t.shape, t.stride()
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for dim in reversed(order):
+        size = shape[dim]
+        if size != 1:
+            if stride[dim] != expected:
+                return False
+            expected *= size
+    return True
 
 
 def kernel_views(query: Any, key: Any, value: Any, storage: str, fmt: str = "sbhd") -> tuple[Any, Any, Any]:

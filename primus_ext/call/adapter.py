@@ -24,7 +24,7 @@ from ..backends.base import CallArgs, Output, fp32_sink
 from ..plan.plan import AttentionPlan
 from ..refusals import (ALIBI_GRAD, ALIBI_TWICE, ATTN_PROBS, DENSE_RANK, HOOK_ASSUMPTION, MASK_LENGTH, MISSING_SINK,
                         PACKED_EXTRAS, PACKED_RANK, UNEQUAL_LENGTHS, UNPLANNED_SINK, refuse, refuse_naming)
-from ..attention.pattern import pattern_from_flash_args
+from ..attention.pattern import Pattern, pattern_from_flash_args
 from .agreement import CallAgreement
 from .checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
                      check_packing, check_qkv, check_sink)
@@ -115,9 +115,9 @@ class TurboFlexAttention:
     # -- the full path -------------------------------------------------------------------------
     def _run(self, raw: CallArgs, return_attn_probs: Any, key: Optional[tuple], packed: bool = False) -> Output:
         """Check ``raw`` (the arguments as passed), run it, and prepare it for equal calls."""
-        a = self._checked(raw, return_attn_probs, packed)
+        a, flash = self._checked(raw, return_attn_probs, packed)
         target = self._target
-        call = target.kernel_call(a)
+        call = target.kernel_call(a, flash)
         target.check(a, call)  # its kernel route on the plan's arch (B33, B34)
         if torch.compiler.is_compiling():
             return run_call(self.handle, a)
@@ -131,8 +131,9 @@ class TurboFlexAttention:
                 equal_documents=self.plan.equal_documents))
         return out
 
-    def _checked(self, raw: CallArgs, return_attn_probs: Any, packed: bool) -> CallArgs:
-        """``raw`` honoured or refused: the `CallArgs` the kernels get, normalised (B34)."""
+    def _checked(self, raw: CallArgs, return_attn_probs: Any, packed: bool) -> tuple[CallArgs, Optional[Pattern]]:
+        """``raw`` honoured or refused: the `CallArgs` the kernels get, normalised (B34), and the
+        pattern of its flags where one was built."""
         if return_attn_probs:
             raise refuse(ATTN_PROBS)
         plan, q, k = self.plan, raw.q, raw.k
@@ -144,10 +145,11 @@ class TurboFlexAttention:
         sink = self._sink(raw.sink, q)
         deterministic = bool(raw.deterministic or plan.deterministic)
         check_packing(plan.packed, packed, plan.eod_documents)
-        a = raw._replace(sink=sink, scale=scale, dropout_p=dropout, deterministic=deterministic)
-        return self._packed(a) if packed else self._dense(a)
+        common = (sink, scale, dropout, deterministic)
+        return self._packed(raw, common) if packed else self._dense(raw, common)
 
-    def _dense(self, a: CallArgs) -> CallArgs:
+    def _dense(self, a: CallArgs, common: tuple) -> tuple[CallArgs, Optional[Pattern]]:
+        """``common``: the call's checked ``(sink, scale, dropout_p, deterministic)``."""
         q, k = a.q, a.k
         if q.dim() != 4:
             raise refuse(DENSE_RANK, rank=q.dim())
@@ -166,9 +168,12 @@ class TurboFlexAttention:
             if alibi is not None and self._fixed and pattern is not None:
                 check_kernel_alibi(pattern, a.return_lse, symmetric=self._symmetric_alibi and a.alibi is None,
                                    lengths=(q_len, kv_len))
-        return a._replace(max_q=q_len, max_kv=kv_len, alibi=alibi, causal=flag, window=window)
+        sink, scale, dropout, deterministic = common
+        return CallArgs(q, k, a.v, None, None, q_len, kv_len, sink, alibi, a.bias, flag, window, scale, dropout,
+                        deterministic, a.return_lse), pattern if plan.mask_mod is None else None
 
-    def _packed(self, a: CallArgs) -> CallArgs:
+    def _packed(self, a: CallArgs, common: tuple) -> tuple[CallArgs, Optional[Pattern]]:
+        """Like `_dense`, for a thd call."""
         plan, q, k = self.plan, a.q, a.k
         if plan.mask_mod is not None or plan.score_mod is not None or a.bias is not None:
             dropped = [name for name, value in (("turbo_flex_attention_mask_mod", plan.mask_mod),
@@ -183,9 +188,12 @@ class TurboFlexAttention:
         if alibi is not None or plan.alibi_slopes is not None:
             alibi = self._alibi_slopes(alibi, q)
         flag, window = self._agreement.resolve(a.causal, a.window)
+        pattern = pattern_from_flash_args(flag, window)
         if alibi is not None and self._fixed:
-            check_kernel_alibi(pattern_from_flash_args(flag, window), a.return_lse)  # a packed call takes no hook
-        return a._replace(cu_q=cu_q, cu_kv=cu_kv, max_q=max_q, max_kv=max_kv, alibi=alibi, causal=flag, window=window)
+            check_kernel_alibi(pattern, a.return_lse)  # a packed call takes no hook
+        sink, scale, dropout, deterministic = common
+        return CallArgs(q, k, a.v, cu_q, cu_kv, max_q, max_kv, sink, alibi, None, flag, window, scale, dropout,
+                        deterministic, a.return_lse), pattern
 
     def _check_assumptions(self) -> None:
         for assumption in self._assumptions:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..attention.library import library_pattern
-from ..attention.pattern import pattern_from_flash_args
+from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..backends.base import AttentionBackend, CallArgs, KernelCall, KernelPair, Output
 from ..backends.call_route import CallRoutes
 from ..plan.plan import AttentionPlan
@@ -38,12 +38,12 @@ class PlanTarget:
         self.per_length = plan.pattern is not None and (plan.pattern.chunk is not None
                                                         or plan.pattern.cuts is not None)
 
-    def kernel_call(self, a: CallArgs) -> KernelCall:
+    def kernel_call(self, a: CallArgs, flash: Optional[Pattern] = None) -> KernelCall:
         """What ``a`` computes: the plan's pattern (at the call's length) for a dense call on a hook
-        layer, else the call's own ``(causal, window)``."""
+        layer, else the call's own ``(causal, window)`` (``flash``: their pattern, if built already)."""
         dense = a.cu_q is None
         if not dense or self.plan.mask_mod is None:
-            return KernelCall(pattern=pattern_from_flash_args(a.causal, a.window),
+            return KernelCall(pattern=flash or pattern_from_flash_args(a.causal, a.window),
                               mask_mod=self.plan.mask_mod if dense else None,
                               score_mod=self.score_mod if dense else None, scale=a.scale, dropout_p=a.dropout_p,
                               sink=a.sink, alibi_slopes=a.alibi, bias=a.bias, deterministic=a.deterministic,

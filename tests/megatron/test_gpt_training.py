@@ -43,8 +43,8 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, tuple, dict]] = []
         for cls, method, label in ((TurboFlexAttention, "__call__", "adapter"),
-                                   (DirectRunner, "dense_call", "direct"),
-                                   (DirectRunner, "packed_call", "direct-packed"),
+                                   (TurboFlexAttention, "varlen", "adapter-packed"),
+                                   (DirectRunner, "run", "direct"),
                                    (ReferenceBackend, "dense", "reference"),
                                    (ReferenceBackend, "packed", "reference-packed")):
             monkeypatch.setattr(cls, method, self._wrap(getattr(cls, method), label))

@@ -230,7 +230,7 @@ def assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     if isinstance(longest, Tensor):
         _check_boundaries(name, cu, tokens, longest)
         return
-    claim = ("boundaries", tokens, longest)
+    claim = ("boundaries", tokens, longest)  # the claim `Prepared.packed` looks up too
     if FACTS.known(cu, claim):
         return
     _check_boundaries(name, cu, tokens, longest)

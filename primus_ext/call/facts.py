@@ -37,12 +37,9 @@ class TensorFacts:
 
     def known(self, t: Tensor, claim: Hashable) -> bool:
         """Whether ``claim`` was proven for ``t`` as it is now (same object and state)."""
-        state = _state(t)
-        if state is None:
-            return False
         for ref, seen, said in self._facts:
-            if ref() is t and seen == state and said == claim:
-                return True
+            if ref() is t and said == claim:  # the state is read only for a tensor remembered
+                return seen == _state(t)
         return False
 
     def learn(self, t: Tensor, claim: Hashable) -> None:

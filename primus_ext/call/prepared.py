@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .checks import assert_boundaries
+from .facts import FACTS
 
 Runner = Callable[..., Any]
 LIMIT = 16
@@ -90,28 +91,33 @@ class Prepared:
     def packed(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], cu_q: Any, cu_kv: Any, max_q: Any,
                max_kv: Any) -> Any:
         """Like `dense`, for a thd call: the boundaries as passed are checked as the full path checks
-        them (their values once per tensor and version, `primus_ext.call.facts`)."""
-        if (cu_q is cu_kv) is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
+        them (their values once per tensor and state, shared by every layer: `primus_ext.call.facts`)."""
+        same = cu_q is cu_kv
+        if same is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
             return MISS
-        if k.shape[0] != v.shape[0] or not _boundaries_like(cu_q, self.device):
+        tokens_q, tokens_kv = q.shape[0], k.shape[0]
+        if tokens_kv != v.shape[0] or not _boundaries_like(cu_q, self.device):
             return MISS
-        if cu_q is cu_kv:
-            if k.shape[0] != q.shape[0]:  # one boundary tensor cannot describe two token counts
+        if same:
+            if tokens_kv != tokens_q:  # one boundary tensor cannot describe two token counts
                 return MISS
         elif not (_boundaries_like(cu_kv, self.device) and cu_kv.shape == cu_q.shape):
             return MISS
-        longest_q = q.shape[0] if max_q is None else max_q
-        longest_kv = k.shape[0] if max_kv is None else max_kv
+        longest_q = tokens_q if max_q is None else max_q
+        longest_kv = tokens_kv if max_kv is None else max_kv
         if not (_positive_int(longest_q) and _positive_int(longest_kv)):
             return MISS
-        if self.equal_documents and ((cu_q.shape[0] - 1) * longest_q != q.shape[0]
-                                     or (cu_kv.shape[0] - 1) * longest_kv != k.shape[0]):
-            return MISS  # the full path refuses it (B36)
+        if self.equal_documents:
+            documents = cu_q.shape[0] - 1
+            if documents * longest_q != tokens_q or documents * longest_kv != tokens_kv:
+                return MISS  # the full path refuses it (B36)
         if self.assumptions and not self.holds():
             return MISS
-        assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], longest_q)
-        if cu_kv is not cu_q:
-            assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], longest_kv)
+        # The values, as `assert_boundaries` proves them (its claim), checked there when not known.
+        if not FACTS.known(cu_q, ("boundaries", tokens_q, longest_q)):
+            assert_boundaries("cu_seqlens_q", cu_q, tokens_q, longest_q)
+        if not same and not FACTS.known(cu_kv, ("boundaries", tokens_kv, longest_kv)):
+            assert_boundaries("cu_seqlens_kv", cu_kv, tokens_kv, longest_kv)
         return self.run(q, k, v, cu_q, cu_kv, longest_q, longest_kv,
                         sink.float() if self.cast_sink else sink)  # type: ignore[union-attr]
 

@@ -113,7 +113,7 @@ HOOKS: dict[str, tuple[str, str]] = {
 # -- measuring -----------------------------------------------------------------------------
 def clear_proof_caches() -> None:
     """Empty every cache a proof is served from, so the next proof is a first proof."""
-    from primus_ext.attention import hook_crosscheck, hook_proof, hook_trace
+    from primus_ext.hooks import crosscheck as hook_crosscheck, proof as hook_proof, trace as hook_trace
 
     hook_proof._BY_OBJECT.clear()
     hook_proof._BY_FINGERPRINT.clear()
@@ -149,7 +149,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
 
 def measure(kind: str, attr: str, seq: int, layers: int) -> dict[str, Any]:
     """One cold run: first proof, the cold builds, the warm builds, proofs run."""
-    from primus_ext.attention import hook_proof
+    from primus_ext.hooks import proof as hook_proof
     from primus_ext.errors import UnsupportedConfigError
     from primus_ext.settings.hooks import resolve_hook
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from primus_ext.attention import heads as head_index
-from primus_ext.attention.hook_proof import prove_mask, prove_score
+from primus_ext.hooks.proof import prove_mask, prove_score
 from primus_ext.attention.pattern import Pattern
 from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.backends.context_parallel import Ulysses

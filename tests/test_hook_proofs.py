@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from primus_ext.attention.hook_proof import PROOFS, prove_mask
+from primus_ext.hooks.proof import PROOFS, prove_mask
 from primus_ext.attention.library import library_pattern
 from primus_ext.attention.pattern import Pattern
 from primus_ext.call.adapter import TurboFlexAttention

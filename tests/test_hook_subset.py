@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import _vmap_for_bhqkv, and_masks, or_masks
 
-from primus_ext.attention.hook_proof import prove_mask, prove_score
-from primus_ext.attention.hook_subset import outside_subset
+from primus_ext.hooks.proof import prove_mask, prove_score
+from primus_ext.hooks.subset import outside_subset
 from primus_ext.call.adapter import TurboFlexAttention
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan

@@ -9,9 +9,9 @@ import pytest
 import torch
 import z3
 
-from primus_ext.attention import hook_proof
-from primus_ext.attention.hook_proof import prove_mask
-from primus_ext.attention.hook_window import difference_window
+from primus_ext.hooks import proof as hook_proof
+from primus_ext.hooks.proof import prove_mask
+from primus_ext.hooks.window import difference_window
 from primus_ext.attention.pattern import Pattern
 
 HOOKS = {

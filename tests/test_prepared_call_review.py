@@ -189,7 +189,7 @@ def test_the_shared_facts_trust_a_numpy_write_to_boundaries():
     fooled as well): the fact "these boundaries were checked" is keyed by object and ``_version``,
     and a write through numpy (a reused host buffer) bumps neither.  A fresh adapter then runs a
     document of 9 tokens under max_seqlen 7; with the facts forgotten it refuses (B34.boundaries).
-    `primus_ext.attention.hook_trace._tensor_check` guards a hook's captured tensors against exactly
+    `primus_ext.hooks.trace._tensor_check` guards a hook's captured tensors against exactly
     this with a snapshot; the boundaries get no such guard."""
     layer = facts(packed=True)
     s = settings(turbo_flex_attention_backend="reference")

@@ -13,7 +13,7 @@ give the hook ``h + offset`` instead, so the model computes the same function wh
 the split.  The TP part of the offset comes from `primus_ext.megatron.facts.layer_facts`
 (``LayerFacts.head_offset``), the CP part from
 `primus_ext.backends.context_parallel.Ulysses.head_offset`; the proofs cover exactly the
-rank's heads (`primus_ext.attention.hook_proof.prove_mask` with ``head_offset``).
+rank's heads (`primus_ext.hooks.proof.prove_mask` with ``head_offset``).
 """
 
 from __future__ import annotations

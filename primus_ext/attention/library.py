@@ -13,10 +13,7 @@ everything else it names must be the hook itself.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
-
-if TYPE_CHECKING:  # pattern.py registers its own mask_mods here, so no runtime import back
-    from .pattern import Pattern
+from typing import Any, Callable, Optional, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,14 +43,15 @@ _MASKS = _IdentityRegistry()  # mask -> (pattern or None, name)
 _FACTORIES = _IdentityRegistry()
 
 
-def register_library_mask(mask: F, pattern: "Optional[Pattern]", name: str) -> F:
-    """Record ``mask`` (this very object) as computing ``pattern``; ``None``: no fixed kernel."""
+def register_library_mask(mask: F, pattern: Any, name: str) -> F:
+    """Record ``mask`` (this very object) as computing ``pattern`` (a `~primus_ext.attention.pattern.Pattern`,
+    which registers its own masks here, so this module imports nothing back); ``None``: no fixed kernel."""
     _MASKS.add(mask, (pattern, name))
     return mask
 
 
-def library_pattern(mask: Any) -> "Optional[Pattern]":
-    """The pattern of a library mask, by identity; ``None`` for anything else."""
+def library_pattern(mask: Any) -> Any:
+    """The `Pattern` of a library mask, by identity; ``None`` for anything else."""
     return _MASKS.get(mask, (None, None))[0]
 
 

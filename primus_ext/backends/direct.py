@@ -19,12 +19,8 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from .base import fp32_sink
-from .call_route import CallRoutes
+from .base import CallArgs, fp32_sink
 from .capabilities import entry_accepts, sink_kwargs_for
-from .dispatch import DEFAULT_ORDER, Selection
-from .base import CallArgs, KernelPair
-from .turbo_kernels import discover_kernels, kernel_pair
 
 @dataclass(frozen=True)
 class DirectEntries:
@@ -37,12 +33,6 @@ class DirectEntries:
     takes_window: bool
     ulysses: bool = False
     """Context parallel: the Megatron core runs primus_ext's Ulysses around these entries."""
-
-    @property
-    def context_parallel(self) -> bool:
-        """The dense entry is one of Primus-Turbo's own ``*_usp_func`` (process groups, no sink,
-        its own sequence order).  `choose_direct` never picks one, so this is False."""
-        return self.dense.endswith("_usp_func")
 
 
 def choose_direct(ops: Any, *, fp8: bool, context_parallel: bool) -> DirectEntries:
@@ -88,29 +78,4 @@ class DirectRunner:
         return self.packed_entry(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv, window_size=a.window, **kwargs)
 
 
-class DirectTarget:
-    """What a direct-path op handle runs (see `primus_ext.call.ops`); on a known ``arch`` a call
-    routed to AITER, FlyDSL or HipKittens gets that backend's kernel-level pair in compiled steps."""
-
-    def __init__(self, runner: DirectRunner, arch: Optional[str] = None, selection: Selection = DEFAULT_ORDER,
-                 equal_documents: bool = False) -> None:
-        self.runner = runner
-        plain = runner.entries.dense == "flash_attn_func"
-        self.kernels = discover_kernels() if plain else None
-        self.routes = CallRoutes(arch, selection, equal_documents) if plain else None
-
-    def check(self, a: CallArgs) -> None:
-        """Refuse a call the kernels would fail or compute wrongly (its route on the plan's arch,
-        its storage layout on any), as the flex adapter does (B33, B34)."""
-        if self.routes is not None:
-            self.routes.check("dense" if a.cu_q is None else "varlen", a, a.causal, a.window)
-
-    def pair(self, a: CallArgs) -> Optional[KernelPair]:
-        # The direct path passes Megatron's own causal / window to the entry: the same here.
-        return kernel_pair(self.kernels, self.routes, a, a.causal, a.window)
-
-    def run(self, a: CallArgs) -> Tensor:
-        return self.runner.run(a)
-
-
-__all__ = ["DirectEntries", "DirectRunner", "DirectTarget", "choose_direct"]
+__all__ = ["DirectEntries", "DirectRunner", "choose_direct"]

@@ -9,7 +9,7 @@ bound).  What the key cannot hold is checked again at every hit:
 * packed boundaries are values: their on-device check runs once per tensor, shared by
   every layer (`primus_ext.call.facts`), and ``max_seqlen`` is read as passed;
 * a hook proof that rests on a module global or a captured tensor re-checks them
-  (`primus_ext.attention.hook_trace.Assumption`): a broken one takes the full path,
+  (`primus_ext.hooks.trace.Assumption`): a broken one takes the full path,
   which refuses.
 
 A call with a bias or explicit ALiBi slopes (tensors a runner would have to bind), with a

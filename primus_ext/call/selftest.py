@@ -312,7 +312,7 @@ def check_route(plan: AttentionPlan, packed: bool, device: torch.device, dtype: 
 
 def routes_of(plan: AttentionPlan) -> list[bool]:
     """The call kinds a plan makes that the self-test can run: ``packed`` flags."""
-    if plan.backend != "turbo" or (not plan.flex and (plan.dense_entry or "").endswith(("_usp_func", "_fp8_func"))):
+    if plan.backend != "turbo" or (not plan.flex and (plan.dense_entry or "").endswith("_fp8_func")):
         return []  # reference needs no test; context-parallel and fp8 entries need their own harness
     hooks = plan.mask_mod is not None or plan.score_mod is not None  # packed calls with hooks are refused (B17)
     return [packed for packed in (False, True)

@@ -15,10 +15,11 @@ import torch
 from torch import Tensor
 
 from ..backends.base import CallArgs, fp32_sink
-from ..backends.direct import DirectRunner, DirectTarget, choose_direct
+from ..backends.direct import DirectRunner, choose_direct
 from ..backends.layout import kernel_views
 from ..backends.turbo import load_ops
 from ..call.adapter import TurboFlexAttention
+from ..call.direct import DirectTarget
 from ..call.checks import (assert_on_device, check_heads, check_packed, check_packing, check_qkv,
                            check_same_boundaries)
 from ..call.ops import register_target, run_call

@@ -8,9 +8,9 @@ from typing import Callable, Optional, Tuple
 
 from ..attention.heads import head_range, mask_on_heads, score_on_heads
 from ..attention.pattern import pattern_from_flash_args
-from ..attention.hook_crosscheck import as_torch_calls, torch_call_problem
+from ..hooks.crosscheck import as_torch_calls, torch_call_problem
 from ..attention.library import is_library_mask
-from ..attention.hook_proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
+from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
 from ..backends.dispatch import ARCHES, DENSE, Selection
@@ -195,7 +195,7 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
                    score_proof: Optional[ScoreProof], selection: Selection) -> tuple:
     """The kernel backends this layer's Turbo calls reach on ``arch`` (B33); () off Turbo."""
     direct = ctx.direct
-    plain_direct = ctx.on_direct and direct is not None and not direct.context_parallel and (
+    plain_direct = ctx.on_direct and direct is not None and (
         not ctx.settings.enable_turbo_attention_float8)
     if not (ctx.on_turbo or plain_direct):
         return ()

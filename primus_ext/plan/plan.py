@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
 from ..attention.heads import head_range
-from ..attention.hook_trace import Assumption
+from ..hooks.trace import Assumption
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
 from ..backends.dispatch import DEFAULT_ORDER, Selection
 

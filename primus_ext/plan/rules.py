@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-from ..attention.hook_proof import MaskProof, ScoreProof
+from ..hooks.proof import MaskProof, ScoreProof
 from ..attention.pattern import pattern_from_flash_args
 from ..backends.base import BackendCapabilities
 from ..backends.context_parallel import CP_COMM_TYPES

@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any, Optional
 
-from ..attention.hook_subset import combined_parts
+from ..hooks.subset import combined_parts
 from ..attention.library import is_hook_factory, is_library_mask
 
 TRUST_CODE = "B32"

@@ -155,5 +155,26 @@ def raise_refusal(found: Route) -> None:
     raise error(f"{message or found.failure} ({found.backend}, fake Primus-Turbo on {found.features.arch})")
 
 
-__all__ = ["DISPATCHED", "Dispatcher", "check_arch", "check_layout", "describe", "dtype_name", "equal_lengths", "faults_of",
-           "raise_refusal"]
+
+def check_cu_seqlens(name: str, which: str, cu: Any, max_seqlen: Any, total: int,
+                      device: torch.device) -> list[int]:
+    """Validate one boundary vector like the flex layer does, returning it on the host."""
+    label = f"cu_seqlens_{which}"
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+        got = (cu.dtype, tuple(cu.shape)) if isinstance(cu, Tensor) else type(cu).__name__
+        raise ValueError(f"{name}: {label} must be a 1-D int32 tensor, got {got}")
+    if cu.device != device:
+        raise ValueError(f"{name}: {label} is on {cu.device}, q is on {device}")
+    # The real layer copies the boundaries to the host too (one sync per call).
+    bounds = [int(x) for x in cu.tolist()]
+    if len(bounds) < 2 or bounds[0] != 0 or any(x > y for x, y in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name}: {label} must start at 0 and not decrease, got {bounds}")
+    if bounds[-1] != total:
+        raise ValueError(f"{name}: {label}[-1]={bounds[-1]} but there are {total} tokens")
+    longest = max(y - x for x, y in zip(bounds, bounds[1:]))
+    if int(max_seqlen) < longest:
+        raise ValueError(f"{name}: max_seqlen_{which}={max_seqlen} < longest segment {longest}")
+    return bounds
+
+__all__ = ["DISPATCHED", "Dispatcher", "check_arch", "check_cu_seqlens", "check_layout", "describe", "dtype_name",
+           "equal_lengths", "faults_of", "raise_refusal"]

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..attention.pattern import FULL, Pattern, pattern_from_flash_args
 from . import _fake_math
-from ._fake_dispatch import check_layout
+from ._fake_dispatch import check_cu_seqlens, check_layout
 from ._fake_masks import MaskClassifier, score_mod_is_identity
 
 if TYPE_CHECKING:
@@ -90,27 +90,6 @@ def _check_no_probs(name: str, a: Args) -> None:
         raise NotImplementedError(f"{name}: return_attn_probs=True is not modelled by the fake")
 
 
-def _check_cu_seqlens(name: str, which: str, cu: Any, max_seqlen: Any, total: int,
-                      device: torch.device) -> list[int]:
-    """Validate one boundary vector like the flex layer does, returning it on the host."""
-    label = f"cu_seqlens_{which}"
-    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
-        got = (cu.dtype, tuple(cu.shape)) if isinstance(cu, Tensor) else type(cu).__name__
-        raise ValueError(f"{name}: {label} must be a 1-D int32 tensor, got {got}")
-    if cu.device != device:
-        raise ValueError(f"{name}: {label} is on {cu.device}, q is on {device}")
-    # The real layer copies the boundaries to the host too (one sync per call).
-    bounds = [int(x) for x in cu.tolist()]
-    if len(bounds) < 2 or bounds[0] != 0 or any(x > y for x, y in zip(bounds, bounds[1:])):
-        raise ValueError(f"{name}: {label} must start at 0 and not decrease, got {bounds}")
-    if bounds[-1] != total:
-        raise ValueError(f"{name}: {label}[-1]={bounds[-1]} but there are {total} tokens")
-    longest = max(y - x for x, y in zip(bounds, bounds[1:]))
-    if int(max_seqlen) < longest:
-        raise ValueError(f"{name}: max_seqlen_{which}={max_seqlen} < longest segment {longest}")
-    return bounds
-
-
 # ----------------------------------------------------------------------------- bodies
 def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
                 dispatch: Optional["Dispatcher"] = None) -> Body:
@@ -164,8 +143,8 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
     hq, d_qk, hkv, d_v = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
     _check_heads(name, hq, hkv)
     _check_dropout(name, a["dropout_p"])
-    bq = _check_cu_seqlens(name, "q", a["cu_seqlens_q"], a["max_seqlen_q"], q.shape[0], q.device)
-    bk = _check_cu_seqlens(name, "k", a["cu_seqlens_k"], a["max_seqlen_k"], k.shape[0], q.device)
+    bq = check_cu_seqlens(name, "q", a["cu_seqlens_q"], a["max_seqlen_q"], q.shape[0], q.device)
+    bk = check_cu_seqlens(name, "k", a["cu_seqlens_k"], a["max_seqlen_k"], k.shape[0], q.device)
     if len(bq) != len(bk):
         raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k describe different batch sizes")
     if require_same_bounds and bq != bk:

@@ -36,8 +36,8 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from . import _fake_math
-from ._fake_entries import _check_cu_seqlens
-from ._fake_gfx950 import record
+from ._fake_dispatch import check_cu_seqlens
+from ._fake_kernels import record
 
 OPS = ("flash_attn_sbhd_flydsl_forward", "flash_attn_sbhd_flydsl_backward", "flash_attn_varlen_flydsl_forward",
        "flash_attn_varlen_flydsl_backward")
@@ -115,8 +115,8 @@ def _sbhd(t: Tensor) -> Tensor:
 
 
 def _bounds(name: str, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, q: Tensor, k: Tensor) -> list:
-    bq = _check_cu_seqlens(name, "q", cu_q, max_q, q.shape[0], q.device)
-    bk = _check_cu_seqlens(name, "k", cu_k, max_k, k.shape[0], q.device)
+    bq = check_cu_seqlens(name, "q", cu_q, max_q, q.shape[0], q.device)
+    bk = check_cu_seqlens(name, "k", cu_k, max_k, k.shape[0], q.device)
     _assert(len(bq) == len(bk), "q/k batch mismatch")
     return list(zip(zip(bq, bq[1:]), zip(bk, bk[1:])))
 

@@ -14,21 +14,6 @@ from __future__ import annotations
 import types
 from typing import Any, Callable
 
-from . import _fake_kernels
-
-
-def current(name: str) -> Any:
-    """The fake of the innermost ``with fake_primus_turbo()`` block (``name`` for the error)."""
-    if not _fake_kernels._ACTIVE:
-        raise RuntimeError(f"primus_turbo {name}: the fake Primus-Turbo is not installed")
-    return _fake_kernels._ACTIVE[-1]
-
-
-def record(name: str, args: dict[str, Any], backend: str) -> Any:
-    """The active fake, with this kernel-level call recorded in its log as ``backend``'s."""
-    fake = current(name)
-    fake.record(name, args, backend)
-    return fake
 
 
 def kernel_modules(root: Any, pytorch: Any, new_module: Callable[[str], types.ModuleType]
@@ -50,4 +35,4 @@ def kernel_modules(root: Any, pytorch: Any, new_module: Callable[[str], types.Mo
     return {m.__name__: m for m in (kernels, attention, flydsl, hk_impl, hk_root, hk_layer)}
 
 
-__all__ = ["current", "kernel_modules", "record"]
+__all__ = ["kernel_modules"]

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from . import _fake_math
-from ._fake_gfx950 import current, record
+from ._fake_kernels import current, record
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _TILE = 128

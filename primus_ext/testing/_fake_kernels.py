@@ -33,8 +33,7 @@ from torch import Tensor
 from ..attention.pattern import pattern_from_flash_args
 from ..backends.dispatch import AITER_DENSE, AITER_VARLEN, DENSE, VARLEN, CallFeatures, default_scale, route_on
 from . import _fake_math
-from ._fake_dispatch import dtype_name, faults_of
-from ._fake_entries import _check_cu_seqlens
+from ._fake_dispatch import check_cu_seqlens, dtype_name, faults_of
 
 NAMES = ("attention_aiter_forward_impl", "attention_aiter_backward_impl", "attention_aiter_varlen_forward_impl",
          "attention_aiter_varlen_backward_impl")
@@ -232,11 +231,25 @@ def _documents(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, q: Tensor,
                k: Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """Host boundaries of each document pair, checked as the varlen entries check them."""
     name = "attention_aiter_varlen_*_impl"
-    bq = _check_cu_seqlens(name, "q", cu_q, max_q, q.shape[0], q.device)
-    bk = _check_cu_seqlens(name, "k", cu_k, max_k, k.shape[0], q.device)
+    bq = check_cu_seqlens(name, "q", cu_q, max_q, q.shape[0], q.device)
+    bk = check_cu_seqlens(name, "k", cu_k, max_k, k.shape[0], q.device)
     if len(bq) != len(bk):
         raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k describe different batch sizes")
     return list(zip(zip(bq, bq[1:]), zip(bk, bk[1:])))
 
 
-__all__ = ["NAMES", "activate", "deactivate"]
+
+def current(name: str) -> Any:
+    """The fake of the innermost ``with fake_primus_turbo()`` block (``name`` for the error)."""
+    if not _ACTIVE:
+        raise RuntimeError(f"primus_turbo {name}: the fake Primus-Turbo is not installed")
+    return _ACTIVE[-1]
+
+
+def record(name: str, args: dict[str, Any], backend: str) -> Any:
+    """The active fake, with this kernel-level call recorded in its log as ``backend``'s."""
+    fake = current(name)
+    fake.record(name, args, backend)
+    return fake
+
+__all__ = ["NAMES", "activate", "current", "deactivate", "record"]

@@ -1,7 +1,7 @@
 """Hooks the way a user writes them: plain functions in their own module.
 
 None of these is a library mask, so the project has to *prove* what each one
-computes (`primus_ext.attention.hook_proof`): a hook proven equal to a kernel pattern
+computes (`primus_ext.hooks.proof`): a hook proven equal to a kernel pattern
 runs on the fixed Turbo kernels, anything else is refused on ``turbo`` (B31 /
 B31-score) and evaluated exactly on ``reference``.  Settings name them as
 ``"tests.fuzz.user_hooks:<name>"``; the factories (marked ``@hook_factory``, as a

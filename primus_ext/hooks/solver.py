@@ -6,8 +6,8 @@ from typing import Any, Optional, Union
 
 import z3
 
-from .hook_ops import INDEX_BOUND
-from .hook_z3 import Encoder
+from .ops import INDEX_BOUND
+from .encoder import Encoder
 
 TIMEOUT_MS = 2000  # per solver query; a query that times out proves nothing
 

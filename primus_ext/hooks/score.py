@@ -9,11 +9,11 @@ from typing import Any, Optional
 import torch
 import z3
 
-from .hook_ops import INDEX_BOUND, Unsupported, num
-from .hook_solver import broken_obligation, head_domain, solve, where_text
-from .hook_subset import Outside
-from .hook_trace import Assumption, HookTrace
-from .hook_z3 import Encoder
+from .ops import INDEX_BOUND, Unsupported, num
+from .solver import broken_obligation, head_domain, solve, where_text
+from .subset import Outside
+from .trace import Assumption, HookTrace
+from .encoder import Encoder
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.nn.attention import flex_attention as _flex
 
-from .hook_ops import FUNCTIONS, METHODS
+from .ops import FUNCTIONS, METHODS
 
 TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 STDLIB_DIR = os.path.join(sysconfig.get_paths()["stdlib"], "")

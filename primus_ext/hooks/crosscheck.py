@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .hook_ops import INDEX_BOUND
-from .pattern import Pattern
+from .ops import INDEX_BOUND
+from ..attention.pattern import Pattern
 
 _POWERS = sorted({0, 1, 2, 3} | {p + d for e in (4, 6, 8, 10, 12, 15, 16, 24, 31, 32, 39)
                                  for p in (1 << e,) for d in (-1, 0, 1)} | {INDEX_BOUND - 1})

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import z3
 
-from .hook_ops import (FUNCTIONS, INT64, MAX_TABLE, METHODS, Captured, Meta, Unsupported, const, convert, element,
+from .ops import (FUNCTIONS, INT64, MAX_TABLE, METHODS, Captured, Meta, Unsupported, const, convert, element,
                        expr, num)
 
 

@@ -31,16 +31,16 @@ from typing import Any, Callable, Optional, Union
 import torch
 import z3
 
-from . import hook_crosscheck as crosscheck
-from .hook_subset import Outside
-from .hook_trace import Assumption, HookTrace, cell_assumptions, trace_hook
-from .hook_ops import INDEX_BOUND, Unsupported, boolean
-from .hook_score import ALIBI, SYMMETRIC, ScoreProof, hook_class, prove_score_trace
-from .hook_solver import broken_obligation, extreme, head_domain, solve, uses_reals, where_text
-from .hook_window import difference_window
-from .hook_z3 import Encoder
-from .library import library_name, library_pattern
-from .pattern import FULL, MaskMod, Pattern, ScoreMod
+from . import crosscheck
+from .subset import Outside
+from .trace import Assumption, HookTrace, cell_assumptions, trace_hook
+from .ops import INDEX_BOUND, Unsupported, boolean
+from .score import ALIBI, SYMMETRIC, ScoreProof, hook_class, prove_score_trace
+from .solver import broken_obligation, extreme, head_domain, solve, uses_reals, where_text
+from .window import difference_window
+from .encoder import Encoder
+from ..attention.library import library_name, library_pattern
+from ..attention.pattern import FULL, MaskMod, Pattern, ScoreMod
 
 MAX_CUTS = 64  # constant document boundaries looked for before giving up
 GUESS_ROW = 1 << 12  # query row a candidate window is read from (then proven, never trusted)

@@ -14,8 +14,8 @@ from typing import Optional
 
 import z3
 
-from .hook_ops import INDEX_BOUND
-from .pattern import Pattern
+from .ops import INDEX_BOUND
+from ..attention.pattern import Pattern
 
 _COMPARISONS = (z3.is_le, z3.is_lt, z3.is_ge, z3.is_gt, z3.is_eq, z3.is_distinct)
 _LIMIT = INDEX_BOUND - 1  # |q_idx - kv_idx| reaches this inside the proofs' domain

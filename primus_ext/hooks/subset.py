@@ -32,9 +32,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .hook_allowlist import (BUILTINS, COMBINATORS, MATH_FUNCTIONS, OPERATORS, PACKAGE_DIRS, PLAIN, STDLIB_DIR,
+from .allowlist import (BUILTINS, COMBINATORS, MATH_FUNCTIONS, OPERATORS, PACKAGE_DIRS, PLAIN, STDLIB_DIR,
                              TENSOR_ATTRIBUTES, TENSOR_METHODS, TORCH_DIR, TORCH_FUNCTIONS, WORDS)
-from .library import is_library_mask
+from ..attention.library import is_library_mask
 
 _MAX_DEPTH = 16
 

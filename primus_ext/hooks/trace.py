@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .hook_subset import COMBINATORS, Outside, number_list, outside_subset, user_code
+from .subset import COMBINATORS, Outside, number_list, outside_subset, user_code
 
 _META_ATTRS = {"device", "dtype", "shape", "ndim", "is_cuda"}
 _SHAPE_ONLY_METHODS = {"new_ones", "new_zeros", "new_full", "new_empty", "size", "dim"}

@@ -59,14 +59,17 @@ def without_defaults(entry: Callable[..., Any], kwargs: dict[str, Any]) -> dict[
                                            if p.default is not inspect.Parameter.empty}
     except (TypeError, ValueError):
         return dict(kwargs)
-    missing = object()
+    kept = {}
+    for name, value in kwargs.items():
+        default = defaults.get(name, _MISSING)
+        if default is value or (type(default) is type(value) and not isinstance(value, Tensor)
+                                and default == value):
+            continue
+        kept[name] = value
+    return kept
 
-    def is_default(name: str, value: Any) -> bool:
-        default = defaults.get(name, missing)
-        return default is value or (type(default) is type(value) and not isinstance(value, Tensor)
-                                    and default == value)
 
-    return {name: value for name, value in kwargs.items() if not is_default(name, value)}
+_MISSING = object()
 
 
 def entry_name(entry: Optional[Callable[..., Any]]) -> str:

@@ -240,4 +240,5 @@ def test_contiguity_read_from_strides_is_torchs(seed):
         t = t[tuple(slice(0, max(1, n // 2)) if rng.random() < 0.3 else slice(None) for n in t.shape)]
         if rng.random() < 0.3:
             t = t.transpose(0, 1)
-        assert _contiguous(t, (1, 0, 2, 3)) == t.transpose(0, 1).is_contiguous(), (t.shape, t.stride())
+        assert _contiguous(t.shape, t.stride(), (1, 0, 2, 3)) == t.transpose(0, 1).is_contiguous(), (t.shape, t.stride())
+        assert _contiguous(t.shape, t.stride(), (0, 1, 2, 3)) == t.is_contiguous(), (t.shape, t.stride())

@@ -16,11 +16,15 @@ def infer_qkv_format(q: Any, k: Any, v: Any) -> str:
     """The storage order of ``[B, S, H, D]``-shaped q, k, v as upstream's ``_infer_qkv_format``
     reads it from the strides (``bshd``, ``sbhd`` or ``bhsd``; ties break toward bshd, so
     batch 1 is bshd); raises `LayoutError` where upstream asserts (attention_utils.py l.28-83)."""
+    return _format((q.stride(), k.stride(), v.stride()))
+
+
+def _format(strides: tuple) -> str:
     formats = []
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        s0, s1, s2, s3 = t.stride()
+    for name, stride in zip("qkv", strides):
+        s0, s1, s2, s3 = stride
         if s3 != 1:
-            raise LayoutError(f"{name} has a non-contiguous head dim (strides {tuple(t.stride())}); Primus-Turbo "
+            raise LayoutError(f"{name} has a non-contiguous head dim (strides {tuple(stride)}); Primus-Turbo "
                               "asserts stride[-1] == 1")
         if s0 >= s1 >= s2:
             formats.append("bshd")
@@ -29,8 +33,8 @@ def infer_qkv_format(q: Any, k: Any, v: Any) -> str:
         elif s0 >= s2 >= s1:
             formats.append("bhsd")
         else:
-            raise LayoutError(f"the layout of {name} (strides {tuple(t.stride())}) is none of bshd, sbhd, bhsd")
-    if len(set(formats)) > 1:
+            raise LayoutError(f"the layout of {name} (strides {tuple(stride)}) is none of bshd, sbhd, bhsd")
+    if formats[0] != formats[1] or formats[0] != formats[2]:
         raise LayoutError(f"q, k, v are stored as {', '.join(formats)}; Primus-Turbo asserts that all three share "
                           "one layout")
     return formats[0]
@@ -56,17 +60,21 @@ class Storage(NamedTuple):
 
 def storage_features(q: Any, k: Any, v: Any) -> Storage:
     """The `Storage` of a dense call's q, k, v, as upstream reads it (raises `LayoutError` where it asserts)."""
-    fmt = infer_qkv_format(q, k, v)
-    sbhd = fmt == "sbhd" or (fmt == "bshd" and q.shape[0] == 1)
-    return Storage(fmt, sbhd, sbhd and all(_contiguous(t, (1, 0, 2, 3)) for t in (q, k, v)),
-                   all(t.is_contiguous() for t in (q, k, v)))
+    shapes, strides = (q.shape, k.shape, v.shape), (q.stride(), k.stride(), v.stride())
+    fmt = _format(strides)
+    sbhd = fmt == "sbhd" or (fmt == "bshd" and shapes[0][0] == 1)
+    return Storage(fmt, sbhd, sbhd and all(map(_contiguous, shapes, strides, _SBHD)),
+                   q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
 
 
-def _contiguous(t: Any, order: tuple[int, ...]) -> bool:
-    """``t.permute(order).is_contiguous()`` from the sizes and strides alone (no view is made):
-    every dimension of size above 1, innermost first, has the stride of those inside it."""
-    shape, stride = t.shape, t.stride()
-    if t.numel() == 0:
+_SBHD = ((1, 0, 2, 3),) * 3
+
+
+def _contiguous(shape: Any, stride: Any, order: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` / ``stride``, permuted by ``order``, is contiguous, as torch's
+    ``is_contiguous`` says (no view is made): every dimension of size above 1, innermost first,
+    has the stride of those inside it; an empty tensor is contiguous."""
+    if 0 in shape:
         return True
     expected = 1
     for dim in reversed(order):

@@ -11,9 +11,10 @@ tensor; see `benchmarks._stubs`), so the difference is only the code in between:
 The last row compares whole Megatron core-attention forwards (sbhd in, ``[S, B, H*D]``
 out), flex path against direct path, both on the stubs.
 
-Goal (issue 13): at most 2 us added per call on every path.  After the table, the
-fast path of a dense causal call is taken apart (``--breakdown``, on by default): the
-time of each piece it runs, measured alone, so what remains above the goal is named.
+Goal (issues 13, 27): at most 2 us added per call on every path, at most 30 us for a
+layer's first call.  After the table, a prepared (cached) dense and packed causal call is
+taken apart: the time of each piece it runs, measured alone, so what remains above the
+goal is named.
 
     python -m benchmarks.adapter_overhead [--repeats 25] [--number 2000] [--profile]
 """
@@ -190,7 +191,7 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
         ("torch.compiler.is_compiling()", torch.compiler.is_compiling),
         ("the call's key (scalar types checked, q/k/v/sink metadata)", lambda: call_key(scalars, q, k, v, None,
                                                                                         False)),
-        ("cache lookup (hash of the key)", lambda: run.calls.get(key)),
+        ("cache lookup by hash (the entry compares the last key first)", lambda: run.calls.get(key)),
         ("bound kernel runner (keywords prepared) incl. the stub", lambda: prepared.run(q, k, v, None)),
         ("packed: whole adapter call", lambda: packed.varlen(tq, tk, tv, cu, cu, longest, longest, **kw)),
         ("packed: direct varlen stub call (the baseline)", lambda: varlen(tq, tk, tv, cu, cu, longest, longest,

@@ -78,6 +78,7 @@ SWEEP: dict[str, Callable[[Callable], Any]] = {
     "alibi_slopes of the wrong length": lambda run: run(*qkv(), causal=True, alibi_slopes=torch.ones(3)),
     "dropout_p above 1": lambda run: run(*qkv(), causal=True, dropout_p=1.5),
     "dropout_p negative": lambda run: run(*qkv(), causal=True, dropout_p=-0.1),
+    "dropout_p too large for a float": lambda run: run(*qkv(), causal=True, dropout_p=10**400),
     "window of floats": lambda run: run(*qkv(), causal=True, window_size=(2.5, 0)),
     "window infinite": lambda run: run(*qkv(), causal=True, window_size=(float("inf"), 0)),
     "cu_seqlens int64 wrapping in int32": lambda run: packed_call(

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .errors import Reason, UnsupportedInputError
 
 
@@ -49,8 +51,40 @@ def rule(code: str, settings: tuple[str, ...], reason: str, alternative: str = "
 
 
 def refuse(found: CallRule, context: str = "", **values: Any) -> UnsupportedInputError:
-    """The error of ``found`` with ``values`` filled in (raise it)."""
+    """The error of ``found`` with ``values`` filled in (raise it).
+
+    While ``torch.compile`` traces a call, the error is raised here, as `CompiledCallRefusal`:
+    Dynamo cannot trace the construction of an exception of ours, and re-raises only an
+    ``AssertionError`` unchanged (it wraps anything else in its own error)."""
+    if torch.compiler.is_compiling():
+        _refuse_traced(found.code, context, tuple((key, _constant(value)) for key, value in values.items()), ())
     return UnsupportedInputError(found.reason_for(**values), context=context)
+
+
+class CompiledCallRefusal(UnsupportedInputError, AssertionError):
+    """A call refused while ``torch.compile`` traces it: our `UnsupportedInputError`, with its reasons.
+
+    Dynamo re-raises an ``AssertionError`` raised during tracing as it is, and wraps any other
+    error in its own ``InternalTorchDynamoError``; so this is what reaches the user.
+    """
+
+
+def _constant(value: Any) -> Any:
+    """A value as a graph constant: plain values as they are, anything else as its text."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+@torch.compiler.assume_constant_result  # run for real while a call is traced
+def _refuse_traced(code: str, context: str, values: tuple, settings: tuple) -> None:
+    raise CompiledCallRefusal([_naming(CALL_RULES[code].reason_for(**dict(values)), settings)], context=context)
+
+
+def _naming(reason: Reason, settings: tuple[str, ...]) -> Reason:
+    """``reason`` also naming ``settings`` (after its own, without repeats)."""
+    if not settings:
+        return reason
+    named = tuple(dict.fromkeys(reason.settings + tuple(settings)))
+    return Reason(named, reason.reason, reason.alternative, reason.code)
 
 
 # -- the flash-attn-compatible entries (`primus_ext.call.entries`) --------------------------
@@ -67,7 +101,7 @@ MASK_LENGTH = rule(
     "the document mask covers {covered} tokens but the sequence has {length}.",
     "build the mask for the training sequence length.")
 UNEQUAL_LENGTHS = rule(
-    "B34.unequal-lengths", ("causal", "window_size"),
+    "B34.unequal-lengths", (),  # named at the call: the hook's setting, or the call's flags
     "a {mask} mask with q_len={q_len} != kv_len={kv_len} is ambiguous on Turbo's fixed kernels (flash aligns it "
     "bottom-right, a mask_mod top-left).",
     "use equal lengths, or turbo_flex_attention_backend: reference.")
@@ -160,27 +194,33 @@ HEADS = rule(
     "the call has {q_heads} query and {kv_heads} key/value heads, but the layer was planned for {heads} and "
     "{planned_kv}.",
     "build the layer with the head counts (per tensor-parallel rank) it is called with.")
-QKV_TYPE = rule("B34.qkv-type", ("{name}",), "{name} must be a torch.Tensor, got {kind}.")
+QKV_TYPE = rule("B34.qkv-type", ("{name}",), "{name} must be a torch.Tensor, got {kind}.",
+                "pass q, k and v as torch tensors.")
 QKV_DTYPE = rule("B34.dtype", ("{name}",), "{name} has dtype {dtype}; attention takes floating point inputs.",
                  "pass bf16 or fp16 tensors (float32 / float64 on the reference backend).")
 MIXED_DTYPES = rule("B34.mixed-dtypes", ("q", "k", "v"),
                     "q, k and v have different dtypes ({q}, {k}, {v}); no kernel mixes them.",
                     "cast all three to one dtype.")
-MIXED_DEVICES = rule("B34.mixed-devices", ("q", "k", "v"), "q, k and v are on different devices ({q}, {k}, {v}).")
-MIXED_RANKS = rule("B34.mixed-ranks", ("q", "k", "v"), "q, k and v have different ranks ({q}, {k}, {v}).")
+MIXED_DEVICES = rule("B34.mixed-devices", ("q", "k", "v"), "q, k and v are on different devices ({q}, {k}, {v}).",
+                     "move all three to one device.")
+MIXED_RANKS = rule("B34.mixed-ranks", ("q", "k", "v"), "q, k and v have different ranks ({q}, {k}, {v}).",
+                   "pass all three as bshd [B, S, H, D] (dense) or thd [T, H, D] (the varlen entry).")
 QKV_SHAPES = rule("B34.qkv-shapes", ("q", "k", "v"),
                   "shapes q {q}, k {k}, v {v} do not fit: q and k need one head dim, k and v one shape up to the "
-                  "head dim.")
-BIAS_TYPE = rule("B34.bias-type", ("bias",), "the bias must be a floating tensor on {device}, got {got}.")
+                  "head dim.", "pass k and v of one shape (up to v's head dim), and q with k's head dim.")
+BIAS_TYPE = rule("B34.bias-type", ("bias",), "the bias must be a floating tensor on {device}, got {got}.",
+                 "pass the bias as a floating tensor on q's device, or leave it None.")
 BIAS_KERNEL = rule("B34.bias-kernel", ("bias",),
                    "Primus-Turbo's kernels take one [{q_len}, {kv_len}] bias in {dtype}, got {shape} in {got}.",
                    "pass one [Sq, Skv] bias in q's dtype, or set turbo_flex_attention_backend: reference.")
 BIAS_SHAPE = rule("B34.bias-shape", ("bias",),
-                  "the bias of shape {shape} does not broadcast to [B, Hq, Sq, Skv] = {full}.")
-SINK_TYPE = rule("B34.sink-type", ("use_sink_attention", "sink"), "the sink must be a floating tensor, got {got}.")
+                  "the bias of shape {shape} does not broadcast to [B, Hq, Sq, Skv] = {full}.",
+                  "pass a bias that broadcasts to [B, Hq, Sq, Skv].")
+SINK_TYPE = rule("B34.sink-type", ("use_sink_attention", "sink"), "the sink must be a floating tensor, got {got}.",
+                 "pass the layer's sink parameter (one fp32 logit per local query head).")
 SINK_SHAPE = rule("B34.sink-shape", ("use_sink_attention", "sink"),
                   "the sink must hold one value per local query head ([{heads}]) on {device}, got shape {shape} on "
-                  "{got}.")
+                  "{got}.", "pass the layer's sink parameter (one fp32 logit per local query head, on q's device).")
 _SLOPES = "pass torch.tensor(slopes, dtype=torch.float32, device=q.device) with {heads} entries."
 ALIBI_TYPE = rule("B34.alibi-type", ("alibi_slopes",), "alibi_slopes must be a floating tensor, got {got}.", _SLOPES)
 ALIBI_SHAPE = rule("B34.alibi-shape", ("alibi_slopes",),
@@ -223,12 +263,14 @@ _WINDOWS = "use (-1, -1) for no window, (W, 0) for a causal sliding window."
 WINDOW = rule("B34.window", ("window_size",), "window_size must be a pair (left, right) of ints, got {got!r}.",
               _WINDOWS)
 WINDOW_BOUND = rule("B34.window-bound", ("window_size",),
-                    "window_size={got!r}: each bound is -1 (unbounded) or >= 0.", _WINDOWS)
+                    "window_size={got!r}: each bound is -1 (unbounded) or >= 0, below 2**31 (the kernels' int).",
+                    _WINDOWS)
 CU_TYPE = rule("B34.cu-type", ("{name}",),
                "{name} must be a 1-D int32 tensor on the inputs' device, got {kind}.",
                "pass torch.tensor({name}, dtype=torch.int32, device=q.device).")
 CU_SHAPE = rule("B34.cu-shape", ("{name}",),
-                "{name} must be 1-D with at least two entries (0 and the token count), got shape {shape}.")
+                "{name} must be 1-D with at least two entries (0 and the token count), got shape {shape}.",
+                "pass the cumulative document lengths as one 1-D int32 tensor starting at 0.")
 CU_DTYPE = rule("B34.cu-dtype", ("{name}",), "{name} has dtype {dtype}; document boundaries are integers.",
                 "pass int32 boundaries.")
 CU_DEVICE = rule("B34.cu-device", ("{name}",), "{name} is on {device} but the inputs are on {inputs}.",
@@ -238,17 +280,18 @@ MAX_SEQLEN_TRACED = rule(
     "{name} is a tensor; a compiled graph passes max_seqlen to the kernel op as a Python int.",
     "pass an int (Megatron's PackedSeqParams holds one), or leave it None.")
 MAX_SEQLEN_TENSOR = rule("B34.max-seqlen-tensor", ("{name}",),
-                         "{name} must be a positive int, got a tensor of shape {shape} and dtype {dtype}.")
-MAX_SEQLEN = rule("B34.max-seqlen", ("{name}",), "{name} must be a positive int, got {got!r}.",
+                         "{name} must be a positive int, got a tensor of shape {shape} and dtype {dtype} on {device}.",
+                         "pass an int (or a one-element integer tensor on the inputs' device), or leave it None.")
+MAX_SEQLEN = rule("B34.max-seqlen", ("{name}",), "{name} must be a positive int below 2**31, got {got!r}.",
                   "pass the longest document's length, or leave it None.")
 SHARED_BOUNDARIES = rule(
-    "B34.shared-boundaries", ("cu_seqlens_q", "cu_seqlens_kv"),
+    "B34.shared-boundaries", ("cu_seqlens_q", "{kv_name}"),
     "one boundary tensor was given for q and kv, but q has {q_tokens} tokens and k {kv_tokens}; one set of "
     "boundaries cannot end at both.",
     "pass each side's own boundaries.")
-DOCUMENT_COUNT = rule("B34.document-count", ("cu_seqlens_q", "cu_seqlens_kv"),
-                      "cu_seqlens_q has {q_documents} documents and cu_seqlens_kv {kv_documents}; q and kv need the "
-                      "same documents.")
+DOCUMENT_COUNT = rule("B34.document-count", ("cu_seqlens_q", "{kv_name}"),
+                      "cu_seqlens_q has {q_documents} documents and {kv_name} {kv_documents}; q and kv need the "
+                      "same documents.", "pass one boundary vector per side with the same number of documents.")
 EQUAL_MAX_TENSOR = rule(
     "B36.max-tensor", ("packed_equal_documents", "max_seqlen_{side}"),
     "packed_equal_documents is true, but max_seqlen_{side} is a tensor: the documents' one length cannot be checked "
@@ -266,7 +309,12 @@ BOUNDARIES = rule(
     "build the boundaries as the cumulative document lengths, and max_seqlen as the longest document (or leave it "
     "None).")
 
+SCALE = rule("B34.scale", ("softmax_scale",), "softmax_scale must be a finite positive float or None, got {got}.",
+             "pass a Python float (or None: 1/sqrt(head_dim), the plan's).")
+
 # -- whose causal / window_size a call runs (`primus_ext.call.agreement`) ---------------------
+CAUSAL_FLAG = rule("B34.causal", ("causal",), "causal must be a bool or None (the plan's), got {got}.",
+                   "pass causal=True / False, or leave it out.")
 DROP_IN_TYPE = rule(
     "B34.drop-in", ("drop_in",),
     "drop_in must be True, False or None (the plan's turbo_flex_attention_call_flags), got {got}.",
@@ -319,7 +367,8 @@ _MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-
 QKV_FORMAT = rule("B34.qkv-format", ("packed_seq_params",),
                   "qkv_format={fmt!r} is not one of Megatron's {formats}.",
                   "use 'sbhd' (Megatron's default), 'bshd' or 'thd' (packed, with cu_seqlens).")
-MASK_OBJECT = rule("B34.mask-object", ("attention_mask",), "attention_mask must be a tensor or None, got {kind}.")
+MASK_OBJECT = rule("B34.mask-object", ("attention_mask",), "attention_mask must be a tensor or None, got {kind}.",
+                   _MASK_ALTERNATIVE)
 MASK_ON_LAYER = rule(
     "B34.mask-on-layer", ("attention_mask",),
     "an attention_mask tensor reached a layer whose attention is {what}; the layer cannot apply a mask tensor, and "
@@ -366,7 +415,8 @@ CP_LENGTH = rule(
     "2 * context_parallel_size = {chunks}).")
 
 # -- EOD documents as packed micro-batches (`primus_ext.megatron.eod_packing`) -----------------
-EOD_TOKENS = rule("B25.tokens", ("tokens",), "tokens must be an integer [B, S] tensor, got {got}.")
+EOD_TOKENS = rule("B25.tokens", ("tokens",), "tokens must be an integer [B, S] tensor, got {got}.",
+                  "pass the micro-batch's token ids as Megatron's get_batch returns them.")
 EOD_MAX_DOCUMENTS = rule(
     "B25.max-documents", ("max_documents",),
     "max_documents must be an int >= the micro-batch size ({batch}), got {got!r}.",
@@ -381,9 +431,10 @@ def refuse_naming(found: CallRule, settings: tuple[str, ...], context: str = "",
                   ) -> UnsupportedInputError:
     """`refuse`, also naming ``settings`` (after the rule's own, without repeats): for a rule whose
     settings only the call knows, such as the checks that block a kernel route."""
-    reason = found.reason_for(**values)
-    named = tuple(dict.fromkeys(reason.settings + tuple(settings)))
-    return UnsupportedInputError(Reason(named, reason.reason, reason.alternative, reason.code), context=context)
+    if torch.compiler.is_compiling():
+        _refuse_traced(found.code, context, tuple((key, _constant(value)) for key, value in values.items()),
+                       tuple(settings))
+    return UnsupportedInputError(_naming(found.reason_for(**values), settings), context=context)
 
 
-__all__ = ["CALL_RULES", "CallRule", "refuse", "refuse_naming", "rule"]
+__all__ = ["CALL_RULES", "CallRule", "CompiledCallRefusal", "refuse", "refuse_naming", "rule"]

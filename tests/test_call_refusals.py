@@ -185,6 +185,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.dense-call": lambda: adapter(settings(), facts(packed=True))(*qkv()),
     "B25.dense-call": lambda: adapter(settings(reset_attention_mask=True), facts(packed=True))(*qkv()),
     "B34.dropout": lambda: adapter(settings())(*qkv(), dropout_p=1.5),
+    "B34.scale": lambda: adapter(settings())(*qkv(), softmax_scale="0.3"),
     "B34.window": lambda: adapter(settings(), drop_in=True)(*qkv(), causal=True, window_size=(2.5, 0)),
     "B34.window-bound": lambda: adapter(settings(), drop_in=True)(*qkv(), causal=True, window_size=(-2, 0)),
     "B34.cu-type": lambda: varlen(adapter(settings()), bounds=[0, 4, 11]),
@@ -205,6 +206,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.drop-in": lambda: adapter(settings(), drop_in="yes"),
     "B11": lambda: adapter(settings(**DOCUMENTS))(*qkv(), causal=True),
     "B34.call-flags": lambda: adapter(settings())(*qkv(), causal=False),
+    "B34.causal": lambda: adapter(settings())(*qkv(), causal=torch.tensor([True, False])),
     "B34.traced-flags": lambda: _traced(adapter(settings(), drop_in=True), lambda run, q, k, v: run(
         q, k, v, causal=torch.tensor(True)), *qkv()),
     # each turbo call's kernel route

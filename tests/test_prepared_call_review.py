@@ -4,11 +4,12 @@ The rule under test: a call served from an adapter's cache is computed exactly a
 would compute it, or refused with `UnsupportedInputError`.  The oracle for "the full path" is a
 FRESH adapter (empty cache) built from the same plan and given the second call's arguments.
 
-Tests that fail today are findings; tests marked "held" are attacks the cache withstood.
-Most findings are in the packed fast path `Prepared.packed` takes when the boundaries are the
-very tensors it saw last (``Prepared.seen``): it trusts "same object, same ``_version``", but
-``t.data = other`` (and writes through numpy / ``.data``) change a tensor's shape, dtype or values
-without bumping ``_version``.
+Findings (tests that failed on the code as reviewed, regression tests since) and tests marked
+"held" (attacks the cache withstood).  Most findings were in a packed shortcut that trusted the
+boundaries it saw last by "same object, same ``_version``", while ``t.data = other`` (and writes
+through numpy / ``.data``) change a tensor's shape, dtype or values without bumping ``_version``:
+the shortcut was removed and the shared facts compare storage and metadata too.  Writes behind the
+version counter stay unseen (a documented limit, held as a strict expected failure).
 """
 
 from __future__ import annotations

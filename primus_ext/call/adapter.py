@@ -27,7 +27,7 @@ from ..refusals import (ALIBI_GRAD, ALIBI_TWICE, ATTN_PROBS, DENSE_RANK, HOOK_AS
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from .agreement import CallAgreement
 from .checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
-                     check_packing, check_qkv, check_sink)
+                     check_packing, check_qkv, check_scale, check_sink)
 from .ops import register_target, run_call
 from .prepared import MISS, Prepared, PreparedCalls, call_key
 from .target import PlanTarget
@@ -138,9 +138,12 @@ class TurboFlexAttention:
             raise refuse(ATTN_PROBS)
         plan, q, k = self.plan, raw.q, raw.k
         check_qkv(q, k, raw.v)
+        if q.dim() != (3 if packed else 4):  # before the heads: a 2-D call has no head axis to count
+            raise refuse(PACKED_RANK if packed else DENSE_RANK, rank=q.dim())
         check_heads(q, k, plan.num_heads, plan.num_kv_heads)
         self._check_assumptions()
-        scale = raw.scale if raw.scale is not None else plan.scale
+        scale = check_scale(raw.scale)
+        scale = scale if scale is not None else plan.scale
         dropout = check_dropout(raw.dropout_p)
         sink = self._sink(raw.sink, q)
         deterministic = bool(raw.deterministic or plan.deterministic)
@@ -151,8 +154,6 @@ class TurboFlexAttention:
     def _dense(self, a: CallArgs, common: tuple) -> tuple[CallArgs, Optional[Pattern]]:
         """``common``: the call's checked ``(sink, scale, dropout_p, deterministic)``."""
         q, k = a.q, a.k
-        if q.dim() != 4:
-            raise refuse(DENSE_RANK, rank=q.dim())
         q_len, kv_len = q.shape[1], k.shape[1]
         check_bias(a.bias, q, k, kernel_shape=self._fixed)
         flag, window = self._agreement.resolve(a.causal, a.window)  # the plan's, or refused (B11, B34)
@@ -180,10 +181,8 @@ class TurboFlexAttention:
                                                 ("turbo_flex_attention_score_mod", plan.score_mod),
                                                 ("bias", a.bias)) if value is not None]
             raise refuse_naming(PACKED_EXTRAS, tuple(dropped))
-        if q.dim() != 3:
-            raise refuse(PACKED_RANK, rank=q.dim())
         cu_q, cu_kv, max_q, max_kv = check_packed(q, k, a.cu_q, a.cu_kv, a.max_q, a.max_kv,
-                                                  equal_documents=plan.equal_documents)
+                                                  equal_documents=plan.equal_documents, kv="k")
         alibi = a.alibi
         if alibi is not None or plan.alibi_slopes is not None:
             alibi = self._alibi_slopes(alibi, q)
@@ -206,8 +205,9 @@ class TurboFlexAttention:
             if pattern is None or pattern.boundaries is None or pattern.boundaries[-1] == q_len:
                 return
             raise refuse(MASK_LENGTH, covered=pattern.boundaries[-1], length=q_len)
-        if self._fixed:
-            raise refuse(UNEQUAL_LENGTHS, mask=pattern.describe(), q_len=q_len, kv_len=kv_len)
+        if self._fixed:  # names the hook where the mask is the hook's, else the call's flags
+            named = ("turbo_flex_attention_mask_mod",) if self.plan.mask_mod is not None else ("causal", "window_size")
+            raise refuse_naming(UNEQUAL_LENGTHS, named, mask=pattern.describe(), q_len=q_len, kv_len=kv_len)
 
     def _sink(self, sink: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
         if sink is None:

@@ -33,7 +33,7 @@ import torch
 from .. import refusals as R
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..errors import UnsupportedInputError, short_repr
-from ..refusals import refuse
+from ..refusals import CompiledCallRefusal, refuse
 from .checks import check_window
 
 PLAN, DROP_IN = "plan", "drop_in"
@@ -43,14 +43,6 @@ Flags = Tuple[bool, Tuple[int, int]]
 def flash_args(causal: Any, window_size: Any) -> Flags:
     """``(causal, (left, right))`` as plain bool and ints, the window checked (B34)."""
     return bool(causal), check_window(window_size)
-
-
-class CompiledCallRefusal(UnsupportedInputError, AssertionError):
-    """A call refused while ``torch.compile`` traces it: our `UnsupportedInputError`, with its reasons.
-
-    Dynamo re-raises an ``AssertionError`` raised during tracing as it is, and wraps any other
-    error in its own ``InternalTorchDynamoError``; so this is what reaches the user.
-    """
 
 
 _AGREEMENTS: dict[int, "CallAgreement"] = {}
@@ -87,7 +79,10 @@ class CallAgreement:
         """`resolve` on concrete values: the plan's flags for an agreeing call, a drop-in call's own
         (checked by the layer's rules), else `UnsupportedInputError`."""
         planned_flag, planned_window = self.flags
-        flag = planned_flag if causal is None else bool(causal)
+        try:
+            flag = planned_flag if causal is None else bool(causal)
+        except (RuntimeError, TypeError, ValueError):  # e.g. a tensor of several flags
+            raise refuse(R.CAUSAL_FLAG, got=short_repr(causal)) from None
         window = planned_window if window_size is None else check_window(window_size)
         if (flag == planned_flag and window == planned_window) or pattern_from_flash_args(flag, window) == self.pattern:
             return self.flags

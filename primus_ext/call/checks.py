@@ -22,6 +22,7 @@ from torch import Tensor
 from .. import refusals as R
 from ..attention.pattern import Pattern
 from ..backends.check_op import assert_on_device, check_same_boundaries, tensor_version  # noqa: F401 (re-exported)
+from ..errors import short_repr
 from ..refusals import CallRule, refuse
 from .facts import FACTS
 
@@ -143,9 +144,22 @@ def check_window(window_size: Any) -> Tuple[int, int]:
             raise ValueError
     except (TypeError, ValueError, IndexError, OverflowError, RuntimeError):
         raise refuse(R.WINDOW, got=window_size) from None
-    if left < -1 or right < -1:
+    if left < -1 or right < -1 or left > INT32_MAX or right > INT32_MAX:
         raise refuse(R.WINDOW_BOUND, got=window_size)
     return left, right
+
+
+INT32_MAX = 2**31 - 1
+"""The kernels take lengths and window bounds as int32."""
+
+
+def check_scale(scale: Any) -> Optional[float]:
+    """``softmax_scale`` as a finite positive Python float, or None (the plan's)."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < float(scale) < float("inf"):
+        raise refuse(R.SCALE, got=short_repr(scale))
+    return float(scale)
 
 
 def _boundaries(name: str, cu: Any, device: torch.device) -> Tensor:
@@ -166,22 +180,23 @@ def _int32(cu: Tensor) -> Tensor:
     return cu.to(torch.int32) if cu.dtype == torch.int64 else cu
 
 
-def _max_seqlen(name: str, value: Any, tokens: int) -> Any:
+def _max_seqlen(name: str, value: Any, tokens: int, device: torch.device) -> Any:
     if value is None:
         return tokens  # bounds every document, with no host read of the boundaries
     if isinstance(value, Tensor):
         if torch.compiler.is_compiling():
             raise refuse(R.MAX_SEQLEN_TRACED, name=name)
-        if value.numel() != 1 or value.dtype.is_floating_point:
-            raise refuse(R.MAX_SEQLEN_TENSOR, name=name, shape=tuple(value.shape), dtype=value.dtype)
+        if value.numel() != 1 or value.dtype.is_floating_point or value.device != device:
+            raise refuse(R.MAX_SEQLEN_TENSOR, name=name, shape=tuple(value.shape), dtype=value.dtype,
+                         device=value.device)
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise refuse(R.MAX_SEQLEN, name=name, got=value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+        raise refuse(R.MAX_SEQLEN, name=name, got=short_repr(value))
     return value
 
 
 def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv: Any, *,
-                 equal_documents: bool = False) -> Tuple[Tensor, Tensor, Any, Any]:
+                 equal_documents: bool = False, kv: str = "kv") -> Tuple[Tensor, Tensor, Any, Any]:
     """Validated ``(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)`` of a thd call.
 
     The same object comes back for q and kv when one tensor was given for both, so a
@@ -189,22 +204,25 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     ``equal_documents`` (``packed_equal_documents``, B36) every document must be
     ``max_seqlen`` long: ``documents * max_seqlen == tokens`` here, from the shapes, and
     the on-device check that no document is longer make that exact, without a host read.
+    ``kv`` names the key side as the caller's API does: ``kv`` (Megatron's ``cu_seqlens_kv``),
+    ``k`` (``flash_attn_varlen_func``'s ``cu_seqlens_k``).
     """
     same = cu_q is cu_kv
     if same and k.shape[0] != q.shape[0]:
-        raise refuse(R.SHARED_BOUNDARIES, q_tokens=q.shape[0], kv_tokens=k.shape[0])
+        raise refuse(R.SHARED_BOUNDARIES, q_tokens=q.shape[0], kv_tokens=k.shape[0], kv_name=f"cu_seqlens_{kv}")
     cu_q = _boundaries("cu_seqlens_q", cu_q, q.device)
-    cu_kv = cu_q if same else _boundaries("cu_seqlens_kv", cu_kv, q.device)
+    cu_kv = cu_q if same else _boundaries(f"cu_seqlens_{kv}", cu_kv, q.device)
     if cu_q.numel() != cu_kv.numel():
-        raise refuse(R.DOCUMENT_COUNT, q_documents=cu_q.numel() - 1, kv_documents=cu_kv.numel() - 1)
-    max_q = _max_seqlen("max_seqlen_q", max_q, q.shape[0])
-    max_kv = _max_seqlen("max_seqlen_kv", max_kv, k.shape[0])
+        raise refuse(R.DOCUMENT_COUNT, q_documents=cu_q.numel() - 1, kv_documents=cu_kv.numel() - 1,
+                     kv_name=f"cu_seqlens_{kv}")
+    max_q = _max_seqlen("max_seqlen_q", max_q, q.shape[0], q.device)
+    max_kv = _max_seqlen(f"max_seqlen_{kv}", max_kv, k.shape[0], q.device)
     if equal_documents:
         _check_equal_documents("q", cu_q, q.shape[0], max_q)
-        _check_equal_documents("kv", cu_kv, k.shape[0], max_kv)
+        _check_equal_documents(kv, cu_kv, k.shape[0], max_kv)
     assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
     if not same:
-        assert_boundaries("cu_seqlens_kv", cu_kv, k.shape[0], max_kv)
+        assert_boundaries(f"cu_seqlens_{kv}", cu_kv, k.shape[0], max_kv)
     cu_q = _int32(cu_q)
     return cu_q, (cu_q if same else _int32(cu_kv)), max_q, max_kv
 
@@ -243,12 +261,12 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     first = torch.arange(cu.numel(), device=cu.device) == 0
     lengths = torch.where(first, torch.zeros_like(cu), cu - cu.roll(1))
     ok = (cu[0] == 0) & (cu[-1] == tokens) & (lengths >= 0).all() & (lengths.max() <= longest)
-    values = dict(name=name, max_name="max_seqlen_q" if name.endswith("_q") else "max_seqlen_kv", tokens=tokens,
+    values = dict(name=name, max_name=name.replace("cu_seqlens", "max_seqlen"), tokens=tokens,
                   longest=longest if not isinstance(longest, Tensor) else "the tensor given")
     why = R.BOUNDARIES.reason_for(**values).reason.removesuffix(".")  # the device assert's text
     assert_on_device(ok, why, lambda: refuse(R.BOUNDARIES, **values))
 
 
 __all__ = ["assert_boundaries", "assert_on_device", "check_alibi", "check_bias", "check_dropout", "check_heads",
-           "check_kernel_alibi", "check_packed", "check_packing", "check_qkv", "check_sink",
+           "check_kernel_alibi", "check_packed", "check_packing", "check_qkv", "check_scale", "check_sink",
            "check_window", "tensor_version"]

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .checks import assert_boundaries
+from .checks import INT32_MAX, assert_boundaries
 from .facts import FACTS
 
 Runner = Callable[..., Any]
@@ -117,7 +117,7 @@ class Prepared:
         if not FACTS.known(cu_q, ("boundaries", tokens_q, longest_q)):
             assert_boundaries("cu_seqlens_q", cu_q, tokens_q, longest_q)
         if not same and not FACTS.known(cu_kv, ("boundaries", tokens_kv, longest_kv)):
-            assert_boundaries("cu_seqlens_kv", cu_kv, tokens_kv, longest_kv)
+            assert_boundaries("cu_seqlens_k", cu_kv, tokens_kv, longest_kv)
         return self.run(q, k, v, cu_q, cu_kv, longest_q, longest_kv,
                         sink.float() if self.cast_sink else sink)  # type: ignore[union-attr]
 
@@ -132,7 +132,7 @@ def _boundaries_like(cu: Any, device: Any) -> bool:
 
 
 def _positive_int(value: Any) -> bool:
-    return type(value) is int and value >= 1
+    return type(value) is int and 1 <= value <= INT32_MAX
 
 
 class PreparedCalls:

@@ -26,7 +26,7 @@ from ..call.ops import register_target, run_call
 from ..call.selftest import refuse_failures, self_test, selftest_enabled
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
-from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, MASK_TYPE, MASK_WITH_THD, MISSING_SINK,
+from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CU_DEVICE, MASK_TYPE, MASK_WITH_THD, MISSING_SINK,
                         NO_PACKED_ENTRY, PADDED, PADDED_TYPE, THD_WITHOUT_BOUNDS, TOP_LEFT, WINDOW_ALIGNMENT, refuse)
 from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
@@ -149,6 +149,8 @@ class TurboAttentionCore:
             if not isinstance(pad, Tensor) or not isinstance(ref, Tensor):
                 bad = padded if not isinstance(pad, Tensor) else plain
                 raise refuse(PADDED_TYPE, CONTEXT, name=bad, kind=type(getattr(packed_seq_params, bad)).__name__)
+            if pad.device != ref.device:  # compared below: on one device, or not at all
+                raise refuse(CU_DEVICE, CONTEXT, name=padded, device=pad.device, inputs=ref.device)
             if pad.shape == ref.shape and torch.compiler.is_compiling():
                 # No host read inside a graph: the check op refuses when the graph runs (our error on CPU).
                 why = PADDED.reason_for(padded=padded, plain=plain).reason
@@ -242,6 +244,9 @@ class TurboAttentionCore:
     def _packed(self, q_thd: Tensor, k_thd: Tensor, v_thd: Tensor, params: Any, dropout_p: float, causal: bool,
                 window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+            if isinstance(cu, Tensor) and cu.device != q_thd.device:  # before any comparison of the two
+                raise refuse(CU_DEVICE, CONTEXT, name=name, device=cu.device, inputs=q_thd.device)
         if self.unequal_refused and isinstance(cu_q, Tensor) and isinstance(cu_kv, Tensor):
             check_same_boundaries(cu_q, cu_kv, lambda: self._alignment_refusal(
                 "cu_seqlens_q != cu_seqlens_kv (documents of unequal q and kv lengths)"))

@@ -16,6 +16,7 @@ TEXTS = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.
 IMPORT = re.compile(r"^\s*(from primus_ext[\w.]* import (?:\([\w, \n]+\)|[\w, ]+)|import primus_ext[\w.]*)", re.M)
 NAMED = re.compile(r"`(primus_ext(?:\.\w+)+)`")
 OLD_HOMES = ["primus_ext.backends.adapter.TurboFlexAttention"]
+NOT_MODULES = {"primus_ext.turbo_flex_attention"}  # the Primus patch's id (`primus_ext.primus.PATCH_ID`)
 
 
 def _blocks(text: str) -> list[str]:
@@ -42,7 +43,7 @@ def _imports() -> list[tuple[str, str]]:
 
 
 def _names() -> list[tuple[str, str]]:
-    return sorted({(name, ref) for name, text in TEXTS.items() for ref in NAMED.findall(text)}
+    return sorted({(name, ref) for name, text in TEXTS.items() for ref in NAMED.findall(text) if ref not in NOT_MODULES}
                   | {("earlier docs", ref) for ref in OLD_HOMES})
 
 
@@ -62,6 +63,12 @@ def resolve(ref: str) -> object:
                 return None
         return obj
     raise ModuleNotFoundError(ref)
+
+
+def test_the_patch_id_is_what_the_docs_call_it():
+    from primus_ext.primus import PATCH_ID
+
+    assert NOT_MODULES == {PATCH_ID}
 
 
 def test_the_docs_show_imports():

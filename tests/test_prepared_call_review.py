@@ -228,10 +228,9 @@ def _dense_pair(backend, first, second, layer=None, **adapter_kw):
 Q, K, V = qkv(dtype=torch.float32)
 NAN = float("nan")
 HELD_DENSE = {
-    # held: -0.0 == 0.0 share a key; turbo's kernel gets 0.0 for -0.0, but the numbers are identical
-    "scale -0.0 after 0.0": (lambda r: r(Q, K, V, softmax_scale=0.0), lambda r: r(Q, K, V, softmax_scale=-0.0)),
-    # held: one NaN object hits itself and computes what the full path computes
-    "scale nan twice": (lambda r: r(Q, K, V, softmax_scale=NAN), lambda r: r(Q, K, V, softmax_scale=NAN)),
+    # held: a zero or NaN scale is refused (B34.scale), after a valid call as on a fresh adapter
+    "scale -0.0 after 0.5": (lambda r: r(Q, K, V, softmax_scale=0.5), lambda r: r(Q, K, V, softmax_scale=-0.0)),
+    "scale nan after 0.5": (lambda r: r(Q, K, V, softmax_scale=0.5), lambda r: r(Q, K, V, softmax_scale=NAN)),
     # held: a numpy float scale is not a plain float: full path
     "numpy scale after float": (lambda r: r(Q, K, V, softmax_scale=0.5),
                                 lambda r: r(Q, K, V, softmax_scale=np.float64(0.5))),

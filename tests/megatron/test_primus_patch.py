@@ -1,0 +1,130 @@
+"""primus_ext inside (a stand-in of) Primus: the patch, registered with Primus's own registry,
+makes Primus's spec provider build primus_ext's attention, and refusals reach the user although
+Primus swallows what a patch handler raises (`primus_ext.testing.fake_primus`)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+import pytest
+import torch
+
+from primus_ext.errors import UnsupportedConfigError
+from primus_ext.megatron import PrimusTurboLocalAttention
+from primus_ext.primus import PATCH_ID, PRIORITY, register
+from primus_ext.primus import patch as primus_patch
+from primus_ext.testing import fake_primus_turbo
+from primus_ext.testing import fake_primus as P
+
+from . import gpt
+
+MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, tensor_model_parallel_size=1)
+MODULE = {"use_turbo_attention": True, "use_turbo_flex_attention": True, "turbo_flex_attention_backend": "reference"}
+
+
+def build(args) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(0)
+    return GPTModel(config=gpt.config(), transformer_layer_spec=P.layer_spec(), vocab_size=gpt.VOCAB,
+                    max_sequence_length=gpt.SEQ * 4, position_embedding_type="learned_absolute")
+
+
+def launch(module: dict, experiment: dict = MODEL) -> torch.nn.Module:
+    """Primus's lifecycle with the patch registered: args built Primus's way, patches, model."""
+    with P.installed() as registry:
+        assert register()
+        args = P.megatron_args(experiment, module)
+        P.run_lifecycle(registry, args)
+        model = build(args)
+        launch.registry = registry
+    return model
+
+
+def attention(model) -> list:
+    return [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+
+def test_the_patch_runs_after_primus_installs_its_provider():
+    with P.installed() as registry:
+        register()
+        register()  # once per registry, however often it is called
+        patch = registry.patches[PATCH_ID]
+        assert (patch.backend, patch.phase, patch.priority) == ("megatron", "before_train", PRIORITY)
+        assert PRIORITY > registry.patches["megatron.turbo.te_spec_provider"].priority
+
+
+def test_every_layer_runs_primus_ext_and_trains():
+    model = launch(MODULE)
+    assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
+    assert [m.core.plan.path for m in attention(model)] == ["flex", "flex"]
+    losses = gpt.train(model, gpt.batches(3))
+    assert losses[-1] < losses[0]
+    assert launch.registry.applied == ["megatron.turbo.te_spec_provider", PATCH_ID]
+
+
+def test_the_flex_path_equals_the_direct_path_step_by_step():
+    with fake_primus_turbo():
+        flex = launch({**MODULE, "use_sink_attention": True, "sink_sliding_window": 4})
+        direct = launch({"use_turbo_attention": True, "use_turbo_flex_attention": True,
+                         "turbo_flex_attention_backend": "turbo", "use_sink_attention": True,
+                         "sink_sliding_window": 4})
+        direct.load_state_dict(flex.state_dict())
+        data = gpt.batches(3)
+        torch.testing.assert_close(gpt.train(flex, data), gpt.train(direct, data), rtol=1e-5, atol=1e-6)
+
+
+def test_with_only_use_turbo_attention_primus_runs_its_own():
+    model = launch({"use_turbo_attention": True})
+    primus_own = sys.modules.get("primus")  # gone after the block: compare by name
+    assert primus_own is None
+    assert [type(m).__name__ for m in attention(model)] == ["PrimusTurboAttention", "PrimusTurboAttention"]
+    assert launch.registry.applied == ["megatron.turbo.te_spec_provider"]
+
+
+def test_flex_without_turbo_attention_is_refused_before_the_first_step():
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch({"use_turbo_flex_attention": True, "turbo_flex_attention_backend": "reference"})
+    assert "B3" in err.value.codes and "use_turbo_attention" in err.value.settings
+
+
+def test_a_bad_key_is_refused_through_the_condition_not_swallowed():
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch({**MODULE, "turbo_flex_attention_backend": "fastest"})
+    assert "turbo_flex_attention_backend" in err.value.settings
+
+
+def test_a_primus_without_the_spec_provider_is_refused_not_silently_its_own(monkeypatch):
+    monkeypatch.setattr(primus_patch, "SPEC_PROVIDER", "primus.no_such_module")
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch(MODULE)
+    assert err.value.codes == ("primus-provider",)
+
+
+def test_primus_patches_filter_by_id(monkeypatch):
+    monkeypatch.setenv("PRIMUS_PATCHES", "megatron.turbo.te_spec_provider")
+    model = launch(MODULE)
+    assert not any(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
+    monkeypatch.setenv("PRIMUS_PATCHES", f"megatron.turbo.te_spec_provider,{PATCH_ID}")
+    assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(launch(MODULE)))
+
+
+def test_the_launcher_registers_and_runs_the_command(tmp_path, monkeypatch):
+    script = tmp_path / "primus_main.py"
+    script.write_text("import sys\nfrom primus.core.patches import run_patches\nRAN = sys.argv[1:]\n")
+    with P.installed() as registry:
+        from primus_ext.primus.__main__ import main
+
+        main([str(script), "train", "--config", "exp.yaml"])
+        assert PATCH_ID in registry.patches
+    assert sys.argv[1:] == ["train", "--config", "exp.yaml"]
+
+
+def test_the_launcher_says_what_is_missing_without_primus():
+    from primus_ext.primus.__main__ import main
+
+    sys.modules.pop("primus", None)
+    with pytest.raises(SystemExit) as err:
+        main(["-m", "json.tool"])
+    assert "primus" in str(err.value)

@@ -128,3 +128,20 @@ def test_the_launcher_says_what_is_missing_without_primus():
     with pytest.raises(SystemExit) as err:
         main(["-m", "json.tool"])
     assert "primus" in str(err.value)
+
+
+@pytest.mark.parametrize("key", __import__("primus_ext.settings", fromlist=["SETTING_KEYS"]).SETTING_KEYS)
+def test_every_key_reaches_the_modules_through_primus_merge(key):
+    """Primus merges each module-YAML key into Megatron's args (no extra_args_provider); the patch
+    binds the settings read from them to every layer its spec provider builds."""
+    from tests.test_keys_reach_the_plan import _other_value
+
+    value = _other_value(key)
+    module = {"use_turbo_flex_attention": True, key: value}
+    if key.endswith("_kwargs"):
+        module[key.removesuffix("_kwargs")] = "tests.hook_examples:alibi"
+    with P.installed() as registry:
+        register()
+        P.run_lifecycle(registry, P.megatron_args(MODEL, module))
+        built = P.layer_spec().submodules.self_attention.submodules.core_attention
+    assert getattr(built.keywords["settings"], key) == value

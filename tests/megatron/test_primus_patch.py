@@ -145,3 +145,24 @@ def test_every_key_reaches_the_modules_through_primus_merge(key):
         P.run_lifecycle(registry, P.megatron_args(MODEL, module))
         built = P.layer_spec().submodules.self_attention.submodules.core_attention
     assert getattr(built.keywords["settings"], key) == value
+
+
+def test_megatrons_spec_argument_takes_the_ready_local_spec():
+    """The patch-free route: Megatron's ``spec: [module, attr]`` imports a ready ModuleSpec."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    spec = import_module(("primus_ext.primus.specs", "gpt_layer_local_spec"))
+    assert isinstance(spec, ModuleSpec)
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert isinstance(core, functools.partial) and core.func is PrimusTurboLocalAttention
+    assert core.keywords["settings"] is None  # the keys come from Megatron's args when a layer is built
+    torch.manual_seed(0)
+    from megatron.core.models.gpt import GPTModel
+
+    with fake_primus_turbo():  # no Megatron args here: the default keys, Primus-Turbo's direct path
+        model = GPTModel(config=gpt.config(), transformer_layer_spec=spec, vocab_size=gpt.VOCAB,
+                         max_sequence_length=gpt.SEQ * 4, position_embedding_type="learned_absolute")
+    assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
+    assert {m.core.plan.path for m in attention(model)} == {"direct"}

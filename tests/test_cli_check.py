@@ -263,7 +263,8 @@ def test_causal_grid_is_lower_triangular(tmp_path, capsys):
 
 @pytest.mark.parametrize("width", [1, 3, 5])
 def test_window_grid_band_is_w_plus_one_wide(tmp_path, capsys, width):
-    cfg = write_yaml(tmp_path, **SHAPE, **FLEX, seq_length=14, sink_sliding_window=width)
+    cfg = write_yaml(tmp_path, **SHAPE, **FLEX, seq_length=14, sink_sliding_window=width,
+                     sink_window_even_layers_only=False)
     code, out, _ = run(capsys, cfg)
     assert code == 0
     rows = only_grid(out)["rows"]

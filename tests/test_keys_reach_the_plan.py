@@ -101,7 +101,7 @@ def test_each_turbo_key_reaches_the_settings_from_a_yaml_mapping_and_the_command
     parser = add_turbo_attention_args(argparse.ArgumentParser())
     flag = "--" + key.replace("_", "-")
     if isinstance(value, bool) and key != "packed_sequences":
-        argv = [flag] if value else []  # a switch
+        argv = [flag] if value else ["--no-" + flag[2:]]  # a switch (off: one on by default)
     else:
         text = json.dumps(value) if isinstance(value, (dict, bool)) else str(value)
         argv = [flag, text]

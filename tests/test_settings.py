@@ -20,7 +20,7 @@ from primus_ext.errors import UnsupportedConfigError
 from primus_ext.settings import SETTING_KEYS, TurboAttentionSettings, describe_keys
 from primus_ext.settings.settings import FOREIGN_KEYS, looks_like_ours
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "modules" / "megatron" / "primus_turbo.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "modules" / "megatron" / "primus_ext_attention.yaml"
 FLEX_ON = {"use_turbo_attention": True, "use_turbo_flex_attention": True}
 
 

@@ -74,7 +74,8 @@ def _flag(key: str) -> str:
 def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider``: one flag per settings key, dest = the YAML key.
 
-    Booleans are switches (``--use-turbo-flex-attention``); hook kwargs take JSON.  A flag
+    Booleans are switches (``--use-turbo-flex-attention``; one on by default also has
+    ``--no-...``, as ``--no-sink-window-even-layers-only``); hook kwargs take JSON.  A flag
     the parser already has with the same dest is shared, not added again: Megatron-LM
     defines ``--reset-attention-mask`` and ``--deterministic-mode`` itself before it
     calls the extra_args_provider, and argparse refuses a second definition.
@@ -86,7 +87,10 @@ def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.Argume
         if known is not None and known.dest == key:
             continue
         help_text = f"{doc} (default: {default})"
-        if isinstance(default, bool):
+        if isinstance(default, bool) and default:  # on by default: --no-<key> turns it off
+            group.add_argument(_flag(key), dest=key, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+        elif isinstance(default, bool):
             group.add_argument(_flag(key), dest=key, action="store_true", default=default, help=help_text)
         elif type_text == "bool | null":
             group.add_argument(_flag(key), dest=key, type=_optional_bool, default=default,

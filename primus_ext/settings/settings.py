@@ -116,7 +116,7 @@ class TurboAttentionSettings:
     sink_sliding_window: int = field(default=0, metadata=_meta(
         "0 = no window; W > 0 = causal sliding window (W, 0): the token plus W to its left.",
         "int >= 0", "B10, B11, B14"))
-    sink_window_even_layers_only: bool = field(default=False, metadata=_meta(
+    sink_window_even_layers_only: bool = field(default=True, metadata=_meta(
         "Apply sink_sliding_window only on 1-indexed odd layers (0-indexed even), as GPT-OSS.",
         "bool", "B14"))
     enable_turbo_attention_float8: bool = field(default=False, metadata=_meta(

@@ -54,7 +54,7 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
 
 
 def is_module_fragment(config: dict[str, Any]) -> bool:
-    """True for a YAML of Turbo attention keys only, like configs/modules/megatron/primus_turbo.yaml."""
+    """True for a YAML of Turbo attention keys only, like configs/modules/megatron/primus_ext_attention.yaml."""
     return not any(key in config for key in MODEL_KEYS)
 
 

@@ -265,7 +265,7 @@ def test_plain_dense_call_is_unchanged(path):
 
 
 def test_the_module_yaml_as_the_readme_uses_it_leaves_megatrons_own_attention():
-    """configs/modules/megatron/primus_turbo.yaml has use_turbo_attention: false: the spec keeps
+    """configs/modules/megatron/primus_ext_attention.yaml has use_turbo_attention: false: the spec keeps
     megatron-core's DotProductAttention instead of building (and refusing) a Turbo layer."""
     from pathlib import Path
 
@@ -274,7 +274,7 @@ def test_the_module_yaml_as_the_readme_uses_it_leaves_megatrons_own_attention():
     from primus_ext.megatron import get_gpt_layer_primus_turbo_local_spec
     from primus_ext.settings import TurboAttentionSettings
 
-    path = Path(__file__).resolve().parents[2] / "configs" / "modules" / "megatron" / "primus_turbo.yaml"
+    path = Path(__file__).resolve().parents[2] / "configs" / "modules" / "megatron" / "primus_ext_attention.yaml"
     settings = TurboAttentionSettings.from_yaml(path)
     spec = get_gpt_layer_primus_turbo_local_spec(settings)
     assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention

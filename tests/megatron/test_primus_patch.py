@@ -166,3 +166,17 @@ def test_megatrons_spec_argument_takes_the_ready_local_spec():
                          max_sequence_length=gpt.SEQ * 4, position_embedding_type="learned_absolute")
     assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
     assert {m.core.plan.path for m in attention(model)} == {"direct"}
+
+
+def test_a_proven_hook_runs_on_turbo_through_primus_and_equals_the_reference():
+    """A user mask hook, proven equal to a window, runs on Turbo's fixed kernel in every layer Primus
+    builds, step by step equal to the same hook evaluated by the reference backend."""
+    hook = {"turbo_flex_attention_mask_mod": "tests.proof_hooks:gym_window"}
+    with fake_primus_turbo() as fake:
+        turbo = launch({**MODULE, **hook, "turbo_flex_attention_backend": "turbo"})
+        assert {m.core.plan.mask_class for m in attention(turbo)} == {"proven"}
+        reference = launch({**MODULE, **hook})
+        reference.load_state_dict(turbo.state_dict())
+        data = gpt.batches(3)
+        torch.testing.assert_close(gpt.train(turbo, data), gpt.train(reference, data), rtol=1e-5, atol=1e-6)
+        assert {c.entry for c in fake.calls} == {"flash_attn_func"}

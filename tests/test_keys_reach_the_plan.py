@@ -36,7 +36,16 @@ MEGATRON_READ = {
 """Megatron keys `layer_facts` reads (a YAML in ``check``, a ``TransformerConfig`` in the modules)."""
 SHAPE_ONLY = {"num_layers"}  # read by ``check`` and the demo for the layer count, not per layer
 OTHER = {"demo"}  # the demo's own mapping, ignored by the Turbo settings
-MEGATRON_OWN = {"spec"}  # Megatron-LM's own argument (the layer spec it imports), shown in docs/primus.md
+MEGATRON_OWN = {"spec"}
+PRIMUS_READ = {"enable_primus_turbo"}  # Primus's switch, read by the Primus patch's condition  # Megatron-LM's own argument (the layer spec it imports), shown in docs/primus.md
+
+
+def _mapping_keys(data: dict) -> list[str]:
+    """A YAML's keys: the top level, or for a Primus experiment (``modules:``) the keys of each
+    module's ``overrides``, which Primus merges into Megatron's arguments."""
+    if "modules" not in data:
+        return list(data)
+    return [key for module in data["modules"].values() for key in (module.get("overrides") or {})]
 
 
 def yaml_keys() -> dict[str, str]:
@@ -45,7 +54,7 @@ def yaml_keys() -> dict[str, str]:
     texts = [(p, p.read_text()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
     for path, text in texts:
         for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
-            for key in (yaml.safe_load(block) or {}):
+            for key in _mapping_keys(yaml.safe_load(block) or {}):
                 found.setdefault(key, str(path.relative_to(ROOT)))
     for path in sorted((ROOT / "configs").rglob("*.yaml")):
         for key in yaml.safe_load(path.read_text()) or {}:
@@ -58,7 +67,7 @@ def yaml_keys() -> dict[str, str]:
 
 
 def test_every_key_the_docs_name_is_one_the_plan_reads():
-    known = set(SETTING_KEYS) | set(MEGATRON_READ) | SHAPE_ONLY | OTHER | MEGATRON_OWN
+    known = set(SETTING_KEYS) | set(MEGATRON_READ) | SHAPE_ONLY | OTHER | MEGATRON_OWN | PRIMUS_READ
     unknown = {key: where for key, where in yaml_keys().items() if key not in known}
     assert not unknown, f"keys shown to users that nothing reads: {unknown}"
 

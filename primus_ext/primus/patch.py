@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -45,20 +47,58 @@ def register() -> bool:
     return True
 
 
+PRIMUS_PROVIDER_PATCH = "megatron.turbo.te_spec_provider"
+"""Primus's own patch that installs its spec provider (when ``enable_primus_turbo``)."""
+
+
 def _args(ctx: Any) -> Any:
+    """Megatron's arguments as Primus's own ``get_args(ctx)`` gives them to its patches."""
+    getter = getattr(sys.modules.get("primus.core.patches"), "get_args", None)
+    if getter is not None:
+        return getter(ctx)
     extra = getattr(ctx, "extra", None) or {}
     return extra.get("backend_args", extra.get("args"))
 
 
 def applies(ctx: Any) -> bool:
-    """The patch's condition: ``use_turbo_flex_attention`` is set.  Raises our error for what would
-    make the handler fail (Primus runs conditions outside its ``try``, so this reaches the user)."""
+    """The patch's condition: ``use_turbo_flex_attention`` is set.  Raises our error for everything
+    that would leave the layers on another attention (Primus runs conditions outside its ``try``,
+    so this reaches the user): a key that does not check, Primus's spec provider missing, or not
+    installed by Primus in this run (``enable_primus_turbo`` off, its patch filtered out)."""
     args = _args(ctx)
-    if args is None or not getattr(args, "use_turbo_flex_attention", False):
+    if args is None:
         return False
-    TurboAttentionSettings.from_args(args)  # every key read and checked now, as the layers will read it
+    settings = TurboAttentionSettings.from_args(args)  # every key, look-alikes too, as the layers read them
+    if not settings.use_turbo_flex_attention:
+        return False
+    reasons = []
+    if not getattr(args, "enable_primus_turbo", False):
+        reasons.append(Reason(
+            ("enable_primus_turbo", "use_turbo_flex_attention"),
+            "use_turbo_flex_attention is true but enable_primus_turbo is not: Primus then does not install its spec "
+            "provider, and the layers would be built with TransformerEngine's attention, not primus_ext's.",
+            "set enable_primus_turbo: true (Primus's switch) with use_turbo_attention: true.", "primus-enable"))
+    enabled = _enabled_patch_ids()
+    if enabled is not None and PRIMUS_PROVIDER_PATCH not in enabled:
+        reasons.append(Reason(
+            ("PRIMUS_PATCHES",), f"PRIMUS_PATCHES enables only {sorted(enabled)}, without Primus's "
+            f"{PRIMUS_PROVIDER_PATCH}: its spec provider would not be installed, and the layers would not be "
+            "primus_ext's.", f"add {PRIMUS_PROVIDER_PATCH} (and {PATCH_ID}) to PRIMUS_PATCHES, or unset it.",
+            "primus-enable"))
+    if reasons:
+        raise UnsupportedConfigError(reasons, context="Primus patch")
     _provider()
     return True
+
+
+def _enabled_patch_ids() -> Any:
+    """The ids ``PRIMUS_PATCHES`` enables, read as Primus reads it: None for all (unset, ``all``)."""
+    raw = os.environ.get("PRIMUS_PATCHES", "").strip()
+    if not raw or raw.lower() == "all":
+        return None
+    if raw.lower() == "none":
+        return set()
+    return {part.strip() for part in raw.split(",") if part.strip()}
 
 
 def install(ctx: Any) -> None:

@@ -15,8 +15,9 @@ Written from the facts read in Primus's sources (main fd1eeab; docs/primus.md ci
   ``PrimusTurboSpecProvider.core_attention()`` returns Primus's ``PrimusTurboAttention`` when
   ``use_turbo_attention`` is set, else TE's attention.  Here (no TransformerEngine on CPU) those
   are megatron-core's local ``DotProductAttention``: ``PRIMUS_ATTENTION`` marks Primus's own.
-* Primus's own patch ``megatron.turbo.te_spec_provider`` (priority 41, before_train) installs
-  that provider; the model is built after the before_train patches.
+* Primus's own patch ``megatron.turbo.te_spec_provider`` (priority 41, before_train, condition
+  ``enable_primus_turbo``) installs that provider in place of megatron-core's TE provider; the
+  model is built after the before_train patches, by whichever provider is in place.
 * Arguments: Megatron's known keys, then every module-YAML key merged in (``merge_namespace``);
   Primus passes no ``extra_args_provider``.
 
@@ -161,10 +162,19 @@ def installed() -> Iterator[Registry]:
     provider_module.PrimusTurboSpecProvider = PrimusTurboSpecProvider
     modules["primus"].PRIMUS_ATTENTION = PrimusTurboAttention
 
+    class TESpecProvider(LocalSpecProvider):
+        """megatron-core's TransformerEngine provider, as this stand-in builds it: what Megatron uses
+        unless Primus's patch replaces it."""
+
+    provider_module.ACTIVE = TESpecProvider
+
     @registry.register_patch("megatron.turbo.te_spec_provider", backend="megatron", phase="before_train",
-                             priority=41, description="the Primus spec provider")
+                             priority=41, description="the Primus spec provider",
+                             condition=lambda ctx: bool(getattr(ctx.extra.get("backend_args"), "enable_primus_turbo",
+                                                                False)))
     def _install_provider(ctx: PatchContext) -> None:
         PrimusTurboSpecProvider.cfg = ctx.extra.get("backend_args")
+        provider_module.ACTIVE = PrimusTurboSpecProvider
 
     try:
         yield registry
@@ -191,7 +201,7 @@ def layer_spec() -> Any:
     """megatron-core's local GPT layer spec with the core attention of Primus's spec provider."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    provider = sys.modules[SPEC_PROVIDER_MODULE].PrimusTurboSpecProvider()
+    provider = sys.modules[SPEC_PROVIDER_MODULE].ACTIVE()  # Primus's, where its patch installed it
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = provider.core_attention()
     return spec

@@ -20,7 +20,8 @@ from primus_ext.testing import fake_primus as P
 from . import gpt
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, tensor_model_parallel_size=1)
-MODULE = {"use_turbo_attention": True, "use_turbo_flex_attention": True, "turbo_flex_attention_backend": "reference"}
+MODULE = {"enable_primus_turbo": True, "use_turbo_attention": True, "use_turbo_flex_attention": True,
+          "turbo_flex_attention_backend": "reference"}
 
 
 def build(args) -> torch.nn.Module:
@@ -67,7 +68,7 @@ def test_every_layer_runs_primus_ext_and_trains():
 def test_the_flex_path_equals_the_direct_path_step_by_step():
     with fake_primus_turbo():
         flex = launch({**MODULE, "use_sink_attention": True, "sink_sliding_window": 4})
-        direct = launch({"use_turbo_attention": True, "use_turbo_flex_attention": True,
+        direct = launch({"enable_primus_turbo": True, "use_turbo_attention": True, "use_turbo_flex_attention": True,
                          "turbo_flex_attention_backend": "turbo", "use_sink_attention": True,
                          "sink_sliding_window": 4})
         direct.load_state_dict(flex.state_dict())
@@ -76,7 +77,7 @@ def test_the_flex_path_equals_the_direct_path_step_by_step():
 
 
 def test_with_only_use_turbo_attention_primus_runs_its_own():
-    model = launch({"use_turbo_attention": True})
+    model = launch({"enable_primus_turbo": True, "use_turbo_attention": True})
     primus_own = sys.modules.get("primus")  # gone after the block: compare by name
     assert primus_own is None
     assert [type(m).__name__ for m in attention(model)] == ["PrimusTurboAttention", "PrimusTurboAttention"]
@@ -85,7 +86,8 @@ def test_with_only_use_turbo_attention_primus_runs_its_own():
 
 def test_flex_without_turbo_attention_is_refused_before_the_first_step():
     with pytest.raises(UnsupportedConfigError) as err:
-        launch({"use_turbo_flex_attention": True, "turbo_flex_attention_backend": "reference"})
+        launch({"enable_primus_turbo": True, "use_turbo_flex_attention": True,
+                "turbo_flex_attention_backend": "reference"})
     assert "B3" in err.value.codes and "use_turbo_attention" in err.value.settings
 
 
@@ -104,10 +106,32 @@ def test_a_primus_without_the_spec_provider_is_refused_not_silently_its_own(monk
 
 def test_primus_patches_filter_by_id(monkeypatch):
     monkeypatch.setenv("PRIMUS_PATCHES", "megatron.turbo.te_spec_provider")
-    model = launch(MODULE)
+    model = launch(MODULE)  # ours filtered out, as Primus filters its own: Primus's attention
     assert not any(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
     monkeypatch.setenv("PRIMUS_PATCHES", f"megatron.turbo.te_spec_provider,{PATCH_ID}")
     assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(launch(MODULE)))
+
+
+def test_a_filter_without_primus_s_provider_patch_is_refused_not_silently_te(monkeypatch):
+    """Only our id in PRIMUS_PATCHES: Primus would not install its spec provider, and megatron-core's
+    TE provider would build the layers; the condition refuses it before the model is built."""
+    monkeypatch.setenv("PRIMUS_PATCHES", PATCH_ID)
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch(MODULE)
+    assert err.value.codes == ("primus-enable",) and "PRIMUS_PATCHES" in err.value.settings
+
+
+def test_flex_without_enable_primus_turbo_is_refused_not_silently_te():
+    """Without Primus's switch its spec provider is never installed (the stand-in keeps megatron-core's)."""
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch({k: v for k, v in MODULE.items() if k != "enable_primus_turbo"})
+    assert err.value.codes == ("primus-enable",) and "enable_primus_turbo" in err.value.settings
+
+
+def test_a_look_alike_key_is_refused_through_the_condition():
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch({**MODULE, "use_turbo_flex_atention": True})
+    assert "did you mean" in str(err.value)
 
 
 def test_the_launcher_registers_and_runs_the_command(tmp_path, monkeypatch):
@@ -137,7 +161,7 @@ def test_every_key_reaches_the_modules_through_primus_merge(key):
     from tests.test_keys_reach_the_plan import _other_value
 
     value = _other_value(key)
-    module = {"use_turbo_flex_attention": True, key: value}
+    module = {"enable_primus_turbo": True, "use_turbo_flex_attention": True, key: value}
     if key.endswith("_kwargs"):
         module[key.removesuffix("_kwargs")] = "tests.hook_examples:alibi"
     with P.installed() as registry:

@@ -160,7 +160,7 @@ def _per_call(fn: Callable[[], Any], number: int, repeats: int = 7) -> float:
 
 def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
     """The pieces of the prepared-call path for a dense and a packed causal call, each timed alone (us)."""
-    from primus_ext.call.checks import assert_boundaries
+    from primus_ext.call.checks import boundaries_proven
     from primus_ext.call.prepared import _boundaries_like, call_key
 
     q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
@@ -189,17 +189,16 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
         ("direct stub call (the baseline)", lambda: flash(q, k, v, **kw)),
         ("calling a no-op with the adapter's signature", lambda: signature_like(q, k, v, **kw)),
         ("torch.compiler.is_compiling()", torch.compiler.is_compiling),
-        ("the call's key (scalar types checked, q/k/v/sink metadata)", lambda: call_key(scalars, q, k, v, None,
-                                                                                        False)),
-        ("cache lookup by hash (the entry compares the last key first)", lambda: run.calls.get(key)),
+        ("the call's key alone (scalar types checked, q/k/v/sink metadata)", lambda: call_key(scalars, q, k, v, None,
+                                                                                              False)),
+        ("cache lookup (key built, last key compared; PreparedCalls.find)", lambda: run.calls.find(
+            scalars, q, k, v, None, False)),
         ("bound kernel runner (keywords prepared) incl. the stub", lambda: prepared.run(q, k, v, None)),
         ("packed: whole adapter call", lambda: packed.varlen(tq, tk, tv, cu, cu, longest, longest, **kw)),
         ("packed: direct varlen stub call (the baseline)", lambda: varlen(tq, tk, tv, cu, cu, longest, longest,
                                                                           **kw)),
-        ("packed, new boundaries: tensor's type, dtype, rank, length, device", lambda: _boundaries_like(cu,
-                                                                                                  tq.device)),
-        ("packed, new boundaries: values found proven (shared facts)", lambda: assert_boundaries(
-            "cu_seqlens_q", cu, SEQ, longest)),
+        ("packed: boundary tensor's type, dtype, rank, length, device", lambda: _boundaries_like(cu, tq.device)),
+        ("packed: boundary values found proven (shared facts)", lambda: boundaries_proven(cu, SEQ, longest)),
         ("packed: bound kernel runner incl. the stub", lambda: pprepared.run(tq, tk, tv, cu, cu, longest, longest,
                                                                               None)),
     ]

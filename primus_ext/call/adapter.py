@@ -29,7 +29,7 @@ from .agreement import CallAgreement
 from .checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
                      check_packing, check_qkv, check_scale, check_sink)
 from .ops import register_target, run_call
-from .prepared import MISS, Prepared, PreparedCalls, call_key
+from .prepared import MISS, Prepared, PreparedCalls
 from .target import PlanTarget
 
 
@@ -70,18 +70,16 @@ class TurboFlexAttention:
         """``flash_attn_func(q, k, v, ...)`` on the plan: dense bshd inputs."""
         key = None
         if not torch.compiler.is_compiling():  # a traced cache (or counter) would be guarded constants
+            calls = self.calls
             if bias is None and alibi_slopes is None and return_attn_probs is False:
-                key = call_key((dropout_p, softmax_scale, causal, window_size, deterministic, return_lse), q, k, v,
-                               sink, False)
-                if key is not None:
-                    calls = self.calls
-                    prepared = calls.last if key == calls.last_key else calls.get(key)
-                    if prepared is not None:
-                        out = prepared.dense(q, k, v, sink)
-                        if out is not MISS:
-                            calls.hits += 1
-                            return out
-            self.calls.misses += 1
+                key, prepared = calls.find((dropout_p, softmax_scale, causal, window_size, deterministic, return_lse),
+                                           q, k, v, sink, False)
+                if prepared is not None:
+                    out = prepared.dense(q, k, v, sink)
+                    if out is not MISS:
+                        calls.hits += 1
+                        return out
+            calls.misses += 1
         a = CallArgs(q, k, v, None, None, None, None, sink, alibi_slopes, bias, causal, window_size, softmax_scale,
                      dropout_p, deterministic, return_lse)
         return self._run(a, return_attn_probs, key)
@@ -96,18 +94,16 @@ class TurboFlexAttention:
         the plan: packed thd inputs.  A ``max_seqlen`` of None is bounded by the token count (no host read)."""
         key = None
         if not torch.compiler.is_compiling():  # a traced cache (or counter) would be guarded constants
+            calls = self.calls
             if bias is None and alibi_slopes is None and return_attn_probs is False:
-                key = call_key((dropout_p, softmax_scale, causal, window_size, deterministic, return_lse), q, k, v,
-                               sink, True)
-                if key is not None:
-                    calls = self.calls
-                    prepared = calls.last if key == calls.last_key else calls.get(key)
-                    if prepared is not None:
-                        out = prepared.packed(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-                        if out is not MISS:
-                            calls.hits += 1
-                            return out
-            self.calls.misses += 1
+                key, prepared = calls.find((dropout_p, softmax_scale, causal, window_size, deterministic, return_lse),
+                                           q, k, v, sink, True)
+                if prepared is not None:
+                    out = prepared.packed(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    if out is not MISS:
+                        calls.hits += 1
+                        return out
+            calls.misses += 1
         a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, alibi_slopes, bias,
                      causal, window_size, softmax_scale, dropout_p, deterministic, return_lse)
         return self._run(a, return_attn_probs, key, packed=True)

@@ -248,11 +248,15 @@ def assert_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     if isinstance(longest, Tensor):
         _check_boundaries(name, cu, tokens, longest)
         return
-    claim = ("boundaries", tokens, longest)  # the claim `Prepared.packed` looks up too
-    if FACTS.known(cu, claim):
+    if boundaries_proven(cu, tokens, longest):
         return
     _check_boundaries(name, cu, tokens, longest)
-    FACTS.learn(cu, claim)
+    FACTS.learn(cu, ("boundaries", tokens, longest))
+
+
+def boundaries_proven(cu: Tensor, tokens: int, longest: int) -> bool:
+    """Whether `assert_boundaries` proved ``cu`` for these ``tokens`` and ``longest``, as it is now."""
+    return FACTS.known(cu, ("boundaries", tokens, longest))
 
 
 def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
@@ -267,6 +271,6 @@ def _check_boundaries(name: str, cu: Tensor, tokens: int, longest: Any) -> None:
     assert_on_device(ok, why, lambda: refuse(R.BOUNDARIES, **values))
 
 
-__all__ = ["assert_boundaries", "assert_on_device", "check_alibi", "check_bias", "check_dropout", "check_heads",
-           "check_kernel_alibi", "check_packed", "check_packing", "check_qkv", "check_scale", "check_sink",
-           "check_window", "tensor_version"]
+__all__ = ["assert_boundaries", "assert_on_device", "boundaries_proven", "check_alibi", "check_bias", "check_dropout",
+           "check_heads", "check_kernel_alibi", "check_packed", "check_packing", "check_qkv", "check_scale",
+           "check_sink", "check_window", "tensor_version"]

@@ -25,8 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .checks import INT32_MAX, assert_boundaries
-from .facts import FACTS
+from .checks import INT32_MAX, assert_boundaries, boundaries_proven
 
 Runner = Callable[..., Any]
 LIMIT = 16
@@ -113,10 +112,10 @@ class Prepared:
                 return MISS  # the full path refuses it (B36)
         if self.assumptions and not self.holds():
             return MISS
-        # The values, as `assert_boundaries` proves them (its claim), checked there when not known.
-        if not FACTS.known(cu_q, ("boundaries", tokens_q, longest_q)):
+        # The values, checked by `assert_boundaries` where they are not proven already.
+        if not boundaries_proven(cu_q, tokens_q, longest_q):
             assert_boundaries("cu_seqlens_q", cu_q, tokens_q, longest_q)
-        if not same and not FACTS.known(cu_kv, ("boundaries", tokens_kv, longest_kv)):
+        if not same and not boundaries_proven(cu_kv, tokens_kv, longest_kv):
             assert_boundaries("cu_seqlens_k", cu_kv, tokens_kv, longest_kv)
         return self.run(q, k, v, cu_q, cu_kv, longest_q, longest_kv,
                         sink.float() if self.cast_sink else sink)  # type: ignore[union-attr]
@@ -153,6 +152,15 @@ class PreparedCalls:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def find(self, scalars: tuple, q: Any, k: Any, v: Any, sink: Any, packed: bool
+             ) -> tuple[Optional[tuple], Optional[Prepared]]:
+        """``(key, prepared)`` of a call (`call_key`): the last key put is compared first, a layer
+        making the same call step after step; ``(None, None)`` for a call no key can hold."""
+        key = call_key(scalars, q, k, v, sink, packed)
+        if key is None:
+            return None, None
+        return key, (self.last if key == self.last_key else self._entries.get(key))
 
     def put(self, key: tuple, prepared: Prepared) -> None:
         entries = self._entries

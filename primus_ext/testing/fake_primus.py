@@ -187,7 +187,7 @@ def installed() -> Iterator[Registry]:
 def megatron_args(experiment: dict, module_config: dict) -> types.SimpleNamespace:
     """Megatron's arguments as Primus builds them: the experiment's Megatron keys, then every
     module-YAML key (the experiment's overrides win) merged in."""
-    return merge_namespace(types.SimpleNamespace(**experiment), {**module_config, **experiment})
+    return merge_namespace(types.SimpleNamespace(), {**module_config, **experiment})
 
 
 def run_lifecycle(registry: Registry, args: Any) -> None:

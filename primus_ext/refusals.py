@@ -257,6 +257,27 @@ EOD_DENSE_CALL = rule(
     "B25.dense-call", ("packed_sequences", "reset_attention_mask"),
     "a dense call reached a layer declared packed_sequences: true with reset_attention_mask: its documents come "
     "from EOD tokens as cu_seqlens, and a dense call would attend across them.", _DENSE_CALL)
+_MASK_DOCUMENTS = ("let Megatron build its document mask (create_attention_mask_in_dataloader: true, the default), or "
+                   "convert each micro-batch with primus_ext.megatron.pack_eod_micro_batch and set packed_sequences: "
+                   "true.")
+DOCUMENT_MASK_MISSING = rule(
+    "B25.no-mask", ("reset_attention_mask", "create_attention_mask_in_dataloader"),
+    "reset_attention_mask is true, but a dense call reached the layer with attention_mask=None: the documents are "
+    "read from Megatron's [B, 1, S, S] mask, and without it the layer would attend across them.", _MASK_DOCUMENTS)
+DOCUMENT_MASK_SHAPE = rule(
+    "B25.mask-shape", ("attention_mask", "reset_attention_mask"),
+    "with reset_attention_mask, attention_mask must be Megatron's document mask: bool [{batch} or 1, 1, {q_len}, "
+    "{kv_len}] with q_len == kv_len; got dtype {dtype} and shape {shape}.", _MASK_DOCUMENTS)
+DOCUMENT_MASK_VALUES = rule(
+    "B25.mask-values", ("attention_mask", "reset_attention_mask"),
+    "with reset_attention_mask, attention_mask is not block-causal (causal inside contiguous documents, as "
+    "megatron-core's _get_ltor_masks_and_position_ids builds it); the varlen kernel would compute another mask.",
+    _MASK_DOCUMENTS)
+DOCUMENT_MASK_COUNT = rule(
+    "B25.max-documents-mask", ("reset_attention_mask_max_documents",),
+    "Megatron's document mask of {batch} rows holds more documents than reset_attention_mask_max_documents="
+    "{max_documents} (or the bound is below the rows); their boundaries would be merged.",
+    "raise reset_attention_mask_max_documents (at least the documents of any micro-batch), or set it to null.")
 DROPOUT = rule("B34.dropout", ("dropout_p",), "dropout_p must be a probability in [0, 1), got {got!r}.",
                "pass 0.0 for no dropout.")
 _WINDOWS = "use (-1, -1) for no window, (W, 0) for a causal sliding window."

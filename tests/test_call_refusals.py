@@ -97,6 +97,9 @@ def megatron(path: str = "direct", mask_type=AttnMaskType.causal, keys: Any = No
                                      settings=gpt.settings(**MEGATRON_PATHS[path], **(keys or {})))
 
 
+RESET = dict(reset_attention_mask=True)
+
+
 def causal_mask(b: int, q_len: int, kv_len: int) -> torch.Tensor:
     """Megatron's causal mask (True = masked)."""
     return torch.arange(kv_len).view(1, -1) > torch.arange(q_len).view(-1, 1)
@@ -230,6 +233,12 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.cp-mask-shape": lambda: cp_layer()(*sbhd(), causal_mask(1, 16, 16)[None, None]),
     "B34.cp-mask-values": lambda: cp_layer()(*sbhd(), torch.zeros(2, 1, 16, 32, dtype=torch.bool)),
     "B22": lambda: cp_layer()(*sbhd(s=7), None),
+    # reset_attention_mask on dense batches: the documents read from Megatron's mask
+    "B25.no-mask": lambda: megatron(keys=RESET)(*sbhd(), None),
+    "B25.mask-shape": lambda: megatron(keys=RESET)(*sbhd(), causal_mask(1, 16, 16)[None, None].float()),
+    "B25.mask-values": lambda: megatron(keys=RESET)(*sbhd(), torch.zeros(2, 1, 16, 16, dtype=torch.bool)),
+    "B25.max-documents-mask": lambda: megatron(keys=dict(RESET, reset_attention_mask_max_documents=1))(
+        *sbhd(), causal_mask(1, 16, 16)[None, None]),
     # EOD documents as packed micro-batches
     "B25.tokens": lambda: pack_eod_micro_batch(torch.zeros(2, 16), eod_token=0, max_documents=4),
     "B25.max-documents": lambda: pack_eod_micro_batch(_eod_tokens(4), eod_token=0, max_documents=1),

@@ -72,7 +72,13 @@ ROWS = {
     "fp8": Row({"enable_turbo_attention_float8": True}),
     "context parallel": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a"}),
     "packed + context parallel": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a", "packed": True}),
-    "document mask tensor": Row({"reset_attention_mask": True}),
+    # Megatron's modules (megatron_mask): the core hands the adapter the mask's documents as THD
+    "Megatron's document mask, dense batches": Row({"reset_attention_mask": True}, facts={"megatron_mask": True}),
+    "document mask + context parallel": Row({"reset_attention_mask": True}, facts={
+        "megatron_mask": True, "context_parallel_size": 2, "cp_comm_type": "a2a"}),
+    "document mask + hooks": Row({"reset_attention_mask": True, "turbo_flex_attention_mask_mod": MASKS + "prefix_lm",
+                                  "turbo_flex_attention_mask_mod_kwargs": {"prefix_length": 8}},
+                                 facts={"megatron_mask": True}, hook=True),
     "documents from EOD, packed THD": Row({"reset_attention_mask": True}, facts={"packed": True}),
     "ALiBi position embedding": Row(facts={"position_embedding_type": "alibi"}),
     "deterministic": Row({"deterministic_mode": True}),
@@ -99,12 +105,12 @@ def outcome(row: Row, column: str) -> str:
         if column == "reference":
             return "runs"
         if column == "direct":
-            return "runs: " + (plan.packed_entry if facts.packed else plan.dense_entry)
+            return "runs: " + (plan.packed_entry if facts.packed or plan.mask_documents else plan.dense_entry)
         run = TurboFlexAttention(plan)
         sink = torch.zeros(4) if plan.sink else None
         hooked = plan.mask_mod is not None
         args = dict(causal=plan.causal and not hooked, window_size=(-1, -1) if hooked else plan.window, sink=sink)
-        if facts.packed:
+        if facts.packed or plan.mask_documents:
             q = k = v = torch.randn(SEQ, 4, 16)
             cu = torch.tensor([0, 100, SEQ], dtype=torch.int32)
             run.varlen(q, k[:, :2], v[:, :2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156, **args)

@@ -92,6 +92,8 @@ def _other_value(key: str) -> Any:
         return "drop_in"
     if key == "packed_sequences":
         return True
+    if key == "reset_attention_mask_max_documents":
+        return 7
     if key.endswith("_kwargs"):
         return {"k": 1}
     if key.endswith(("_mask_mod", "_score_mod")):

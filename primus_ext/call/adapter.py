@@ -143,7 +143,7 @@ class TurboFlexAttention:
         dropout = check_dropout(raw.dropout_p)
         sink = self._sink(raw.sink, q)
         deterministic = bool(raw.deterministic or plan.deterministic)
-        check_packing(plan.packed, packed, plan.eod_documents)
+        check_packing(plan.packed, packed, plan.eod_documents, plan.mask_documents)
         common = (sink, scale, dropout, deterministic)
         return self._packed(raw, common) if packed else self._dense(raw, common)
 

@@ -114,10 +114,15 @@ def check_kernel_alibi(pattern: Pattern, return_lse: bool, *, symmetric: bool = 
         raise refuse(R.ALIBI_LSE)
 
 
-def check_packing(declared: Optional[bool], packed_call: bool, eod_documents: bool = False) -> None:
+def check_packing(declared: Optional[bool], packed_call: bool, eod_documents: bool = False,
+                  mask_documents: bool = False) -> None:
     """A call of the kind the layer declared (``packed_sequences``): the plan checked only those
     calls' kernels, and a dense call on a layer whose documents come from EOD tokens
-    (``reset_attention_mask``) would attend across them (B25, B34)."""
+    (``reset_attention_mask``) would attend across them (B25, B34).  A plan whose documents come
+    in Megatron's mask (``mask_documents``) gets its dense calls as THD from the Megatron core: a
+    dense flash-style call has no mask to read them from."""
+    if mask_documents and not packed_call:
+        raise refuse(R.DOCUMENT_MASK_MISSING)
     if declared is None or declared is packed_call:
         return
     if packed_call:

@@ -12,7 +12,7 @@ counter: nothing is kept for them, they are checked at every call.
 from __future__ import annotations
 
 import weakref
-from typing import Hashable, Optional
+from typing import Any, Hashable, Optional
 
 from torch import Tensor
 
@@ -33,21 +33,26 @@ class TensorFacts:
     """
 
     def __init__(self) -> None:
-        self._facts: list[tuple[weakref.ref, tuple, Hashable]] = []
+        self._facts: list[tuple[weakref.ref, tuple, Hashable, Any]] = []
 
     def known(self, t: Tensor, claim: Hashable) -> bool:
         """Whether ``claim`` was proven for ``t`` as it is now (same object and state)."""
-        for ref, seen, said in self._facts:
-            if ref() is t and said == claim:  # the state is read only for a tensor remembered
-                return seen == _state(t)
-        return False
+        return self.recall(t, claim) is not None
 
-    def learn(self, t: Tensor, claim: Hashable) -> None:
-        """Remember that ``claim`` holds for ``t`` as it is now."""
+    def recall(self, t: Tensor, claim: Hashable) -> Any:
+        """What was derived with ``claim`` from ``t`` as it is now (True for a bare claim), or None."""
+        for ref, seen, said, value in self._facts:
+            if ref() is t and said == claim:  # the state is read only for a tensor remembered
+                return value if seen == _state(t) else None
+        return None
+
+    def learn(self, t: Tensor, claim: Hashable, value: Any = True) -> None:
+        """Remember that ``claim`` holds for ``t`` as it is now, with what was derived from it
+        (``value``: kept, so it must not hold ``t`` itself)."""
         state = _state(t)
         if state is None:
             return
-        self._facts.insert(0, (weakref.ref(t), state, claim))
+        self._facts.insert(0, (weakref.ref(t), state, claim, value))
         del self._facts[_LIMIT:]
 
     def forget(self) -> None:

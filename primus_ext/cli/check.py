@@ -150,6 +150,8 @@ def _window(plan: AttentionPlan) -> str:
 def _packing(plan: AttentionPlan) -> str:
     if plan.eod_documents:
         return "documents from EOD, packed THD"
+    if plan.mask_documents:
+        return "documents from attention_mask, varlen"
     return {True: "packed (thd)", False: "unpacked"}.get(plan.packed, "either")  # type: ignore[arg-type]
 
 

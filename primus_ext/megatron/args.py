@@ -97,7 +97,7 @@ def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.Argume
                                help=help_text + " true, false or null.")
         elif key.endswith("_kwargs"):
             group.add_argument(_flag(key), dest=key, type=json.loads, default=default, help=help_text + " JSON.")
-        elif isinstance(default, int):
+        elif isinstance(default, int) or type_text == "int | null":
             group.add_argument(_flag(key), dest=key, type=int, default=default, help=help_text)
         else:
             group.add_argument(_flag(key), dest=key, type=str, default=default, help=help_text)

@@ -32,6 +32,7 @@ from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
 from .call_contract import MaskCheck, qkv_format
 from .context_parallel import LayerContextParallel, layer_context_parallel
+from .document_mask import document_boundaries
 from .facts import layer_facts
 
 
@@ -189,6 +190,8 @@ class TurboAttentionCore:
             sink = self.cp.sink(sink)
         elif packed is None:
             self._check_lengths(query.shape[seq], key.shape[seq])
+            if plan.mask_documents:
+                return self._documents_from_mask(query, key, value, attention_mask, fmt, dropout_p, sink)
             self.check_mask(attention_mask, query.shape[seq], key.shape[seq])
         elif attention_mask is not None:
             raise refuse(MASK_WITH_THD, CONTEXT)
@@ -240,6 +243,26 @@ class TurboAttentionCore:
         if not bottom_right and not self.plan.flex:
             return refuse(TOP_LEFT, CONTEXT, unequal=unequal)
         return None
+
+    def _documents_from_mask(self, query: Tensor, key: Tensor, value: Tensor, mask: Any, fmt: str,
+                             dropout_p: float, sink: Optional[Tensor]) -> Tensor:
+        """A dense call of a ``reset_attention_mask`` layer: the documents of Megatron's mask
+        (`primus_ext.megatron.document_mask`), run as one THD sequence of ``B * S`` tokens."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        rows = 1 if fmt == "sbhd" else 0
+        batch, q_len, kv_len = query.shape[rows], query.shape[1 - rows], key.shape[1 - rows]
+        cu = document_boundaries(mask, batch, q_len, kv_len, self.settings.reset_attention_mask_max_documents)
+        # [S, B, H, D] (or [B, S, H, D]) -> [B * S, H, D]: row after row, as the boundaries count.
+        q_thd, k_thd, v_thd = ((t.transpose(0, 1) if fmt == "sbhd" else t).reshape(batch * q_len, *t.shape[2:])
+                               for t in (query, key, value))
+        if self.storage != "as-given":
+            q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=q_len,
+                                 max_seqlen_kv=kv_len)
+        out_thd = self._packed(q_thd, k_thd, v_thd, params, dropout_p, self.plan.causal, self.plan.window, sink)
+        out = out_thd.reshape(batch, q_len, -1)
+        return out.transpose(0, 1) if fmt == "sbhd" else out  # Megatron's own layout again
 
     def _packed(self, q_thd: Tensor, k_thd: Tensor, v_thd: Tensor, params: Any, dropout_p: float, causal: bool,
                 window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:

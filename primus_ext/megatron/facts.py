@@ -85,6 +85,7 @@ def layer_facts(source: Any, layer_number: int, *, tp_rank: int = 0, **overrides
         cp_comm_type=_layer_value(_get(source, "cp_comm_type"), layer_number),
         packed=_get(source, "packed_sequences"),
         dtype=input_dtype(source),
+        megatron_mask=True,  # Megatron's core attention: its dense calls carry attention_mask
     )
     facts.update(overrides)
     facts.setdefault("head_offset", tp_rank * facts["num_heads"])

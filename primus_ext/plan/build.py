@@ -172,6 +172,7 @@ def build_plan(
         packed_entry=caps.packed_entry if caps else (direct.packed if direct else None),
         packed=facts.packed,
         eod_documents=bool(settings.reset_attention_mask and facts.packed),
+        mask_documents=_mask_documents(settings, facts),
         mask_mod=mask_on_heads(mask_mod, facts.head_offset),
         score_mod=score_on_heads(score_mod, facts.head_offset),
         head_offset=facts.head_offset,
@@ -203,7 +204,13 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
         ctx.facts, arch, dense_pattern=mask_proof.pattern if (ctx.flex and mask_proof) else None,
         window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
         alibi=bool(score_proof and score_proof.kind in ALIBI_FORMS), selection=selection,
-        equal_documents=ctx.settings.packed_equal_documents)
+        equal_documents=ctx.settings.packed_equal_documents,
+        mask_documents=_mask_documents(ctx.settings, ctx.facts))
+
+
+def _mask_documents(settings: TurboAttentionSettings, facts: LayerFacts) -> bool:
+    """Dense calls whose documents come in Megatron's mask (`AttentionPlan.mask_documents`)."""
+    return bool(settings.reset_attention_mask) and facts.packed is not True and facts.megatron_mask
 
 
 def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:

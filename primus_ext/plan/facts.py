@@ -40,6 +40,10 @@ class LayerFacts:
     None when not known (then the kernel dispatch model assumes bf16)."""
     turbo_module: bool = False
     """Built by a Primus-Turbo attention module, so some Turbo path runs whatever the switches say."""
+    megatron_mask: bool = False
+    """The layer is Megatron's core attention, whose dense calls carry Megatron's ``attention_mask``:
+    with ``reset_attention_mask`` the documents are read from it (`AttentionPlan.mask_documents`).
+    A bare flash-style call has no mask argument, so there the documents would be lost (B25)."""
     head_offset: int = 0
     """The model's (global) index of this rank's first query head: ``tp_rank * num_heads`` under tensor
     parallelism.  Hooks see global heads and are proven for ``head_offset .. head_offset + num_heads - 1``

@@ -54,6 +54,10 @@ class AttentionPlan:
     """From `LayerFacts.packed`: only thd batches (True), only dense (False), either (None)."""
     eod_documents: bool = False
     """``reset_attention_mask`` with packed batches: documents come from EOD tokens, converted to THD."""
+    mask_documents: bool = False
+    """``reset_attention_mask`` on dense batches: each dense call's documents are read from Megatron's
+    ``[B, 1, S, S]`` mask on the device and run on the packed (varlen) entry
+    (`primus_ext.megatron.document_mask`)."""
     mask_mod: Optional[MaskMod] = field(default=None, compare=False, repr=False)
     score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
     arch: Optional[str] = None
@@ -106,6 +110,8 @@ class AttentionPlan:
         if self.flex:
             parts.append(f"backend={self.backend} ({self.backend_reason})")
             dense = self.dense_entry if self.packed is not True else None  # '-': no such batches
+            if self.mask_documents:
+                dense = f"{self.packed_entry} (documents from attention_mask)"
             packed = self.packed_entry if self.packed is not False else None
             parts.append(f"dense={dense or '-'} packed={packed or '-'}")
         parts.append(f"mask={self.pattern_text}")

@@ -54,12 +54,13 @@ def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sin
 def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optional[Pattern],
                  window: Optional[Tuple[int, int]], sink: bool, deterministic: bool,
                  alibi: bool, selection: Selection = DEFAULT_ORDER,
-                 equal_documents: bool = False) -> Tuple[Tuple[str, Route], ...]:
+                 equal_documents: bool = False, mask_documents: bool = False) -> Tuple[Tuple[str, Route], ...]:
     """``(("dense" | "packed", route), ...)`` for the calls this layer can make on ``arch``.
 
     ``dense_pattern``: the dense calls' mask (None: the caller's causal / window).
     Packed calls use the configured window inside each document, with documents of one length
-    when ``equal_documents`` (``packed_equal_documents``, checked per call).  A layer with dropout also
+    when ``equal_documents`` (``packed_equal_documents``, checked per call).  With ``mask_documents``
+    (``reset_attention_mask`` on dense batches) dense calls run on the packed entry too.  A layer with dropout also
     makes calls without it (evaluation): those can reach another kernel backend, so they are
     routed too (kinds ``"dense in eval"``, ``"packed in eval"``) where they fare otherwise.
     """
@@ -76,7 +77,7 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
                                                          **common), selection)))
         if facts.packed is not True:
             pattern = dense_pattern or flash
-            entry = VARLEN if pattern.documents else DENSE
+            entry = VARLEN if pattern.documents or mask_documents else DENSE
             out.append(("dense" + when, route(_features(facts, arch, entry, Pattern(pattern.left, pattern.right),
                                                         **common), selection)))
     outcome = lambda r: (r.backend, r.failure, r.defects)  # noqa: E731

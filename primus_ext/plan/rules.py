@@ -88,6 +88,7 @@ class RuleInput:
             "mask_type": self.facts.attn_mask_type,
             "cp_comm": self.facts.cp_comm_type,
             "alibi_masks": "; ".join(_alibi_right_masks(self)),
+            "documents_problem": _documents_problem(self),
             "direct_dense": self.direct.dense if self.direct else None,
             "direct_packed": self.direct.packed if self.direct else None,
         }
@@ -112,6 +113,26 @@ def _documents_hook(c: "RuleInput") -> bool:
     """A mask hook proven to be documents: its dense calls run on the packed (varlen) entry."""
     proof = c.mask_proof
     return c.flex and proof is not None and proof.pattern is not None and proof.pattern.documents
+
+
+def _dense_documents(c: "RuleInput") -> bool:
+    """``reset_attention_mask`` on dense batches of Megatron's core attention: documents read from its
+    mask and run on the packed (varlen) entry (B25)."""
+    return bool(c.settings.reset_attention_mask) and c.facts.packed is not True and c.facts.megatron_mask
+
+
+def _documents_problem(c: "RuleInput") -> str:
+    """Why this layer cannot run Megatron's document mask on the varlen kernel, or ''."""
+    if c.flex and (c.settings.turbo_flex_attention_mask_mod or c.settings.turbo_flex_attention_score_mod):
+        return "this layer has a mask_mod / score_mod hook, which the varlen kernel does not take"
+    if not c.facts.causal:
+        return (f"this layer is not causal (attn_mask_type={c.facts.attn_mask_type}), while Megatron's document "
+                "mask is")
+    packed = c.caps.packed_entry if c.flex and c.caps is not None else (
+        c.direct.packed if not c.flex and c.direct is not None else "")
+    if packed is None:
+        return "the installed Primus-Turbo has no packed (varlen) entry for this layer"
+    return ""
 
 
 def _alibi_right_masks(c: "RuleInput") -> list[str]:
@@ -231,7 +252,7 @@ RULES: Tuple[Rule, ...] = (
          "a learned sink is configured but the packed entry {direct_packed} of this Primus-Turbo "
          "build has no `sink` parameter; packed batches would drop it.",
          "upgrade Primus-Turbo, or train unpacked.",
-         lambda c: c.on_direct and c.sink and c.direct is not None and c.facts.packed is True
+         lambda c: c.on_direct and c.sink and c.direct is not None and (c.facts.packed is True or _dense_documents(c))
          and c.direct.packed is not None and not c.direct.sink_packed),
     Rule("B18", ("enable_turbo_attention_float8", "packed_sequences"),
          "packed (thd) batches on the direct path go to flash_attn_varlen_func, which has no fp8 "
@@ -278,12 +299,21 @@ RULES: Tuple[Rule, ...] = (
          "set packed_sequences: true (or leave it out), or packed_equal_documents: false.",
          lambda c: c.settings.packed_equal_documents and c.facts.packed is False),
     Rule("B25", ("reset_attention_mask", "packed_sequences"),
-         "reset_attention_mask=True carries document boundaries in a dense attention_mask "
-         "tensor that no Primus-Turbo entry can take; the boundaries would be ignored.",
-         "convert each micro-batch to packed THD with primus_ext.megatron.pack_eod_micro_batch (documents "
-         "from EOD, run on the varlen kernel) and set packed_sequences: true, or set "
-         "reset_attention_mask: false.",
-         lambda c: c.turbo_path and c.settings.reset_attention_mask and c.facts.packed is not True),
+         "reset_attention_mask=True carries document boundaries in Megatron's dense attention_mask, which only "
+         "primus_ext's Megatron modules read (into varlen boundaries), and not under context parallelism "
+         "(context_parallel_size={cp}); the boundaries would be ignored.",
+         "use PrimusTurboAttention / PrimusTurboLocalAttention at context_parallel_size: 1, or convert each "
+         "micro-batch to packed THD with primus_ext.megatron.pack_eod_micro_batch (documents from EOD, run on the "
+         "varlen kernel) and set packed_sequences: true, or set reset_attention_mask: false.",
+         lambda c: c.turbo_path and c.settings.reset_attention_mask and c.facts.packed is not True and (
+             not c.facts.megatron_mask or c.facts.context_parallel_size > 1)),
+    Rule("B25-layer", ("reset_attention_mask", "turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+         "reset_attention_mask on dense batches runs each call on the packed (varlen) kernel, causal inside each "
+         "document, but {documents_problem}.",
+         "remove the hooks (or reset_attention_mask) on this layer, or convert each micro-batch with "
+         "primus_ext.megatron.pack_eod_micro_batch and set packed_sequences: true.",
+         lambda c: c.turbo_path and _dense_documents(c) and c.facts.context_parallel_size == 1
+         and bool(_documents_problem(c))),
     Rule("B26", ("return_attn_probs",),
          "attention probabilities are never materialised by the Turbo kernels.",
          "do not request attention probabilities.",
@@ -332,7 +362,7 @@ RULES: Tuple[Rule, ...] = (
          "parameter; packed batches would drop it.",
          "upgrade Primus-Turbo, set turbo_flex_attention_backend: reference, or train unpacked.",
          lambda c: c.on_turbo and c.sink and not c.caps.sink_packed  # type: ignore[union-attr]
-         and (c.facts.packed is True or _documents_hook(c))),
+         and (c.facts.packed is True or _documents_hook(c) or _dense_documents(c))),
     Rule("sink-shape", ("use_sink_attention", "kv_channels"),
          "Primus-Turbo's sink kernel wants equal q/k and v head dims and a power-of-two head dim "
          "(got {head_dim} and {head_dim_v}).",

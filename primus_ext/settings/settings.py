@@ -130,9 +130,14 @@ class TurboAttentionSettings:
         "Deterministic kernels; refused when the selected entry has no 'deterministic' parameter.",
         "bool", "B24"))
     reset_attention_mask: bool = field(default=False, metadata=_meta(
-        "Megatron's document boundaries after each EOD: run as packed THD (pack_eod_micro_batch) with "
-        "packed_sequences: true; refused otherwise, since no entry takes the dense mask.",
+        "Megatron's document boundaries after each EOD: dense batches' documents are read from Megatron's "
+        "mask on the device, packed_sequences: true batches come converted (pack_eod_micro_batch); both run "
+        "on the varlen kernel.",
         "bool", "B25"))
+    reset_attention_mask_max_documents: Optional[int] = field(default=None, metadata=_meta(
+        "The most documents one dense micro-batch holds (all rows); fixes how many boundaries the varlen "
+        "kernel gets from Megatron's mask (null: one per token, always enough). More are refused.",
+        "int | null", "B25"))
     packed_sequences: Optional[bool] = field(default=None, metadata=_meta(
         "How batches reach attention: true = packed THD only (cu_seqlens), false = dense only, null = "
         "either; the plan checks those calls' kernels, and a call of the other kind is refused.",
@@ -285,6 +290,13 @@ _check_call_flags = _choice(CALL_FLAG_CHOICES, "write '{key}: plan' (calls run t
                                                "'{key}: drop_in' for calls that pass their own.")
 
 
+def _check_optional_count(key: str, value: Any) -> Optional[Reason]:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be null or a positive integer, got {_type_name(value)}.",
+                  alternative=f"write '{key}: null' (one boundary per token), or a bound such as 64.")
+
+
 def _check_selftest(key: str, value: Any) -> Optional[Reason]:
     if value in ("auto", "true", "false", True, False):
         return None
@@ -326,6 +338,7 @@ _CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
     "turbo_selftest": _check_selftest,
     "sink_sliding_window": _check_window,
     "packed_sequences": _check_optional_bool,
+    "reset_attention_mask_max_documents": _check_optional_count,
 }
 
 

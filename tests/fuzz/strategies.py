@@ -417,7 +417,7 @@ def common_settings(draw, flex: bool, backend: str, q_len: int) -> dict:
         "use_sink_attention": draw(one_in(3)),
         "deterministic_mode": draw(one_in(4)),
         "enable_turbo_attention_float8": draw(one_in(24 if flex else 6)),
-        "reset_attention_mask": draw(one_in(50)),
+        "reset_attention_mask": draw(one_in(15)),
         "sink_window_even_layers_only": draw(st.booleans()),
     }
     choice = draw(weighted(("none", 44), ("window", 15), ("malformed", 1)))

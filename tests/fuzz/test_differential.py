@@ -101,6 +101,28 @@ def packed_fact(case: Case) -> Optional[bool]:
     return case.layer.get("packed") if case.level == "adapter" else case.settings.get("packed_sequences")
 
 
+def documents_from_mask(case: Case) -> bool:
+    """Megatron's layer with reset_attention_mask on dense batches: its documents come in Megatron's mask."""
+    return case.level == "megatron" and bool(case.settings["reset_attention_mask"]) and packed_fact(case) is not True
+
+
+def megatron_documents(case: Case) -> Optional[torch.Tensor]:
+    """Megatron's own document mask (``_get_ltor_masks_and_position_ids``, True = masked) of rows with
+    EOD tokens at seeded positions, for a dense call of a `documents_from_mask` layer; else None."""
+    c = case.call
+    if not documents_from_mask(case) or c["thd"] or c["q_len"] != c["kv_len"]:
+        return None
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids as megatron_ltor
+
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    rows = []
+    for _ in range(c["batch"]):
+        tokens = torch.randint(1, 9, (c["q_len"],), generator=gen)
+        tokens[torch.rand(c["q_len"], generator=gen) < 0.2] = 0  # EOD = 0, about one token in five
+        rows.append(megatron_ltor(tokens, 0, False, True, False, True)[0])
+    return torch.stack(rows)
+
+
 def reaches_right(allowed: torch.Tensor) -> bool:
     """A mask allowing some key right of the diagonal (kv > q), where CK's ALiBi is symmetric."""
     q_len, kv_len = allowed.shape[-2:]
@@ -181,6 +203,7 @@ def expect_build(case: Case) -> BuildExpectation:
     packed = packed_fact(case)
     may_dense, may_pack = packed is not True, packed is not False
     fp8, cp = s["enable_turbo_attention_float8"], layer["context_parallel_size"]
+    mask_docs = documents_from_mask(case)
     sink = planned_sink(case)
     window = layer_window(case)
     mask_hook, score_hook = (case.mask_hook, case.score_hook) if flex else (None, None)
@@ -207,14 +230,18 @@ def expect_build(case: Case) -> BuildExpectation:
         "B8": layer_causal(case) and config_window(case) is not None and window != (-1, -1) and window[1] != 0,
         "cp-heads": turbo_path and cp > 1 and bool(layer["num_heads"] % cp or layer["num_kv_heads"] % cp),
         "B13-direct": on_direct and fake is not None and sink and may_dense and fp8,
-        "B13-direct-packed": on_direct and fake is not None and sink and packed is True and not fp8
+        "B13-direct-packed": on_direct and fake is not None and sink and (packed is True or mask_docs) and not fp8
         and not fake["varlen_sink"],
         "B18": on_direct and fake is not None and packed is True and fp8,
         "B10": config_window(case) is not None and s.get("sink_sliding_window", 0) > 0,
         "B11": flex and mask_hook is not None and window is not None,
         "B17": flex and packed is True and (mask_hook is not None or score_hook is not None),
         "B23": flex and fp8,
-        "B25": turbo_path and s["reset_attention_mask"] and packed is not True,
+        # reset_attention_mask: Megatron's layers read the documents from its dense mask (varlen), at CP 1 only
+        "B25": turbo_path and s["reset_attention_mask"] and packed is not True and (
+            case.level != "megatron" or cp > 1),
+        "B25-layer": turbo_path and mask_docs and cp == 1 and (
+            bool(mask_hook or score_hook) or not layer_causal(case) or (on_direct and fp8)),
         "B27": turbo_path and layer["position_embedding_type"] == "alibi",
         "softcap": on_turbo and score == "softcap",
         # CK's ALiBi is symmetric right of the diagonal; with a sink the Triton kernels run (B35).
@@ -226,7 +253,7 @@ def expect_build(case: Case) -> BuildExpectation:
         # flash_attn_varlen_func (which takes one only where the build has varlen sinks).
         "B13": False,
         "B13-packed": on_turbo and sink and not fake["varlen_sink"] and (
-            packed is True or (mspec is not None and mspec.provable is True and mspec.kind == "documents")),
+            packed is True or mask_docs or (mspec is not None and mspec.provable is True and mspec.kind == "documents")),
         "sink-shape": (on_turbo or (on_direct and fake is not None)) and sink
         and not (is_pow2(layer["head_dim"]) and layer["head_dim"] == layer["head_dim_v"]),
         # Every build's flash entries take `deterministic`, and they run every pattern (B7).
@@ -352,6 +379,8 @@ def expect_call(case: Case) -> CallExpectation:
     has_packed_entry = (not fp8) if not case.flex else True
     if c["attention_bias"]:
         exp.must.append("attention_bias")
+    if documents_from_mask(case) and not c["thd"] and c["q_len"] != c["kv_len"]:
+        exp.must.append("reset_attention_mask on a dense call of unequal q and kv lengths (B25.mask-shape)")
     if c["packed_params"] == "sbhd_bounds":
         exp.must.append("cu_seqlens with qkv_format sbhd")
     if c["packed_params"] in ("empty", "thd") and not has_packed_entry:
@@ -716,7 +745,8 @@ def run_megatron(case: Case, stage: list, mutate) -> Ran:
         bounds = torch.tensor([0, c["q_len"]], dtype=torch.int32)
         params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
     bias = torch.zeros(1, hq, c["q_len"], c["kv_len"]) if c["attention_bias"] else None
-    out = module(leaves["q"], leaves["k"], leaves["v"], None, attn_mask_type=mask_type, attention_bias=bias,
+    documents = megatron_documents(case)
+    out = module(leaves["q"], leaves["k"], leaves["v"], documents, attn_mask_type=mask_type, attention_bias=bias,
                  packed_seq_params=params)
 
     sink = sink_param  # a learned parameter, the fixed zeros of off-by-one, or None
@@ -726,6 +756,8 @@ def run_megatron(case: Case, stage: list, mutate) -> Ran:
         ref_sink = sink.detach().to(torch.float64).requires_grad_(training and isinstance(sink, torch.nn.Parameter))
     extra = dict(scale=layer["softmax_scale"], sink=ref_sink, score_fn=score_fn(case))
     mask = expected_mask(case)
+    if documents is not None:
+        mask = mask & ~documents  # attention stays inside each of Megatron's documents
     if c["thd"]:
         want, _ = oracle.packed_attention(refs["q"], refs["k"], refs["v"], mask, **extra)
         want_out = want.reshape(want.shape[0], -1)

@@ -161,14 +161,22 @@ def test_megatron_lm_args_reach_a_module_built_without_settings(monkeypatch):
 
 
 def test_megatron_reset_attention_mask_is_seen_even_with_explicit_settings(monkeypatch):
-    """B25: Megatron-LM's own --reset-attention-mask cannot be hidden by explicit Turbo settings."""
+    """B25: Megatron-LM's own --reset-attention-mask cannot be hidden by explicit Turbo settings: the
+    layer reads the documents from Megatron's mask, or refuses where it cannot (here: a hook)."""
     explicit = TurboAttentionSettings.from_dict(dict(use_turbo_attention=True, use_turbo_flex_attention=True,
                                                      turbo_flex_attention_backend="reference"))
-    PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=explicit)
+    hooked = TurboAttentionSettings.from_dict(dict(
+        use_turbo_attention=True, use_turbo_flex_attention=True, turbo_flex_attention_backend="reference",
+        turbo_flex_attention_mask_mod="primus_ext.attention.masks:causal", turbo_flex_attention_mask_mod_kwargs={}))
+    assert not PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self",
+                                         settings=explicit).core.plan.mask_documents
+    PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=hooked)
     fake_megatron_training(monkeypatch, lambda: megatron_lm_namespace(reset_attention_mask=True))
+    assert PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self",
+                                     settings=explicit).core.plan.mask_documents
     with pytest.raises(UnsupportedConfigError) as info:
-        PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=explicit)
-    assert "reset_attention_mask" in info.value.settings and "THD" in str(info.value)
+        PrimusTurboLocalAttention(gpt.config(), 1, AttnMaskType.causal, "self", settings=hooked)
+    assert "reset_attention_mask" in info.value.settings and "B25-layer" in info.value.codes
 
 
 def test_config_deterministic_mode_reaches_the_plan():

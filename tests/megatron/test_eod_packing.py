@@ -135,14 +135,14 @@ def test_training_through_the_conversion_equals_megatrons_dense_mask(path):
         assert {c.entry for c in fake.calls} == {"flash_attn_varlen_func"}
 
 
-def test_reset_attention_mask_needs_packed_batches_and_check_says_so():
+def test_reset_attention_mask_takes_converted_or_dense_batches_as_declared():
     from primus_ext.megatron import PrimusTurboLocalAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     with fake_primus_turbo():
-        with pytest.raises(UnsupportedConfigError, match="pack_eod_micro_batch"):
-            PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.causal, "self",
-                                      settings=gpt.settings(reset_attention_mask=True))
+        dense = PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.causal, "self",
+                                          settings=gpt.settings(reset_attention_mask=True))
         layer = PrimusTurboLocalAttention(_cfg(), 1, AttnMaskType.causal, "self",
                                           settings=gpt.settings(reset_attention_mask=True))
-    assert layer.core.plan.eod_documents
+    assert layer.core.plan.eod_documents and not layer.core.plan.mask_documents
+    assert dense.core.plan.mask_documents and not dense.core.plan.eod_documents  # tests/megatron/test_document_mask.py

@@ -3,6 +3,8 @@
 * ``primus-ext check CONFIG.yaml``: each layer's plan, or every reason it cannot run.
 * ``primus-ext demo [CONFIG.yaml]``: a tiny Megatron GPT trained on CPU through the flex path.
 * ``primus-ext bench [NAME ...]``: the benchmarks of a source checkout (``benchmarks/``).
+* ``primus-ext convert-checkpoint SRC DST --to primus_ext|primus``: learned sinks between Primus's
+  checkpoints and primus_ext's (``convert``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import warnings
 from typing import Optional, Sequence
 
 from ..errors import PrimusExtError
+from .convert import add_parser as add_convert_parser
 
 # megatron-core announces at import that GPU-only packages are missing; on a laptop
 # that is expected and not the user's concern.
@@ -39,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the benchmarks of a source checkout (all, or the NAMEs given)")
     bench.add_argument("names", nargs="*", metavar="NAME", help="benchmark names (default: all)")
     bench.add_argument("--list", action="store_true", help="list the benchmark names and exit")
+    add_convert_parser(sub)
     return parser
 
 
@@ -55,6 +59,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .selftest import run_selftest
 
             return run_selftest(args.config, args.arch, args.fault)
+        if args.command == "convert-checkpoint":
+            from .convert import run_convert
+
+            return run_convert(args.src, args.dst, args.to, args.params_dtype)
         if args.command == "bench":
             from .bench import run_bench
 

@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Callable
 
 from ..errors import Reason, UnsupportedConfigError
+from ..megatron.checkpoint import check_load_checkpoint
 from ..settings import TurboAttentionSettings
 
 PATCH_ID = "primus_ext.turbo_flex_attention"
@@ -64,7 +65,8 @@ def applies(ctx: Any) -> bool:
     """The patch's condition: ``use_turbo_flex_attention`` is set.  Raises our error for everything
     that would leave the layers on another attention (Primus runs conditions outside its ``try``,
     so this reaches the user): a key that does not check, Primus's spec provider missing, or not
-    installed by Primus in this run (``enable_primus_turbo`` off, its patch filtered out)."""
+    installed by Primus in this run (``enable_primus_turbo`` off, its patch filtered out), and a
+    ``load`` checkpoint of Primus's learned sinks not converted for primus_ext."""
     args = _args(ctx)
     if args is None:
         return False
@@ -88,6 +90,7 @@ def applies(ctx: Any) -> bool:
     if reasons:
         raise UnsupportedConfigError(reasons, context="Primus patch")
     _provider()
+    check_load_checkpoint(args)  # an unconverted Primus checkpoint would load no (or zero) sinks
     return True
 
 

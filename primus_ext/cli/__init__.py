@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--picture", default=None, help="write the attention pattern of each layer kind to this PNG")
     check.add_argument("--arch", choices=("gfx942", "gfx950"), default=None,
                        help="check Primus-Turbo's kernel dispatch for this GPU (MI300 = gfx942, MI355 = gfx950)")
+    check.add_argument("--primus-root", default=None, metavar="DIR",
+                       help="Primus checkout whose configs a Primus experiment YAML is merged from "
+                            "(default: the installed primus package)")
     demo = sub.add_parser("demo", help="train a tiny Megatron GPT on CPU through the flex path")
     demo.add_argument("config", nargs="?", default=None, help="YAML (default: the embedded example)")
     demo.add_argument("--steps", type=int, default=None, help="training steps")
@@ -54,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "check":
             from .check import run_check
 
-            return run_check(args.config, args.seq_len, args.picture, arch=args.arch)
+            return run_check(args.config, args.seq_len, args.picture, arch=args.arch, primus_root=args.primus_root)
         if args.command == "selftest":
             from .selftest import run_selftest
 

@@ -11,6 +11,8 @@ not called), and prints:
 * on refusal, every reason of every layer (with the settings it reads and the
   alternative), layers with the same reasons reported together.
 
+A Primus experiment YAML (``modules:``) is first merged as Primus merges it (`check_primus`).
+
 Exit status: 0 when every layer can run, 2 on any refusal or unusable settings.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 
 from ..attention.heads import head_range
@@ -34,6 +36,7 @@ from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
 from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
 from ..testing import fake_primus_turbo
+from .check_primus import primus_merged, primus_refusal, primus_run_settings
 from .render import ascii_grid, layer_kinds, layer_list, write_png
 
 PICTURE_LEN = 512
@@ -234,12 +237,14 @@ def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: b
     return f"{path}: {count}, {seq}, {heads} query heads / {groups} key-value groups"
 
 
-def settings_for(config: dict, arch: Optional[str], err: Any) -> Optional[TurboAttentionSettings]:
+def settings_for(config: dict, arch: Optional[str], err: Any,
+                 read: Callable[[dict], TurboAttentionSettings] = TurboAttentionSettings.from_dict,
+                 ) -> Optional[TurboAttentionSettings]:
     """The config's settings (``--arch`` applied), or None after printing why they are refused."""
     if arch is not None:
         config["turbo_arch"] = arch
     try:
-        return TurboAttentionSettings.from_dict(config)
+        return read(config)
     except UnsupportedConfigError as exc:
         print(exc, file=err)
         return None
@@ -295,19 +300,23 @@ def _tp_notes(config: Mapping[str, Any], ranks: Mapping[int, Sequence[AttentionP
 
 
 def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None,
-              out=None, err=None, arch: Optional[str] = None) -> int:
+              out=None, err=None, arch: Optional[str] = None, primus_root: Optional[str] = None) -> int:
     """Print the plan table and pattern pictures of ``path``; 0 when all layers run, else 2.
 
     ``arch`` (``--arch gfx942|gfx950``) answers for a Turbo machine from any machine: the
     kernel dispatch of that arch is checked, with the CPU fake standing in for a
-    Primus-Turbo that is not installed here.
+    Primus-Turbo that is not installed here.  A Primus experiment YAML is checked as Primus
+    merges it, from ``primus_root`` or the installed Primus (`primus_ext.cli.check_primus`).
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    config = _load(path)
+    config, primus = primus_merged(path, _load(path), primus_root, out)
     fragment = is_module_fragment(config)
-    settings = settings_for(config, arch, err)
-    if settings is None:
+    settings = settings_for(config, arch, err, primus_run_settings if primus else TurboAttentionSettings.from_dict)
+    refusal = primus_refusal(config, settings) if primus and settings is not None else None
+    if refusal is not None:  # the patch's condition would stop this run
+        print(refusal, file=err)
+    if settings is None or refusal is not None:
         return REFUSED
     if fragment:
         print(fragment_note(path, settings), file=out)

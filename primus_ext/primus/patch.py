@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import sys
 import weakref
 from typing import Any, Callable
@@ -27,8 +26,8 @@ from typing import Any, Callable
 from ..errors import Reason, UnsupportedConfigError
 from ..megatron.checkpoint import check_load_checkpoint
 from ..settings import TurboAttentionSettings
+from ..settings.primus_config import PATCH_ID, PRIMUS_PROVIDER_PATCH, primus_settings, switch_reasons
 
-PATCH_ID = "primus_ext.turbo_flex_attention"
 PRIORITY = 42
 SPEC_PROVIDER = "primus.backends.megatron.core.extensions.transformer_engine_spec_provider"
 _REGISTERED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the registry modules registered with (by identity)
@@ -46,10 +45,6 @@ def register() -> bool:
                            backend="megatron", phase="before_train", condition=applies, priority=PRIORITY)(install)
     _REGISTERED.add(patches)
     return True
-
-
-PRIMUS_PROVIDER_PATCH = "megatron.turbo.te_spec_provider"
-"""Primus's own patch that installs its spec provider (when ``enable_primus_turbo``)."""
 
 
 def _args(ctx: Any) -> Any:
@@ -70,23 +65,10 @@ def applies(ctx: Any) -> bool:
     args = _args(ctx)
     if args is None:
         return False
-    settings = TurboAttentionSettings.from_args(args)  # every key, look-alikes too, as the layers read them
+    settings = _settings(args)  # every key, look-alikes too, as the layers read them
     if not settings.use_turbo_flex_attention:
         return False
-    reasons = []
-    if not getattr(args, "enable_primus_turbo", False):
-        reasons.append(Reason(
-            ("enable_primus_turbo", "use_turbo_flex_attention"),
-            "use_turbo_flex_attention is true but enable_primus_turbo is not: Primus then does not install its spec "
-            "provider, and the layers would be built with TransformerEngine's attention, not primus_ext's.",
-            "set enable_primus_turbo: true (Primus's switch) with use_turbo_attention: true.", "primus-enable"))
-    enabled = _enabled_patch_ids()
-    if enabled is not None and PRIMUS_PROVIDER_PATCH not in enabled:
-        reasons.append(Reason(
-            ("PRIMUS_PATCHES",), f"PRIMUS_PATCHES enables only {sorted(enabled)}, without Primus's "
-            f"{PRIMUS_PROVIDER_PATCH}: its spec provider would not be installed, and the layers would not be "
-            "primus_ext's.", f"add {PRIMUS_PROVIDER_PATCH} (and {PATCH_ID}) to PRIMUS_PATCHES, or unset it.",
-            "primus-enable"))
+    reasons = switch_reasons(getattr(args, "enable_primus_turbo", False))  # `primus-ext check` applies it too
     if reasons:
         raise UnsupportedConfigError(reasons, context="Primus patch")
     _provider()
@@ -94,20 +76,21 @@ def applies(ctx: Any) -> bool:
     return True
 
 
-def _enabled_patch_ids() -> Any:
-    """The ids ``PRIMUS_PATCHES`` enables, read as Primus reads it: None for all (unset, ``all``)."""
-    raw = os.environ.get("PRIMUS_PATCHES", "").strip()
-    if not raw or raw.lower() == "all":
-        return None
-    if raw.lower() == "none":
-        return set()
-    return {part.strip() for part in raw.split(",") if part.strip()}
+def _settings(args: Any) -> TurboAttentionSettings:
+    """The settings of Primus's Megatron args, read as ``primus-ext check`` reads a merged experiment
+    (`primus_ext.settings.primus_config.primus_settings`: Primus's own look-alike keys, such as
+    module_base.yaml's ``sink_level`` in every run, pass; a mapping Primus made a namespace is read as one)."""
+    try:
+        values = vars(args)
+    except TypeError:  # an object without __dict__: read by attribute, as the layers do
+        return TurboAttentionSettings.from_args(args)
+    return primus_settings(values)
 
 
 def install(ctx: Any) -> None:
     """The handler: every layer Primus's spec provider builds gets primus_ext's core attention,
     bound to the settings of this run's arguments."""
-    settings = TurboAttentionSettings.from_args(_args(ctx))
+    settings = _settings(_args(ctx))
     _provider().core_attention = _core_attention(settings)
 
 

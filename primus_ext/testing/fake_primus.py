@@ -1,40 +1,58 @@
 """A CPU stand-in for the parts of AMD Primus that load a third-party attention: its patch
 registry and runner, its spec provider, and its way of building Megatron's arguments.
 
-Written from the facts read in Primus's sources (main fd1eeab; docs/primus.md cites them):
+Written from Primus's sources (main fd1eeab, ``primus/`` paths; docs/primus.md cites them):
 
-* ``primus.core.patches``: ``register_patch(patch_id, *, description, backend, phase, condition,
-  priority=50, backend_versions, primus_versions, tags)`` decorating ``handler(ctx)``;
-  ``run_patches(*, backend, phase, ..., extra, enabled_ids, dry_run, stop_on_error)`` keeps the
-  patches of that backend and phase, runs them by ascending ``(priority, id)``, filters by the
-  ids of ``PRIMUS_PATCHES`` (``all`` / ``none`` / a list), evaluates each ``condition(ctx)``
-  *outside* any ``try`` (an exception there propagates), and logs and swallows every exception
-  a handler raises unless ``stop_on_error`` (``patch_runner.py``; the training runtime never
-  sets it).  ``get_args(ctx)`` is ``ctx.extra["backend_args"]``.
-* ``primus.backends.megatron.core.extensions.transformer_engine_spec_provider``:
+* ``core/patches``: ``register_patch(patch_id, *, description, backend, phase, condition,
+  priority=50, backend_versions, primus_versions, tags)`` decorating ``handler(ctx)``
+  (``patch_registry.py:169-207``).  The registry keeps one list per ``(backend, phase)`` in
+  registration order; registering an id again replaces it, and it moves to the end of its list
+  (``patch_registry.py:49-81``).  ``run_patches`` (``patch_runner.py:47-148``) takes the lists of
+  ``(backend, phase)``, ``(None, phase)``, ``(backend, None)``, ``(None, None)`` in that order
+  (``patch_registry.py:122-136``), keeps the ids of ``PRIMUS_PATCHES`` (``all`` / ``none`` / a list,
+  ``:26-39``, ``:89-90``), then evaluates **every** patch's ``applies_to`` (backend, phase, version
+  patterns, ``condition``) **before running any handler** and outside any ``try`` (``:102``: a
+  raising condition propagates), sorts by priority with ties kept in that list order (``:105``,
+  a stable sort: registration order within one ``(backend, phase)`` list, not by id), and runs each
+  handler in a ``try`` that logs and swallows ``ImportError`` and ``Exception`` unless
+  ``stop_on_error`` (``:125-140``; the training runtime never sets it).  ``dry_run`` counts without
+  running (``:118-122``).  Version patterns: ``patch.py:67-81``, ``utils.py:24-116``.
+  ``get_args(ctx)`` is ``ctx.extra["module_config"].params`` (``context.py:87-116``).
+* ``backends/megatron/core/extensions/transformer_engine_spec_provider``:
   ``PrimusTurboSpecProvider.core_attention()`` returns Primus's ``PrimusTurboAttention`` when
   ``use_turbo_attention`` is set, else TE's attention.  Here (no TransformerEngine on CPU) those
   are megatron-core's local ``DotProductAttention``: ``PRIMUS_ATTENTION`` marks Primus's own.
-* Primus's own patch ``megatron.turbo.te_spec_provider`` (priority 41, before_train, condition
-  ``enable_primus_turbo``) installs that provider in place of megatron-core's TE provider; the
-  model is built after the before_train patches, by whichever provider is in place.
-* Arguments: Megatron's known keys, then every module-YAML key merged in (``merge_namespace``);
-  Primus passes no ``extra_args_provider``.
+* Primus's own patch ``megatron.turbo.te_spec_provider`` (``patches/turbo/te_spec_provider_patches.py``:
+  priority 41, before_train, ``backend_versions=["<0.17"]``) installs that provider in place of
+  megatron-core's TE provider when ``enable_primus_turbo`` (its condition also wants an importable
+  ``primus_turbo``, ``turbo/utils.py:13-35``, which the CPU fake does not register, and accepts
+  legacy grouped GEMM: not modelled); the model is built after the before_train patches.
+* The runtime (``core/runtime/train_runtime.py``): the module's params become Megatron's args
+  (``convert_config``, ``:416``), the build_args patches run (``:424``), the params' other keys
+  are merged in and the args become ``module_config.params`` (``:454-455``), then the setup
+  (``:518``) and before_train (``:527``) patches run.  The config merge itself is
+  `primus_ext.testing.fake_primus_config`.
 
-`installed()` puts the stand-in into ``sys.modules`` for a ``with`` block; `train` runs the
-lifecycle a Primus launch runs, on a tiny megatron-core GPT on CPU.
+`installed()` puts the stand-in into ``sys.modules`` for a ``with`` block; `run_runtime` runs what
+a Primus launch runs from an experiment YAML, `run_lifecycle` the same from ready args.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import types
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-PHASES = ("setup", "build_args", "before_train")
+from . import fake_primus_config as config
+
+PHASES = ("build_args", "setup", "before_train")
+"""The phases before the model is built, in the runtime's order (train_runtime.py:424, 518, 527)."""
 SPEC_PROVIDER_MODULE = "primus.backends.megatron.core.extensions.transformer_engine_spec_provider"
 
 
@@ -45,7 +63,41 @@ class PatchContext:
     backend_version: Optional[str] = None
     primus_version: Optional[str] = None
     model_name: Optional[str] = None
+    module_name: Optional[str] = None
+    platform: Optional[str] = None
     extra: dict = dataclasses.field(default_factory=dict)
+
+
+def get_args(ctx: PatchContext) -> Any:
+    """context.py:87-116: the module's params (Megatron's args from the runtime's merge on)."""
+    module_config = ctx.extra.get("module_config")
+    assert module_config is not None, "module_config is required in patch context"
+    params = getattr(module_config, "params", None)
+    assert params is not None, "module_config.params is required in patch context"
+    return params
+
+
+def _semver(version: str) -> Optional[tuple[int, ...]]:
+    parts = [re.match(r"^(\d+)", part) for part in version.split(".")] if version else [None]
+    return tuple(int(m.group(1)) for m in parts) if all(parts) else None  # type: ignore[union-attr]
+
+
+def version_in_range(version: Optional[str], pattern: str) -> bool:
+    """utils.py:73-116: ``a~b``, ``<``/``<=``/``>``/``>=``, else wildcard or exact."""
+    if not version:
+        return False
+    if "~" in pattern:
+        low, high, got = _semver(pattern.split("~", 1)[0]), _semver(pattern.split("~", 1)[1]), _semver(version)
+        return bool(low and high and got) and low <= got <= high  # type: ignore[operator]
+    match = re.match(r"^(<=|>=|<|>)([\d\.]+)$", pattern)
+    if match:
+        got, target = _semver(version), _semver(match.group(2))
+        if not (got and target):
+            return False
+        return {"<=": got <= target, ">=": got >= target, "<": got < target, ">": got > target}[match.group(1)]
+    if "*" not in pattern:
+        return version == pattern
+    return re.fullmatch(pattern.replace(".", r"\.").replace("*", ".*"), version) is not None
 
 
 @dataclasses.dataclass
@@ -57,56 +109,102 @@ class FunctionPatch:
     phase: Optional[str] = None
     condition: Optional[Callable[[PatchContext], bool]] = None
     priority: int = 50
+    backend_version_patterns: list = dataclasses.field(default_factory=list)
+    primus_version_patterns: list = dataclasses.field(default_factory=list)
+    tags: set = dataclasses.field(default_factory=set)
 
     def applies_to(self, ctx: PatchContext) -> bool:
+        """patch.py:83-117, in its order; the condition last."""
         if self.backend is not None and self.backend != ctx.backend:
             return False
         if self.phase is not None and self.phase != ctx.phase:
             return False
+        for patterns, version in ((self.backend_version_patterns, ctx.backend_version),
+                                  (self.primus_version_patterns, ctx.primus_version)):
+            if patterns and not any(version_in_range(version, p) for p in patterns):
+                return False
         return self.condition is None or bool(self.condition(ctx))
 
 
 class Registry:
-    """The patches registered in this process, and what the runner logged."""
+    """The patches registered in this process, and what the runner logged and applied."""
 
     def __init__(self) -> None:
-        self.patches: dict[str, FunctionPatch] = {}
+        self.buckets: dict[tuple[Optional[str], Optional[str]], list[FunctionPatch]] = {}
+        self.all: list[FunctionPatch] = []
         self.log: list[str] = []
         self.applied: list[str] = []
+
+    @property
+    def patches(self) -> dict[str, FunctionPatch]:
+        return {patch.id: patch for patch in self.all}
+
+    def register(self, patch: FunctionPatch) -> FunctionPatch:
+        """patch_registry.py:49-81."""
+        for i, existing in enumerate(self.all):
+            if existing.id == patch.id:
+                bucket = self.buckets.get((existing.backend, existing.phase), [])
+                if existing in bucket:
+                    bucket.remove(existing)
+                self.all[i] = patch
+                break
+        else:
+            self.all.append(patch)
+        self.buckets.setdefault((patch.backend, patch.phase), []).append(patch)
+        return patch
 
     def register_patch(self, patch_id: str, *, description: str = "", backend: Optional[str] = None,
                        phase: Optional[str] = None, condition: Optional[Callable[[PatchContext], bool]] = None,
                        priority: int = 50, backend_versions: Any = None, primus_versions: Any = None,
                        tags: Any = None) -> Callable[[Callable], Callable]:
         def decorate(handler: Callable[[PatchContext], None]) -> Callable[[PatchContext], None]:
-            self.patches[patch_id] = FunctionPatch(patch_id, description, handler, backend, phase, condition, priority)
+            self.register(FunctionPatch(patch_id, description or handler.__doc__ or "", handler, backend, phase,
+                                        condition, priority, list(backend_versions or []),
+                                        list(primus_versions or []), set(tags or [])))
             return handler
         return decorate
 
-    def run_patches(self, *, backend: str, phase: str, extra: Optional[dict] = None,
-                    enabled_ids: Optional[list[str]] = None, stop_on_error: bool = False, **context: Any) -> int:
-        ctx = PatchContext(backend=backend, phase=phase, extra=extra or {},
-                           **{k: v for k, v in context.items() if k in ("backend_version", "primus_version",
-                                                                        "model_name")})
+    def iter_patches(self, backend: str, phase: str) -> list[FunctionPatch]:
+        """patch_registry.py:122-136: the four lists in their order, each id once."""
+        seen: set[str] = set()
+        out = []
+        for key in ((backend, phase), (None, phase), (backend, None), (None, None)):
+            for patch in self.buckets.get(key, []):
+                if patch.id not in seen:
+                    out.append(patch)
+                    seen.add(patch.id)
+        return out
+
+    def run_patches(self, *, backend: str, phase: str, backend_version: Optional[str] = None,
+                    primus_version: Optional[str] = None, model_name: Optional[str] = None,
+                    module_name: Optional[str] = None, platform: Optional[str] = None,
+                    extra: Optional[dict] = None, enabled_ids: Optional[list[str]] = None,
+                    dry_run: bool = False, stop_on_error: bool = False) -> int:
+        """patch_runner.py:47-148."""
+        ctx = PatchContext(backend, phase, backend_version, primus_version, model_name, module_name, platform,
+                           extra or {})
         if enabled_ids is None:
             enabled_ids = _enabled_from_env()
-        chosen = sorted((p for p in self.patches.values() if p.backend in (None, backend)
-                         and p.phase in (None, phase)), key=lambda p: (p.priority, p.id))
+        patches = self.iter_patches(backend, phase)
+        if enabled_ids is not None:
+            patches = [p for p in patches if p.id in enabled_ids]
+        patches = [p for p in patches if p.applies_to(ctx)]  # every condition first, outside the try
+        patches = sorted(patches, key=lambda p: p.priority)  # stable: ties keep the list order
         applied = 0
-        for patch in chosen:
-            if enabled_ids is not None and patch.id not in enabled_ids:
-                continue
-            if not patch.applies_to(ctx):  # outside the try, as upstream: a raising condition propagates
+        for patch in patches:
+            if dry_run:
+                applied += 1
                 continue
             try:
                 patch.handler(ctx)
-            except Exception as exc:  # noqa: BLE001 - upstream logs and goes on
-                self.log.append(f"[Patch] failed: {patch.id}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - upstream logs ImportError and Exception, and goes on
+                self.log.append(f"[Patch] ✗ Patch '{patch.id}' failed: {exc}")
                 if stop_on_error:
                     raise
                 continue
             applied += 1
             self.applied.append(patch.id)
+            self.log.append(f"[Patch] ✓ Applied: {patch.id} (priority={patch.priority})")
         return applied
 
 
@@ -119,11 +217,17 @@ def _enabled_from_env() -> Optional[list[str]]:
     return [x.strip() for x in raw.split(",") if x.strip()]
 
 
-def merge_namespace(args: Any, module_config: dict) -> Any:
-    """Every module-YAML key onto the Megatron args, as Primus's runtime merges them."""
-    for key, value in module_config.items():
-        setattr(args, key, value)
-    return args
+def backend_version() -> Optional[str]:
+    """megatron-core's version as Primus reads it: ``megatron/core/package_info.py`` on ``sys.path``,
+    parsed, not imported (``backends/megatron/megatron_adapter.py``, ``detect_backend_version``)."""
+    for entry in sys.path:
+        info = Path(entry or ".") / "megatron" / "core" / "package_info.py"
+        if info.is_file():
+            values = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(info.read_text()).body
+                      if isinstance(node, ast.Assign) and len(node.targets) == 1
+                      and getattr(node.targets[0], "id", None) in {"MAJOR", "MINOR", "PATCH", "PRE_RELEASE"}}
+            return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE') or ''}"
+    return None
 
 
 @contextlib.contextmanager
@@ -146,7 +250,7 @@ def installed() -> Iterator[Registry]:
     patches = modules["primus.core.patches"]
     patches.PatchContext, patches.FunctionPatch = PatchContext, FunctionPatch
     patches.register_patch, patches.run_patches = registry.register_patch, registry.run_patches
-    patches.get_args = lambda ctx: ctx.extra.get("backend_args")
+    patches.get_args = get_args
     provider_module = modules[SPEC_PROVIDER_MODULE]
 
     class PrimusTurboAttention(DotProductAttention):
@@ -169,11 +273,10 @@ def installed() -> Iterator[Registry]:
     provider_module.ACTIVE = TESpecProvider
 
     @registry.register_patch("megatron.turbo.te_spec_provider", backend="megatron", phase="before_train",
-                             priority=41, description="the Primus spec provider",
-                             condition=lambda ctx: bool(getattr(ctx.extra.get("backend_args"), "enable_primus_turbo",
-                                                                False)))
+                             priority=41, description="the Primus spec provider", backend_versions=["<0.17"],
+                             condition=lambda ctx: bool(getattr(get_args(ctx), "enable_primus_turbo", False)))
     def _install_provider(ctx: PatchContext) -> None:
-        PrimusTurboSpecProvider.cfg = ctx.extra.get("backend_args")
+        PrimusTurboSpecProvider.cfg = get_args(ctx)
         provider_module.ACTIVE = PrimusTurboSpecProvider
 
     try:
@@ -184,17 +287,49 @@ def installed() -> Iterator[Registry]:
         sys.modules.update(saved)
 
 
+def _phase(registry: Registry, phase: str, args: Any, module_config: Any) -> None:
+    """train_runtime.py:204-229: one phase through ``run_patches``."""
+    registry.run_patches(backend="megatron", phase=phase, backend_version=backend_version(),
+                         model_name=getattr(module_config, "model", None),
+                         module_name=getattr(module_config, "name", None),
+                         extra={"backend_args": args, "primus_config": None, "module_config": module_config,
+                                "runtime_state": None})
+
+
+def primus_module(experiment: str, primus_root: str, module_name: str = "pre_trainer") -> types.SimpleNamespace:
+    """The experiment's module as Primus's runtime holds it (``module_config`` with ``params``), from
+    the Primus checkout ``primus_root`` (its ``primus/configs``)."""
+    return config.module_config(config.parse_experiment(experiment, os.path.join(primus_root, "primus", "configs")),
+                                module_name)
+
+
+def run_runtime(registry: Registry, module_config: types.SimpleNamespace) -> types.SimpleNamespace:
+    """What ``PrimusRuntime`` runs before the model is built: Megatron's args from the params, the
+    build_args patches, the params merged into the args, the setup and before_train patches."""
+    args = config.convert_config(module_config.params)
+    _phase(registry, "build_args", args, module_config)
+    config.merge_namespace(args, module_config.params, allow_override=False)
+    module_config.params = args
+    for phase in PHASES[1:]:
+        _phase(registry, phase, args, module_config)
+    return args
+
+
 def megatron_args(experiment: dict, module_config: dict) -> types.SimpleNamespace:
-    """Megatron's arguments as Primus builds them: the experiment's Megatron keys, then every
-    module-YAML key (the experiment's overrides win) merged in."""
-    return merge_namespace(types.SimpleNamespace(), {**module_config, **experiment})
+    """Megatron's arguments from flat keys, the experiment's over the module's, as the runtime builds
+    them from merged params (Megatron's defaults, then every key)."""
+    params = config.to_namespace({**module_config, **experiment})
+    args = config.convert_config(params)
+    config.merge_namespace(args, params, allow_override=False)
+    return args
 
 
-def run_lifecycle(registry: Registry, args: Any) -> None:
-    """The phases a Primus launch runs before it builds the model, each through ``run_patches``."""
-    extra = {"backend_args": args, "primus_config": None, "module_config": None, "runtime_state": {}}
+def run_lifecycle(registry: Registry, args: Any, module_config: Any = None) -> None:
+    """The phases a Primus launch runs before it builds the model, for args already built (the
+    module's params are those args throughout)."""
+    module_config = module_config or types.SimpleNamespace(params=args, name="pre_trainer")
     for phase in PHASES:
-        registry.run_patches(backend="megatron", phase=phase, extra=extra)
+        _phase(registry, phase, args, module_config)
 
 
 def layer_spec() -> Any:
@@ -207,5 +342,5 @@ def layer_spec() -> Any:
     return spec
 
 
-__all__ = ["FunctionPatch", "PatchContext", "Registry", "installed", "layer_spec", "megatron_args",
-           "merge_namespace", "run_lifecycle"]
+__all__ = ["FunctionPatch", "PatchContext", "Registry", "backend_version", "get_args", "installed", "layer_spec",
+           "megatron_args", "primus_module", "run_lifecycle", "run_runtime", "version_in_range"]

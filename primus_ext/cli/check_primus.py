@@ -1,0 +1,96 @@
+"""``primus-ext check EXPERIMENT.yaml`` for a Primus experiment: the config it checks is the one
+Primus's patch will read.
+
+An experiment YAML (``modules:``) is merged the way Primus merges it
+(`primus_ext.settings.primus_config.read_experiment`: module file and its ``extends`` chain, model
+file, the module's ``overrides``, ``${VAR:default}`` from this environment), and ``check`` goes on
+with the merged module parameters as the Megatron YAML it checks.  Before the plans it prints:
+
+* the module and the files merged, lowest priority first;
+* the keys Primus's ``primus_turbo.yaml`` and primus_ext's module config
+  (``configs/modules/megatron/primus_ext_attention.yaml``) both define: those with equal defaults
+  on one line, and each key whose defaults differ (a *conflict*) with both defaults and the value
+  this run's layers get, and where that value was set.  A conflict is reported, not refused: the
+  layers read the merged value, which is what ``check`` plans with;
+* a note where ``PRIMUS_PATCHES`` leaves primus_ext's patch out (the layers are then Primus's).
+
+A run Primus would not switch on for primus_ext (``primus-enable``) is refused here as the patch's
+condition refuses it, by the same rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, TextIO
+
+from ..errors import PrimusExtError, UnsupportedConfigError, short_repr
+from ..settings import TurboAttentionSettings
+from ..settings.primus_config import (PATCH_ID, PrimusExperiment, enabled_patch_ids, is_experiment, primus_settings,
+                                      read_experiment, shared_keys, switch_reasons)
+
+
+def _value(value: Any) -> str:
+    """A value as the YAML shows it (``true``, ``null``), for the report."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return short_repr(value)
+
+
+def describe(experiment: PrimusExperiment) -> list[str]:
+    """The lines ``check`` prints about a merged experiment, before its plans."""
+    lines = [f"{experiment.path}: Primus experiment, module {experiment.module} (megatron), merged as Primus "
+             f"merges it from {experiment.configs}:",
+             f"  files, lowest priority first: {', '.join(experiment.files)}"]
+    shared = shared_keys(experiment)
+    if shared is None:
+        lines.append("  this Primus has no modules/megatron/primus_turbo.yaml: no shared keys to compare")
+    else:
+        same = [s.key for s in shared if not s.conflict]
+        if same:
+            lines.append(f"  keys Primus's primus_turbo.yaml and primus_ext_attention.yaml both define, same "
+                         f"defaults: {', '.join(same)}")
+        conflicts = [s for s in shared if s.conflict]
+        for s in conflicts:
+            lines.append(f"  conflict: {s.key}: Primus's primus_turbo.yaml has {_value(s.primus)}, "
+                         f"primus_ext_attention.yaml {_value(s.ours)}; this run's layers get {_value(s.merged)} "
+                         f"(from {s.source})")
+        if not conflicts:
+            lines.append("  no conflicts: every shared key has one default")
+    enabled = enabled_patch_ids()
+    if enabled is not None and PATCH_ID not in enabled:
+        lines.append(f"  note: PRIMUS_PATCHES (here) leaves out {PATCH_ID}: Primus would not run primus_ext's patch, "
+                     "and the layers would be Primus's own whatever the plans below say")
+    return lines
+
+
+def primus_merged(path: str, config: dict[str, Any], primus_root: Optional[str],
+                  out: TextIO) -> tuple[dict[str, Any], bool]:
+    """``(config to check, is a Primus experiment)``: a Primus experiment's merged module parameters,
+    after printing `describe`; any other YAML unchanged."""
+    if not is_experiment(config):
+        if primus_root is not None:
+            raise PrimusExtError(f"--primus-root is for a Primus experiment YAML (one with modules:); {path} has no "
+                                 "modules: mapping: leave --primus-root out, or give the experiment YAML.")
+        return config, False
+    experiment = read_experiment(path, primus_root)
+    for line in describe(experiment):
+        print(line, file=out)
+    print(file=out)
+    return dict(experiment.params), True
+
+
+def primus_run_settings(config: dict[str, Any]) -> TurboAttentionSettings:
+    """The settings of merged parameters, read exactly as the patch's condition reads Megatron's args."""
+    return primus_settings(config)
+
+
+def primus_refusal(config: dict[str, Any], settings: TurboAttentionSettings) -> Optional[UnsupportedConfigError]:
+    """The patch condition's refusal of this run where Primus would not install its spec provider."""
+    if not settings.use_turbo_flex_attention:
+        return None
+    reasons = switch_reasons(config.get("enable_primus_turbo", False))
+    return UnsupportedConfigError(reasons, context="Primus patch") if reasons else None
+
+
+__all__ = ["describe", "primus_merged", "primus_refusal", "primus_run_settings"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import itertools
 import sys
 import weakref
 from typing import Any, Callable
@@ -69,11 +70,58 @@ def applies(ctx: Any) -> bool:
     if not settings.use_turbo_flex_attention:
         return False
     reasons = switch_reasons(getattr(args, "enable_primus_turbo", False))  # `primus-ext check` applies it too
+    reasons += _provider_gates(getattr(ctx, "backend_version", None))
     if reasons:
         raise UnsupportedConfigError(reasons, context="Primus patch")
     _provider()
     check_load_checkpoint(args)  # an unconverted Primus checkpoint would load no (or zero) sinks
     return True
+
+
+PROVIDER_MEGATRON_BELOW = (0, 17)
+"""Primus's provider patch is registered with ``backend_versions=["<0.17"]``
+(``patches/turbo/te_spec_provider_patches.py``)."""
+
+
+def _provider_gates(backend_version: Any) -> list[Reason]:
+    """Why Primus's own provider patch would skip this run although ``enable_primus_turbo`` is set:
+    its condition wants an importable ``primus_turbo``, and its version filter megatron-core below
+    0.17 (a run without a known version fails the filter, as Primus's ``version_in_range`` has it).
+    Skipped, Primus logs it and builds TransformerEngine's attention: here it is refused instead."""
+    reasons = []
+    if not _importable("primus_turbo"):
+        reasons.append(Reason(
+            ("use_turbo_flex_attention",), "primus_turbo is not importable in this environment: Primus's "
+            f"{PRIMUS_PROVIDER_PATCH} then does not install its spec provider, and the layers would be "
+            "TransformerEngine's, not primus_ext's.",
+            "run in Primus's ROCm container, where Primus-Turbo is installed (docs/primus.md).", "primus-enable"))
+    version = _leading_ints(backend_version)
+    if version is None or version[:2] >= PROVIDER_MEGATRON_BELOW:
+        reasons.append(Reason(
+            ("use_turbo_flex_attention",), f"Primus reports megatron-core {backend_version or '(unknown)'}, and its "
+            f"{PRIMUS_PROVIDER_PATCH} applies only below 0.17: its spec provider would not be installed, and the "
+            "layers would not be primus_ext's.",
+            "use the Megatron-LM that Primus bundles (megatron-core 0.16), or Megatron's own spec argument with "
+            "primus_ext.primus.specs (no patch).", "primus-enable"))
+    return reasons
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec (a stand-in) counts
+        return name in sys.modules
+
+
+def _leading_ints(version: Any) -> Any:
+    """``"0.16.1rc0"`` -> ``(0, 16, 1)``; None when it does not start with a number."""
+    parts = []
+    for part in str(version or "").split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) >= 2 else None
 
 
 def _settings(args: Any) -> TurboAttentionSettings:

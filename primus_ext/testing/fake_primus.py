@@ -24,9 +24,8 @@ Written from Primus's sources (main fd1eeab, ``primus/`` paths; docs/primus.md c
   are megatron-core's local ``DotProductAttention``: ``PRIMUS_ATTENTION`` marks Primus's own.
 * Primus's own patch ``megatron.turbo.te_spec_provider`` (``patches/turbo/te_spec_provider_patches.py``:
   priority 41, before_train, ``backend_versions=["<0.17"]``) installs that provider in place of
-  megatron-core's TE provider when ``enable_primus_turbo`` (its condition also wants an importable
-  ``primus_turbo``, ``turbo/utils.py:13-35``, which the CPU fake does not register, and accepts
-  legacy grouped GEMM: not modelled); the model is built after the before_train patches.
+  megatron-core's TE provider when ``enable_primus_turbo`` and ``primus_turbo`` imports (the CPU
+  fake counts; ``turbo/utils.py:13-35``, whose legacy grouped-GEMM route is not modelled); the model is built after the before_train patches.
 * The runtime (``core/runtime/train_runtime.py``): the module's params become Megatron's args
   (``convert_config``, ``:416``), the build_args patches run (``:424``), the params' other keys
   are merged in and the args become ``module_config.params`` (``:454-455``), then the setup
@@ -230,6 +229,19 @@ def backend_version() -> Optional[str]:
     return None
 
 
+def _turbo_importable() -> bool:
+    """The provider patch's condition also wants ``primus_turbo`` (``turbo/utils.py:13-35``; its legacy
+    grouped-GEMM route is not modelled): the CPU fake counts where it is installed."""
+    import importlib.util
+
+    if "primus_turbo" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("primus_turbo") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
 def installed() -> Iterator[Registry]:
     """A fresh stand-in ``primus`` package in ``sys.modules`` for the block (restored after)."""
@@ -274,7 +286,8 @@ def installed() -> Iterator[Registry]:
 
     @registry.register_patch("megatron.turbo.te_spec_provider", backend="megatron", phase="before_train",
                              priority=41, description="the Primus spec provider", backend_versions=["<0.17"],
-                             condition=lambda ctx: bool(getattr(get_args(ctx), "enable_primus_turbo", False)))
+                             condition=lambda ctx: bool(getattr(get_args(ctx), "enable_primus_turbo", False))
+                             and _turbo_importable())
     def _install_provider(ctx: PatchContext) -> None:
         PrimusTurboSpecProvider.cfg = get_args(ctx)
         provider_module.ACTIVE = PrimusTurboSpecProvider

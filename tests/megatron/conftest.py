@@ -80,3 +80,18 @@ def megatron_world():
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def primus_container(request) -> Iterator[None]:
+    """Primus's ROCm container holds Primus-Turbo, and Primus installs its spec provider only where
+    ``primus_turbo`` imports: the Primus tests (modules ``test_primus_*``) run with the CPU fake
+    installed.  A test of the environment without it uses the ``no_primus_turbo`` marker."""
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    if not name.startswith("test_primus_") or request.node.get_closest_marker("no_primus_turbo"):
+        yield
+        return
+    from primus_ext.testing import fake_primus_turbo
+
+    with fake_primus_turbo():
+        yield

@@ -204,3 +204,20 @@ def test_a_proven_hook_runs_on_turbo_through_primus_and_equals_the_reference():
         data = gpt.batches(3)
         torch.testing.assert_close(gpt.train(turbo, data), gpt.train(reference, data), rtol=1e-5, atol=1e-6)
         assert {c.entry for c in fake.calls} == {"flash_attn_func"}
+
+
+@pytest.mark.no_primus_turbo
+def test_without_primus_turbo_importable_primus_would_skip_its_provider_so_it_is_refused():
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch(MODULE)
+    assert "primus-enable" in err.value.codes and "primus_turbo is not importable" in str(err.value)
+
+
+def test_a_megatron_core_primus_s_provider_patch_skips_is_refused(monkeypatch):
+    monkeypatch.setattr(P, "backend_version", lambda: "0.17.0")
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch(MODULE)
+    assert "primus-enable" in err.value.codes and "below 0.17" in str(err.value)
+    monkeypatch.setattr(P, "backend_version", lambda: None)  # unknown: Primus's version filter skips it too
+    with pytest.raises(UnsupportedConfigError):
+        launch(MODULE)

@@ -242,20 +242,39 @@ def _turbo_importable() -> bool:
         return False
 
 
+MODULES = ("primus", "primus.core", "primus.core.patches", "primus.backends", "primus.backends.megatron",
+           "primus.backends.megatron.core", "primus.backends.megatron.core.extensions", SPEC_PROVIDER_MODULE)
+"""The stand-in's modules (`populate` puts every one but ``primus`` itself into ``sys.modules``)."""
+
+
 @contextlib.contextmanager
 def installed() -> Iterator[Registry]:
     """A fresh stand-in ``primus`` package in ``sys.modules`` for the block (restored after)."""
+    saved = {name: mod for name, mod in sys.modules.items() if name == "primus" or name.startswith("primus.")}
+    root = types.ModuleType("primus")
+    root.__path__ = []  # a package, so submodules import
+    sys.modules["primus"] = root
+    try:
+        yield populate(root)
+    finally:
+        for name in MODULES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+def populate(root: types.ModuleType) -> Registry:
+    """Fill the ``primus`` package ``root`` with the stand-in (its submodules into ``sys.modules``,
+    Primus's provider patch registered); returns the registry.  `installed` does it for a ``with``
+    block; a stand-in Primus on disk calls it from its ``primus/__init__.py``."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     registry = Registry()
-    saved = {name: mod for name, mod in sys.modules.items() if name == "primus" or name.startswith("primus.")}
-    names = ["primus", "primus.core", "primus.core.patches", "primus.backends", "primus.backends.megatron",
-             "primus.backends.megatron.core", "primus.backends.megatron.core.extensions", SPEC_PROVIDER_MODULE]
-    modules = {name: types.ModuleType(name) for name in names}
+    modules = {name: (root if name == "primus" else types.ModuleType(name)) for name in MODULES}
     for name, module in modules.items():
-        module.__path__ = []  # a package, so submodules import
-        sys.modules[name] = module
+        if name != "primus":
+            module.__path__ = []  # a package, so submodules import
+            sys.modules[name] = module
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(modules[parent], child, module)
@@ -292,12 +311,8 @@ def installed() -> Iterator[Registry]:
         PrimusTurboSpecProvider.cfg = get_args(ctx)
         provider_module.ACTIVE = PrimusTurboSpecProvider
 
-    try:
-        yield registry
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
+    root.REGISTRY = registry
+    return registry
 
 
 def _phase(registry: Registry, phase: str, args: Any, module_config: Any) -> None:
@@ -355,5 +370,6 @@ def layer_spec() -> Any:
     return spec
 
 
-__all__ = ["FunctionPatch", "PatchContext", "Registry", "backend_version", "get_args", "installed", "layer_spec",
-           "megatron_args", "primus_module", "run_lifecycle", "run_runtime", "version_in_range"]
+__all__ = ["MODULES", "FunctionPatch", "PatchContext", "Registry", "backend_version", "get_args", "installed",
+           "layer_spec", "megatron_args", "populate", "primus_module", "run_lifecycle", "run_runtime",
+           "version_in_range"]

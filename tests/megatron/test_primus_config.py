@@ -290,3 +290,38 @@ def test_the_runner_swallows_a_handler_s_error_and_honours_version_patterns():
     assert registry.run_patches(backend="megatron", phase="setup", backend_version=P.backend_version()) == 1
     assert registry.applied == ["new"] and any("'fails' failed" in line for line in registry.log)
     assert P.version_in_range("0.16.1", "0.16.0~0.16.5") and P.version_in_range("0.16.1", "0.16.*")
+
+
+def test_the_experiment_trains_with_primus_ext_on_every_layer_with_the_plans_check_printed(caplog):
+    """The harness end to end: the experiment YAML, args built the Primus way, before_train patches,
+    the GPT built through the spec provider, a few CPU steps; every layer is primus_ext's and runs the
+    plan ``check`` printed for that YAML (build_plan logs each plan once: check's and the layers')."""
+    import logging
+
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from primus_ext.megatron import PrimusTurboLocalAttention
+    from tests.megatron import gpt
+
+    with caplog.at_level(logging.INFO, logger="primus_ext"):
+        code, out, err = _check(EXP, TREE)
+    assert code == 0, out + err
+    checked = {r.getMessage() for r in caplog.records if r.getMessage().startswith("primus_ext layer")}
+    caplog.clear()
+    with P.installed() as registry, caplog.at_level(logging.INFO, logger="primus_ext"):
+        register()
+        args = P.run_runtime(registry, P.primus_module(str(EXP), str(TREE)))
+        torch.manual_seed(0)
+        model = GPTModel(config=gpt.config(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                           num_attention_heads=args.num_attention_heads,
+                                           num_query_groups=args.num_query_groups),
+                         transformer_layer_spec=P.layer_spec(), vocab_size=gpt.VOCAB,
+                         max_sequence_length=args.seq_length, position_embedding_type="learned_absolute")
+    built = {r.getMessage() for r in caplog.records if r.getMessage().startswith("primus_ext layer")}
+    layers = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert all(isinstance(m, PrimusTurboLocalAttention) for m in layers)
+    assert {f"primus_ext {m.core.plan.describe()}" for m in layers} == built == checked
+    assert {m.core.plan.sink for m in layers} == {True} and layers[0].core.plan.window == (4, 0)
+    losses = gpt.train(model, gpt.batches(3, seq=args.seq_length))
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]

@@ -381,6 +381,17 @@ DOCUMENT_ALIGNMENT = rule(
     "pass equal q and kv boundaries, use a full (non-causal, unwindowed) mask, or set "
     "turbo_flex_attention_backend: reference.")
 
+# -- torch's FlexAttention (`primus_ext.backends.flex`) -----------------------------------------
+FLEX_UNSUPPORTED = rule(
+    "B34.flex", ("turbo_flex_attention_backend", "{setting}"),
+    "{what} on the flex backend: torch's flex_attention has no dropout, takes no bias tensor and is not shown "
+    "to have a deterministic backward, so it would be ignored.",
+    "set turbo_flex_attention_backend: reference (exact torch math, any device), or {instead}.")
+FLEX_CPU_GRAD = rule(
+    "B34.flex-cpu-grad", ("turbo_flex_attention_backend",),
+    "a call on the CPU that needs gradients, on the flex backend: torch's flex_attention has no CPU backward.",
+    "set turbo_flex_attention_backend: reference (or auto, which picks it on the CPU), or run on a GPU.")
+
 # -- what Megatron hands core attention (`primus_ext.megatron.call_contract`) ------------------
 _MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader); the layer "
                      "applies its configured causal / window / document mask itself. For document masks, pack "

@@ -188,6 +188,9 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.dense-call": lambda: adapter(settings(), facts(packed=True))(*qkv()),
     "B25.dense-call": lambda: adapter(settings(reset_attention_mask=True), facts(packed=True))(*qkv()),
     "B34.dropout": lambda: adapter(settings())(*qkv(), dropout_p=1.5),
+    # torch's FlexAttention (`primus_ext.backends.flex`)
+    "B34.flex": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(), dropout_p=0.1),
+    "B34.flex-cpu-grad": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(grad=True)),
     "B34.scale": lambda: adapter(settings())(*qkv(), softmax_scale="0.3"),
     "B34.window": lambda: adapter(settings(), drop_in=True)(*qkv(), causal=True, window_size=(2.5, 0)),
     "B34.window-bound": lambda: adapter(settings(), drop_in=True)(*qkv(), causal=True, window_size=(-2, 0)),

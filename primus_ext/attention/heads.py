@@ -71,9 +71,14 @@ def score_on_heads(score_mod: Optional[ScoreMod], offset: int) -> Optional[Score
     return score_on_global_heads
 
 
+def unshifted(hook: Any) -> tuple[Any, int]:
+    """``(the hook a wrapper of ours calls, the head offset it adds)``; ``(hook, 0)`` for any other callable."""
+    return _unshifted(hook, 0)
+
+
 def head_range(offset: int, count: int) -> str:
     """``heads 2-3`` (global numbers), for messages."""
     return f"head {offset}" if count == 1 else f"heads {offset}-{offset + count - 1}"
 
 
-__all__ = ["head_range", "mask_on_heads", "score_on_heads"]
+__all__ = ["head_range", "mask_on_heads", "score_on_heads", "unshifted"]

@@ -1,7 +1,10 @@
 """Backends that run an approved attention plan.
 
-``turbo``: Primus-Turbo on ROCm.  ``reference``: exact torch math on any device.
-``auto`` picks turbo when ``primus_turbo`` imports, else reference, and says which.
+``turbo``: Primus-Turbo on ROCm.  ``reference``: exact torch math on any device.  ``flex``:
+torch's own FlexAttention (compiled on a GPU) for hooks no fixed kernel computes.
+``auto`` picks turbo when ``primus_turbo`` imports, else reference, and says which; the plan
+then chooses per layer for hook layers (`primus_ext.plan.build`: admitted hooks run on flex on
+a GPU).  The setting's choices are `primus_ext.settings.BACKEND_CHOICES` (one place).
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from typing import Tuple
 
 from .base import AttentionBackend, BackendCapabilities, KernelCall
 from .capabilities import entry_accepts, sink_kwargs_for
+from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .turbo import TurboBackend, load_ops
 
-BACKEND_CHOICES = ("auto", "turbo", "reference")
+BACKENDS = ("turbo", "reference", "flex")
+"""The backends `make_backend` makes (the setting's choices add ``auto``)."""
 
 
 def turbo_import_problem() -> str:
@@ -30,8 +35,8 @@ def select_backend(choice: str) -> Tuple[str, str, str]:
 
     ``problem`` is non-empty when ``turbo`` was asked for but cannot be loaded.
     """
-    if choice == "reference":
-        return "reference", "turbo_flex_attention_backend: reference", ""
+    if choice in ("reference", "flex"):
+        return choice, f"turbo_flex_attention_backend: {choice}", ""
     problem = turbo_import_problem()
     if choice == "turbo":
         return "turbo", "turbo_flex_attention_backend: turbo", problem
@@ -46,13 +51,16 @@ def make_backend(name: str) -> AttentionBackend:
         return ReferenceBackend()
     if name == "turbo":
         return TurboBackend()
-    raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_CHOICES}")
+    if name == "flex":
+        return FlexBackend()
+    raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
 
 
 __all__ = [
-    "BACKEND_CHOICES",
+    "BACKENDS",
     "AttentionBackend",
     "BackendCapabilities",
+    "FlexBackend",
     "KernelCall",
     "ReferenceBackend",
     "TurboBackend",

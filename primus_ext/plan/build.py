@@ -6,6 +6,8 @@ import dataclasses
 import logging
 from typing import Callable, Optional, Tuple
 
+import torch
+
 from ..attention.heads import head_range, mask_on_heads, score_on_heads
 from ..attention.pattern import pattern_from_flash_args
 from ..hooks.crosscheck import as_torch_calls, torch_call_problem
@@ -77,6 +79,48 @@ def _backend_for(settings: TurboAttentionSettings, backend: Optional[AttentionBa
     return name, why, problem, caps
 
 
+HOOK_RULES = ("B31", "B31-score", "softcap", "B35")
+"""Turbo's refusals of a hook it does not compute: with ``auto`` such a layer runs on flex or reference."""
+
+
+def _auto_for_hooks(settings: TurboAttentionSettings, facts: LayerFacts, chosen: tuple,
+                    mask_proof: Optional[MaskProof], score_proof: Optional[ScoreProof]) -> tuple:
+    """``auto`` for one hook layer (docs/mask_hooks.md, the three classes): proven -> turbo where it imports;
+    admitted -> flex on a GPU (a device, or ``turbo_arch`` naming one, as ``check --arch`` plans), reference
+    elsewhere or where flex lacks what the layer needs; dynamic -> reference only."""
+    proofs = [p for p in (mask_proof, score_proof) if p is not None]
+    if not proofs:
+        return chosen
+    name, _, problem, caps = chosen
+    reference = ("reference", "", "", make_backend("reference").capabilities())
+    if any(p.outside is not None for p in proofs):
+        return ("reference", "auto: a dynamic hook (outside the provable subset) runs on reference only",
+                *reference[2:])
+    if name == "turbo" and not problem:
+        ctx = RuleInput(settings=settings, facts=facts, backend=name, caps=caps, window=layer_window(settings, facts),
+                        mask_proof=mask_proof, score_proof=score_proof)
+        unproven = sorted({r.code for r in failing_reasons(ctx) if r.code in HOOK_RULES})
+        if not unproven:
+            return chosen
+        what = f"a hook Primus-Turbo does not compute ({', '.join(unproven)})"
+    else:
+        what = "hooks, with primus_turbo not importable here"
+    gpu = _gpu_target(settings)
+    if not gpu:
+        return ("reference", f"auto: {what}; no GPU here, so exact torch math", *reference[2:])
+    if facts.attention_dropout > 0.0 or settings.deterministic_mode:
+        return ("reference", f"auto: {what}; flex has no dropout / deterministic backward", *reference[2:])
+    return ("flex", f"auto: {what}; torch's FlexAttention on {gpu}", "", make_backend("flex").capabilities())
+
+
+def _gpu_target(settings: TurboAttentionSettings) -> str:
+    """Where a GPU is planned for ('' on none): the ROCm device or ``turbo_arch``'s, else a CUDA device."""
+    arch, where = resolve_arch(settings.turbo_arch)
+    if arch is not None:
+        return where
+    return "a CUDA device" if torch.cuda.is_available() else ""
+
+
 def _direct_for(settings: TurboAttentionSettings, facts: LayerFacts) -> Tuple[Optional[DirectEntries], str]:
     """The direct-path entries of the installed Primus-Turbo, or why there are none."""
     problem = turbo_import_problem()
@@ -117,6 +161,9 @@ def build_plan(
             score_proof = prove_score(score_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
         mask_mod = _torch_convention(mask_mod, mask_proof, "mask_mod", settings, reasons)
         score_mod = _torch_convention(score_mod, score_proof, "score_mod", settings, reasons)
+        if backend is None and settings.turbo_flex_attention_backend == "auto":
+            name, why, problem, caps = _auto_for_hooks(settings, facts, (name, why, problem, caps),
+                                                       mask_proof, score_proof)
     else:
         name, why, problem, caps = "turbo", "direct path", "", None
         if settings.use_turbo_attention or facts.turbo_module:

@@ -19,7 +19,7 @@ class AttentionPlan:
     """A frozen, hashable description of one layer's attention.
 
     ``pattern`` is the dense mask the layer computes, proven for every length (``None``:
-    a hook that is not proven, which only the reference backend runs, by evaluating it).  Packed (thd) calls use ``causal``/``window``
+    a hook that is not proven, which the reference and flex backends run, by evaluating it).  Packed (thd) calls use ``causal``/``window``
     inside each document.  The hook callables are carried along but do not take
     part in equality or hashing; their recognition results do.
     """
@@ -102,7 +102,7 @@ class AttentionPlan:
     def pattern_text(self) -> str:
         if self.pattern is not None:
             return self.pattern.describe()
-        return "custom mask (evaluated exactly, reference only)"
+        return "custom mask (the hook itself, on reference or flex)"
 
     def describe(self) -> str:
         """One line a person reads: path, backend, entry, mask, sink, heads, numerics."""

@@ -91,6 +91,7 @@ class RuleInput:
             "documents_problem": _documents_problem(self),
             "direct_dense": self.direct.dense if self.direct else None,
             "direct_packed": self.direct.packed if self.direct else None,
+            "dynamic": "; ".join(_dynamic_hooks(self)),
         }
 
 
@@ -145,6 +146,21 @@ def _alibi_right_masks(c: "RuleInput") -> list[str]:
         found.append(f"dense: {dense.describe()}")
     if c.may_pack and inside.right != 0:
         found.append(f"packed: {inside.describe()}")
+    return found
+
+
+def _on_flex(c: "RuleInput") -> bool:
+    """The flex path runs on torch's FlexAttention (`primus_ext.backends.flex`)."""
+    return c.flex and c.backend == "flex"
+
+
+def _dynamic_hooks(c: "RuleInput") -> list[str]:
+    """The hooks outside the provable subset, with the construct and its line."""
+    found = []
+    for kind, proof, key in (("mask_mod", c.mask_proof, "turbo_flex_attention_mask_mod"),
+                             ("score_mod", c.score_proof, "turbo_flex_attention_score_mod")):
+        if proof is not None and proof.outside is not None:
+            found.append(f"the {kind} {getattr(c.settings, key)} uses {proof.outside.describe()}")
     return found
 
 
@@ -378,6 +394,26 @@ RULES: Tuple[Rule, ...] = (
          "turbo_flex_attention_backend: reference, or deterministic_mode: false.",
          lambda c: c.on_turbo and c.settings.deterministic_mode and c.may_dense
          and c.caps.dense_entry is not None and not c.caps.deterministic_dense),  # type: ignore[union-attr]
+    # torch's FlexAttention (`primus_ext.backends.flex`): what it does not compute is refused.
+    Rule("flex-dynamic", ("turbo_flex_attention_backend", "turbo_flex_attention_mask_mod",
+                          "turbo_flex_attention_score_mod"),
+         "turbo_flex_attention_backend: flex with a dynamic hook ({dynamic}): a hook outside the provable subset "
+         "may compute something else traced than called, and torch's FlexAttention traces it into its kernel, so "
+         "it is no safer there than on a fixed kernel.",
+         "set turbo_flex_attention_backend: reference (evaluates the hook as torch calls it) or auto (which does), "
+         "or rewrite the hook inside the provable subset (docs/mask_hooks.md).",
+         lambda c: _on_flex(c) and bool(_dynamic_hooks(c))),
+    Rule("flex-dropout", ("attention_dropout", "turbo_flex_attention_backend"),
+         "attention_dropout={dropout} on the flex backend: torch's flex_attention has no dropout; it would be "
+         "ignored.",
+         "set attention_dropout: 0.0, or turbo_flex_attention_backend: reference (exact dropout) or auto.",
+         lambda c: _on_flex(c) and c.facts.attention_dropout > 0.0),
+    Rule("flex-deterministic", ("deterministic_mode", "turbo_flex_attention_backend"),
+         "deterministic_mode on the flex backend: torch's flex_attention backward is not shown to be "
+         "deterministic (its kernels accumulate gradients across blocks).",
+         "set turbo_flex_attention_backend: reference (deterministic torch math) or auto, or "
+         "deterministic_mode: false.",
+         lambda c: _on_flex(c) and c.settings.deterministic_mode),
     Rule("B24-packed", ("deterministic_mode",),
          "deterministic_mode is on but the packed entry ({packed_entry}) has no `deterministic` "
          "parameter.",

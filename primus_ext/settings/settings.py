@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 from ..errors import Reason, UnsupportedConfigError, short_repr
 
-BACKEND_CHOICES: tuple[str, ...] = ("auto", "turbo", "reference")
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "turbo", "reference", "flex")
+"""``turbo_flex_attention_backend``: the one list of its choices."""
 CALL_FLAG_CHOICES: tuple[str, ...] = ("plan", "drop_in")
 """``turbo_flex_attention_call_flags``: a call's causal / window_size must be the plan's, or (drop-in) are its own."""
 
@@ -96,8 +97,10 @@ class TurboAttentionSettings:
         "If a mapping (even {}), the score_mod hook is a @hook_factory called with these kwargs.",
         "mapping | null", "B2, B32"))
     turbo_flex_attention_backend: str = field(default="auto", metadata=_meta(
-        "Flex backend: turbo (Primus-Turbo), reference (exact torch math), auto (turbo if it imports).",
-        "auto | turbo | reference", "B7, B8"))
+        "Flex backend: turbo (Primus-Turbo), reference (exact torch math), flex (torch's FlexAttention, for "
+        "admitted hooks on a GPU), auto (turbo if it imports; per hook layer: flex on a GPU for admitted hooks, "
+        "reference for dynamic ones).",
+        "auto | turbo | reference | flex", "B7, B8"))
     turbo_flex_attention_call_flags: str = field(default="plan", metadata=_meta(
         "Whose causal / window_size a flex call runs: plan (the layer's; a call passing others is refused) or "
         "drop_in (a flash_attn_func-style call's own, checked by the layer's rules once per distinct value).",

@@ -25,6 +25,8 @@ Any other exception is a failure.  Counts go to the session tally printed at the
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import importlib
 import re
@@ -188,6 +190,21 @@ class BuildExpectation:
     hook_refused: bool = False
 
 
+HOOK_RULES = frozenset({"B31", "B31-score", "softcap", "B35"})
+"""Primus-Turbo's refusals of a hook it does not compute."""
+
+
+def resolved_backend(case: Case) -> str:
+    """What ``auto`` resolves to in the fuzzer's world (no GPU): turbo where it imports, except a hook layer whose
+    hooks Primus-Turbo does not compute (one of its hook rules would refuse it there), which runs on reference
+    (docs/mask_hooks.md, the three classes; on a GPU it would be flex)."""
+    backend = case.resolved_backend
+    if not (case.flex and case.backend == "auto" and backend == "turbo" and (case.mask_hook or case.score_hook)):
+        return backend
+    on_turbo = expect_build(dataclasses.replace(case, backend="turbo"))
+    return "reference" if on_turbo.must & HOOK_RULES else backend
+
+
 def expect_build(case: Case) -> BuildExpectation:
     s, layer = case.settings, case.layer
     exp = BuildExpectation()
@@ -196,7 +213,7 @@ def expect_build(case: Case) -> BuildExpectation:
         return exp
     flex = case.flex
     turbo_path = s["use_turbo_attention"] or flex or case.level == "megatron"
-    backend = case.resolved_backend if flex else "direct"
+    backend = resolved_backend(case) if flex else "direct"
     fake = case.fake
     on_turbo = flex and backend == "turbo" and fake is not None
     on_direct = turbo_path and not flex
@@ -318,7 +335,7 @@ def expect_call(case: Case) -> CallExpectation:
     scored = case.flex and case.score_hook is not None
     mod, name = hook_name(case.mask_hook)
     mspec, sspec = case_mask_spec(case), case_score_spec(case)
-    turbo = case.flex and case.resolved_backend == "turbo"
+    turbo = case.flex and resolved_backend(case) == "turbo"
     # A proven hook runs as its kernel mask on turbo; one whose proof read a module global
     # is refused there once that global changed (the reference evaluates it as it is now).
     proven = turbo and mspec is not None and mspec.provable is True

@@ -1,0 +1,182 @@
+"""The ``flex`` backend: torch's own FlexAttention, for hooks no fixed kernel computes.
+
+A layer whose hooks are *admitted* (in the provable subset, not proven equal to a Turbo kernel:
+prefix-LM, documents read from a captured tensor, a softcap, a dilated window) runs here on a
+GPU: ``torch.nn.attention.flex_attention.flex_attention``, compiled into a fused kernel, skipping
+the blocks its BlockMask marks empty.  What this backend adds around the kernel:
+
+* the BlockMask of the call, from the plan's mask_mod (a call without a hook: its causal /
+  window as mask_mods, `flex_masks`), built by ``create_block_mask`` once per key and shared by
+  every layer (`flex_cache.BLOCK_MASKS`);
+* score hooks passed through, ALiBi slopes as a score_mod;
+* GQA through ``enable_gqa``; indices top-left for ``q_len != kv_len`` (as the reference);
+* learned sinks, exactly and differentiably: ``out * sigmoid(lse - sink)`` per head, the LSE from
+  ``return_aux=AuxRequest(lse=True)``, and the returned lse ``logaddexp(lse, sink)``;
+* packed (THD) calls as one sequence (B = 1) with a document mask from ``cu_seqlens`` computed
+  on the device (no host read).
+
+Refused with our error, at the call: dropout and a bias tensor (flex_attention has neither, in
+this backend's contract), ``deterministic`` (no deterministic backward is shown), and a CPU call
+that needs gradients (torch's flex_attention has no CPU backward).  The plan refuses the settings
+that ask for these at build time (docs/refusals.md).  ``kernel`` replaces torch's function (a
+stand-in with its exact call contract, for CPU tests of the glue's gradients).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from .. import refusals as R
+from ..attention.pattern import Pattern
+from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
+from .flex_cache import BLOCK_MASKS, BlockMaskCache, boundary_state
+from .flex_masks import captured_state, document_mod, pattern_mod, user_hook, with_alibi
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # older torch: only the deprecated return_lse
+    AuxRequest = None  # type: ignore[assignment,misc]
+
+HAS_RETURN_AUX = AuxRequest is not None and "return_aux" in inspect.signature(flex_attention).parameters
+BLOCK_SIZE = 128
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn)``, once per process (torch's flex functions fuse only when compiled)."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=False)
+    return _COMPILED[name]
+
+
+class FlexBackend(AttentionBackend):
+    """torch's ``flex_attention`` (compiled off the CPU) with shared BlockMasks."""
+
+    name = "flex"
+
+    def __init__(self, kernel: Optional[Callable[..., Any]] = None, block_masks: Optional[BlockMaskCache] = None,
+                 block_size: int = BLOCK_SIZE) -> None:
+        self.kernel = kernel
+        """None: torch's flex_attention; else a function with its exact call contract."""
+        self.block_masks = block_masks if block_masks is not None else BLOCK_MASKS
+        self.block_size = block_size
+
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(
+            name=self.name,
+            runs_any_mask=True,
+            softcap=True,
+            dense_entry="torch flex_attention",
+            packed_entry="torch flex_attention (document mask)",
+            direct_entry=None,
+            deterministic_dense=False,
+            deterministic_packed=False,
+            notes=("BlockMasks built once per key and shared by every layer",),
+        )
+
+    # ----------------------------------------------------------------------------- calls
+    def dense(self, q: Tensor, k: Tensor, v: Tensor, call: KernelCall) -> Output:
+        self._refuse_unsupported(call, q, k, v)
+        batch, q_len, heads = q.shape[0], q.shape[1], q.shape[2]
+        kv_len = k.shape[1]
+        hook = user_hook(call.mask_mod, "mask_mod")
+        if hook is not None:
+            mask_mod, shape = hook, (batch, heads)
+        else:
+            pattern = call.pattern if call.pattern is not None else Pattern()
+            mask_mod, shape = pattern_mod(pattern.at_length(q_len)), (None, None)
+        score_mod = with_alibi(user_hook(call.score_mod, "score_mod"), call.alibi_slopes)
+        block_mask = None
+        if mask_mod is not None:
+            block_mask = self.block_mask(mask_mod, shape[0], shape[1], q_len, kv_len, q.device,
+                                         captured_state(mask_mod) if hook is not None else ())
+        out, lse = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod, block_mask, call)
+        out = out.transpose(1, 2)
+        return (out, lse) if call.return_lse else out
+
+    def packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor,
+               max_seqlen_q: Any, max_seqlen_kv: Any, call: KernelCall) -> Output:
+        self._refuse_unsupported(call, q, k, v)
+        pattern = call.pattern if call.pattern is not None else Pattern()
+        total_q, total_kv = q.shape[0], k.shape[0]
+        key = ("packed documents", pattern.left, pattern.right, total_q, total_kv, q.device, self.block_size)
+        shared = cu_seqlens_kv is cu_seqlens_q
+        state = boundary_state(cu_seqlens_q, None if shared else cu_seqlens_kv)
+
+        def build() -> tuple[Any, int]:
+            mod, held = document_mod(pattern, cu_seqlens_q, cu_seqlens_q if shared else cu_seqlens_kv,
+                                     total_q, total_kv)
+            return self._create(mod, None, None, total_q, total_kv, q.device), held
+
+        block_mask = self.block_masks.get(key, state, build)
+        score_mod = with_alibi(None, call.alibi_slopes)
+        out, lse = self._attend(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), score_mod, block_mask, call)
+        out = out.transpose(1, 2)[0]
+        return (out, lse[0]) if call.return_lse else out
+
+    # ----------------------------------------------------------------------------- parts
+    def block_mask(self, mask_mod: Callable, batch: Optional[int], heads: Optional[int], q_len: int, kv_len: int,
+                   device: torch.device, state: tuple = ()) -> Any:
+        """The shared BlockMask of ``mask_mod`` for one call shape (built on a miss or a changed capture)."""
+        key = ("mask_mod", mask_mod, batch, heads, q_len, kv_len, device, self.block_size)
+        return self.block_masks.get(key, state,
+                                    lambda: (self._create(mask_mod, batch, heads, q_len, kv_len, device), 0))
+
+    def _create(self, mask_mod: Callable, batch: Optional[int], heads: Optional[int], q_len: int, kv_len: int,
+                device: torch.device) -> Any:
+        build = create_block_mask
+        if device.type != "cpu" and not torch.compiler.is_compiling():
+            build = _compiled("create_block_mask", create_block_mask)
+        return build(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=self.block_size)
+
+    def _kernel(self, device: torch.device) -> Callable[..., Any]:
+        if self.kernel is not None:
+            return self.kernel
+        if device.type == "cpu" or torch.compiler.is_compiling():
+            return flex_attention
+        return _compiled("flex_attention", flex_attention)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
+                call: KernelCall) -> tuple[Tensor, Optional[Tensor]]:
+        """``(out [B, Hq, Sq, Dv], lse [B, Hq, Sq] or None)`` in torch's layout, sinks applied."""
+        kernel = self._kernel(q.device)
+        want_lse = call.sink is not None or call.return_lse
+        common = dict(score_mod=score_mod, block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
+        if not want_lse:
+            return kernel(q, k, v, **common), None
+        if HAS_RETURN_AUX:
+            out, aux = kernel(q, k, v, **common, return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        else:  # pragma: no cover - torch before return_aux
+            out, lse = kernel(q, k, v, **common, return_lse=True)
+        work = torch.promote_types(q.dtype, torch.float32)
+        lse = lse.to(work)
+        if call.sink is not None:
+            sink = call.sink.to(work).view(1, -1, 1)
+            # softmax over the keys and the sink: the keys' share of the mass is sigmoid(lse - sink)
+            out = (out.to(work) * torch.sigmoid(lse - sink).unsqueeze(-1)).to(q.dtype)
+            lse = torch.logaddexp(lse, sink.expand_as(lse))
+        return out, lse
+
+    def _refuse_unsupported(self, call: KernelCall, q: Tensor, k: Tensor, v: Tensor) -> None:
+        if call.dropout_p > 0.0:
+            raise R.refuse(R.FLEX_UNSUPPORTED, what=f"dropout_p={call.dropout_p:g}", setting="attention_dropout",
+                           instead="attention_dropout: 0.0 (dropout_p=0.0)")
+        if call.bias is not None:
+            raise R.refuse(R.FLEX_UNSUPPORTED, what="a bias tensor", setting="bias",
+                           instead="a score hook (turbo_flex_attention_score_mod) in place of the bias")
+        if call.deterministic:
+            raise R.refuse(R.FLEX_UNSUPPORTED, what="deterministic=True", setting="deterministic_mode",
+                           instead="deterministic_mode: false")
+        if self.kernel is None and q.device.type == "cpu" and torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, call.sink)):
+            raise R.refuse(R.FLEX_CPU_GRAD)
+
+
+__all__ = ["BLOCK_SIZE", "FlexBackend", "HAS_RETURN_AUX"]

@@ -1,0 +1,252 @@
+"""The mask_mods and score_mods the ``flex`` backend hands to torch's FlexAttention.
+
+* A plan's hooks reach a backend wrapped (`primus_ext.attention.heads`: the model's head index;
+  `primus_ext.hooks.crosscheck.as_torch_calls`: called under ``torch.vmap`` on broadcast grids).
+  torch calls a mask_mod under ``vmap`` itself, so the flex backend gives it the user's own hook
+  with the head offset added, one stable function per ``(hook, offset)``: every layer using the
+  same hook reaches the BlockMask cache with the same key.
+* A call without a hook (``causal`` / ``window_size``) becomes mask_mods composed with torch's
+  ``and_masks``, indices top-left (query ``i`` is position ``i``), as the reference backend.
+* Packed (THD) documents become a document mask over one sequence of ``T`` tokens: each token's
+  document and start are computed on the device from ``cu_seqlens`` (no host read), in tensors of
+  ``T`` entries whatever the document count, so a compiled kernel sees one shape.
+* `captured_state` reads what a hook captures (tensors by identity and version, constants by
+  value, code by identity) so that a cached BlockMask is rebuilt exactly when they change.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import and_masks
+
+from ..attention.heads import unshifted
+from ..attention.pattern import MaskMod, Pattern, ScoreMod
+from .check_op import tensor_version
+
+_ON_HEADS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int], Callable]]" = weakref.WeakKeyDictionary()
+
+
+def user_hook(hook: Any, kind: str) -> Optional[Callable]:
+    """The user's own hook behind a plan's wrappers, called with the model's head index (stable per hook)."""
+    if hook is None:
+        return None
+    inner, offset = unshifted(hook)
+    inner = getattr(inner, "__wrapped__", inner) if _is_torch_call_wrapper(inner) else inner
+    if offset == 0:
+        return inner
+    try:
+        made = _ON_HEADS.setdefault(inner, {})
+    except TypeError:  # not weakly referenceable: a fresh wrapper (the cache then keys on it per call)
+        made = {}
+    key = (kind, offset)
+    if key not in made:
+        if kind == "mask_mod":
+            def mask_on_heads(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return inner(b, h + offset, q_idx, kv_idx)
+            made[key] = mask_on_heads
+        else:
+            def score_on_heads(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return inner(score, b, h + offset, q_idx, kv_idx)
+            made[key] = score_on_heads
+    return made[key]
+
+
+def _is_torch_call_wrapper(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    return hasattr(fn, "__wrapped__") and code is not None and fn.__qualname__.startswith("as_torch_calls.")
+
+
+# ------------------------------------------------------------------------------------ patterns
+def causal_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return kv_idx <= q_idx
+
+
+_BOUNDS: dict[tuple[str, int], MaskMod] = {}
+_WINDOWS: dict[tuple[int, int], Optional[MaskMod]] = {}
+
+
+def _left_bound(left: int) -> MaskMod:
+    if ("left", left) not in _BOUNDS:
+        def left_bound(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return q_idx - kv_idx <= left
+        _BOUNDS[("left", left)] = left_bound
+    return _BOUNDS[("left", left)]
+
+
+def _right_bound(right: int) -> MaskMod:
+    if ("right", right) not in _BOUNDS:
+        def right_bound(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return kv_idx - q_idx <= right
+        _BOUNDS[("right", right)] = right_bound
+    return _BOUNDS[("right", right)]
+
+
+def window_mod(left: int, right: int) -> Optional[MaskMod]:
+    """The flash window ``q - left <= kv <= q + right`` (-1 unbounded) as one mask_mod; None: no mask."""
+    key = (left, right)
+    if key not in _WINDOWS:
+        parts = [causal_mod if right == 0 else _right_bound(right)] if right >= 0 else []
+        if left >= 0:
+            parts.append(_left_bound(left))
+        _WINDOWS[key] = None if not parts else parts[0] if len(parts) == 1 else and_masks(*parts)
+    return _WINDOWS[key]
+
+
+_PATTERNS: dict[Pattern, Optional[MaskMod]] = {}
+
+
+def pattern_mod(pattern: Pattern) -> Optional[MaskMod]:
+    """A call's pattern (no hook) as a mask_mod, top-left; documents at constant positions included.
+    One function per pattern (a few hundred kept), so equal calls share their BlockMask."""
+    if pattern not in _PATTERNS:
+        if len(_PATTERNS) >= 256:
+            _PATTERNS.clear()
+        _PATTERNS[pattern] = _pattern_mod(pattern)
+    return _PATTERNS[pattern]
+
+
+def _pattern_mod(pattern: Pattern) -> Optional[MaskMod]:
+    window = window_mod(pattern.left, pattern.right)
+    if not pattern.documents:
+        return window
+    cuts = pattern.boundaries[1:-1] if pattern.boundaries is not None else pattern.cuts
+    chunk = pattern.chunk
+
+    def constant_documents(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if chunk is not None:
+            return torch.div(q_idx, chunk, rounding_mode="floor") == torch.div(kv_idx, chunk, rounding_mode="floor")
+        doc_q = sum(((q_idx >= c).to(torch.int64) for c in cuts), torch.zeros_like(q_idx))  # type: ignore[union-attr]
+        doc_kv = sum(((kv_idx >= c).to(torch.int64) for c in cuts), torch.zeros_like(kv_idx))  # type: ignore[union-attr]
+        return doc_q == doc_kv
+
+    return constant_documents if window is None else and_masks(constant_documents, window)
+
+
+def document_mod(pattern: Pattern, cu_q: Tensor, cu_kv: Tensor, total_q: int, total_kv: int) -> tuple[MaskMod, int]:
+    """``(mask_mod, bytes it captures)`` of packed documents, ``pattern``'s window inside each, positions
+    counted from each document's start (top-left); computed on ``cu_q``'s device without a host read."""
+    doc_q, start_q = _documents(cu_q, total_q)
+    doc_kv, start_kv = (doc_q, start_q) if cu_kv is cu_q and total_kv == total_q else _documents(cu_kv, total_kv)
+    inner = window_mod(pattern.left, pattern.right)
+
+    def packed_documents(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        same = doc_q[q_idx] == doc_kv[kv_idx]
+        if inner is None:
+            return same
+        return same & inner(b, h, q_idx - start_q[q_idx], kv_idx - start_kv[kv_idx])
+
+    held = {id(t): t for t in (doc_q, start_q, doc_kv, start_kv)}
+    return packed_documents, sum(t.numel() * t.element_size() for t in held.values())
+
+
+def _documents(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Each token's document number and the position its document starts at (``[total]`` int64 each).
+    A token at or past the last boundary belongs to one more document, as the reference counts it."""
+    bounds = cu.to(torch.int64)
+    pos = torch.arange(total, device=cu.device, dtype=torch.int64)
+    doc = torch.searchsorted(bounds[1:], pos, right=True)
+    start = bounds[torch.clamp(doc, max=bounds.numel() - 1)]
+    return doc, start
+
+
+# ------------------------------------------------------------------------------------ scores
+def with_alibi(score_mod: Optional[ScoreMod], slopes: Optional[Tensor]) -> Optional[ScoreMod]:
+    """``score_mod`` then ALiBi ``slope[h] * (kv - q)`` (the project's sign, as the reference)."""
+    if slopes is None:
+        return score_mod
+
+    def alibi(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if score_mod is not None:
+            score = score_mod(score, b, h, q_idx, kv_idx)
+        return score + slopes[h].to(score.dtype) * (kv_idx - q_idx).to(score.dtype)
+
+    return alibi
+
+
+# ------------------------------------------------------------------------------------ captures
+_LIMIT = 256
+_SKIP_MODULES = ("torch", "builtins", "math", "operator", "functools", "numpy", "primus_ext.attention.masks")
+
+
+def captured_state(*hooks: Optional[Callable]) -> tuple:
+    """What ``hooks`` read besides their arguments, as stamps a later call compares (`same_state`):
+    tensors by weak reference, version and storage; numbers and strings by value; code by identity;
+    anything else, or more than the walk reads, as volatile (the mask is then built at every call).
+    Read through closures, defaults, the module globals a function names, attributes it names of a
+    module it reads, and the parts of torch's ``and_masks`` / ``or_masks``."""
+    stamps: list[tuple] = []
+    seen: set[int] = set()
+    stack: list[tuple[Any, frozenset]] = [(h, frozenset()) for h in hooks if h is not None]
+    while stack and len(seen) < _LIMIT:
+        obj, names = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            version = tensor_version(obj)
+            stamps.append(("tensor", weakref.ref(obj), version, obj.data_ptr(), tuple(obj.shape), obj.dtype)
+                          if version is not None else ("inference tensor", id(obj)))
+        elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+            stamps.append(("value", type(obj), obj))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stamps.append(("container", type(obj), len(obj)))
+            stack.extend((item, names) for item in obj)
+        elif isinstance(obj, dict):
+            stamps.append(("container", dict, len(obj)))
+            stack.extend((item, names) for item in obj.values())
+        elif isinstance(obj, types.ModuleType):
+            if not (obj.__name__.split(".")[0] in _SKIP_MODULES or obj.__name__ in _SKIP_MODULES):
+                stack.extend((getattr(obj, n), names) for n in sorted(names) if hasattr(obj, n))
+        elif isinstance(obj, types.FunctionType):
+            code = obj.__code__
+            stamps.append(("code", id(code), id(obj.__defaults__), id(obj.__kwdefaults__)))
+            own = frozenset(_names(code))
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append((cell.cell_contents, own))
+                except ValueError:  # an empty cell
+                    continue
+            stack.extend((d, own) for d in obj.__defaults__ or ())
+            stack.extend((d, own) for d in (obj.__kwdefaults__ or {}).values())
+            if not (obj.__module__ or "").startswith(_SKIP_MODULES):
+                glob = obj.__globals__
+                stack.extend((glob[n], own) for n in sorted(own) if n in glob)
+        elif callable(obj):  # a builtin or torch function: code nobody rebinds in place
+            stamps.append(("callable", id(obj)))
+        else:  # an object whose attributes may change unseen (outside the provable subset anyway)
+            stamps.append(("volatile",))
+    if stack:  # more than the walk reads: what is past it could change unseen
+        stamps.append(("volatile",))
+    return tuple(stamps)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def same_state(a: tuple, b: tuple) -> bool:
+    """Whether two `captured_state` results describe the same values (tensors: the same object, unchanged)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x[0] in ("inference tensor", "volatile"):  # values that may have changed unseen
+            return False
+        if x[0] == "tensor" and y[0] == "tensor":
+            if x[1]() is None or x[1]() is not y[1]() or x[2:] != y[2:]:
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+__all__ = ["captured_state", "causal_mod", "document_mod", "pattern_mod", "same_state", "user_hook",
+           "window_mod", "with_alibi"]

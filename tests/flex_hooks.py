@@ -1,0 +1,31 @@
+"""Hooks of the flex backend's tests: admitted ones (no fixed kernel computes them) and a dynamic one."""
+
+import torch
+
+PREFIX = 8
+WINDOW = 12
+DOC_IDS = torch.tensor([0] * 10 + [1] * 14 + [2] * 24)
+"""Document ids of 48 positions, read by `document_ids`; the tests update it in place between calls."""
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < PREFIX)
+
+
+def dilated_window(b, h, q_idx, kv_idx):
+    d = q_idx - kv_idx
+    return (d >= 0) & (d <= WINDOW) & (d % 2 == 0)
+
+
+def document_ids(b, h, q_idx, kv_idx):
+    return (DOC_IDS[q_idx] == DOC_IDS[kv_idx]) & (kv_idx <= q_idx)
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 5.0 * torch.tanh(score / 5.0)
+
+
+def typed_causal(b, h, q_idx, kv_idx):
+    if isinstance(q_idx, torch.Tensor):  # outside the provable subset: dynamic
+        return kv_idx <= q_idx
+    return kv_idx <= q_idx

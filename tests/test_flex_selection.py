@@ -1,0 +1,91 @@
+"""Which backend a hook layer gets (docs/mask_hooks.md, the three classes), and the flex refusals.
+
+``auto``: proven -> turbo where Primus-Turbo imports; admitted -> flex on a GPU (a device, or
+``turbo_arch`` naming one, as ``check --arch`` plans), reference on the CPU; dynamic -> reference.
+Explicit choices win: ``flex`` with a dynamic hook and ``turbo`` with an unproven one are refused.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import yaml
+
+from primus_ext.cli.check import run_check
+from primus_ext.errors import UnsupportedConfigError
+from primus_ext.plan import build_plan
+from primus_ext.settings import BACKEND_CHOICES
+from primus_ext.testing import fake_primus_turbo
+
+from .helpers import facts, settings
+
+HOOKS = "tests.flex_hooks:"
+ADMITTED = [("mask", "prefix_lm"), ("mask", "dilated_window"), ("mask", "document_ids"), ("score", "softcap")]
+
+
+def plan_for(kind: str, hook: str, backend: str = "auto", **keys):
+    with fake_primus_turbo(build="main"):
+        return build_plan(settings(**{f"turbo_flex_attention_{kind}_mod": HOOKS + hook,
+                                      "turbo_flex_attention_backend": backend, **keys}), facts(seq_length=48))
+
+
+def test_flex_is_a_choice_of_the_setting():
+    assert "flex" in BACKEND_CHOICES
+
+
+@pytest.mark.parametrize("kind, hook", ADMITTED)
+def test_auto_runs_admitted_hooks_on_reference_on_the_cpu_and_flex_for_a_gpu(kind, hook):
+    assert plan_for(kind, hook).backend == "reference"
+    on_gpu = plan_for(kind, hook, turbo_arch="gfx942")
+    assert on_gpu.backend == "flex" and "FlexAttention" in on_gpu.backend_reason
+
+
+def test_auto_keeps_proven_hooks_on_turbo_and_dynamic_ones_on_reference():
+    proven = plan_for("mask", "x", turbo_flex_attention_mask_mod="primus_ext.attention.masks:causal",
+                      turbo_flex_attention_mask_mod_kwargs={}, turbo_arch="gfx942")
+    assert proven.backend == "turbo"
+    dynamic = plan_for("mask", "typed_causal", turbo_arch="gfx942")
+    assert dynamic.backend == "reference" and "dynamic" in dynamic.backend_reason
+
+
+def test_auto_avoids_flex_where_it_lacks_dropout_or_determinism():
+    assert plan_for("mask", "prefix_lm", turbo_arch="gfx942", deterministic_mode=True).backend == "reference"
+
+
+@pytest.mark.parametrize("keys, code", [
+    ({"turbo_flex_attention_mask_mod": HOOKS + "typed_causal"}, "flex-dynamic"),
+    ({"deterministic_mode": True}, "flex-deterministic"),
+])
+def test_explicit_flex_refusals(keys, code):
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings(turbo_flex_attention_backend="flex", **keys), facts())
+    assert code in err.value.codes
+    assert "turbo_flex_attention_backend" in str(err.value) and "reference" in str(err.value)
+
+
+def test_explicit_flex_refuses_dropout():
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings(turbo_flex_attention_backend="flex"), facts(attention_dropout=0.1))
+    assert "flex-dropout" in err.value.codes
+
+
+def test_explicit_turbo_still_refuses_an_unproven_hook():
+    with pytest.raises(UnsupportedConfigError) as err:
+        plan_for("mask", "prefix_lm", backend="turbo", turbo_arch="gfx942")
+    assert "B31" in err.value.codes
+
+
+def test_check_with_arch_shows_flex_for_admitted_hooks(tmp_path):
+    config = {"use_turbo_attention": True, "use_turbo_flex_attention": True, "num_layers": 2, "hidden_size": 64,
+              "num_attention_heads": 4, "seq_length": 64, "turbo_flex_attention_mask_mod": HOOKS + "prefix_lm"}
+    path = tmp_path / "prefix.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out, err = io.StringIO(), io.StringIO()
+    assert run_check(str(path), out=out, err=err, arch="gfx942") == 0, err.getvalue()
+    rows = [line.split() for line in out.getvalue().splitlines() if line[:1].isdigit()]
+    assert rows and all(row[1:3] == ["flex", "flex"] for row in rows), out.getvalue()
+    out = io.StringIO()
+    assert run_check(str(path), out=out, err=io.StringIO()) == 0
+    rows = [line.split() for line in out.getvalue().splitlines() if line[:1].isdigit()]
+    assert rows and all(row[2] == "reference" for row in rows), out.getvalue()

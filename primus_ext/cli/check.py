@@ -318,6 +318,10 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
         print(refusal, file=err)
     if settings is None or refusal is not None:
         return REFUSED
+    if primus and not settings.use_turbo_flex_attention:  # the patch's condition is false: nothing of ours runs
+        print("use_turbo_flex_attention is not true: primus_ext's patch stays out of this run, and Primus builds "
+              "its own attention (nothing to plan here).", file=out)
+        return 0
     if fragment:
         print(fragment_note(path, settings), file=out)
         return 0

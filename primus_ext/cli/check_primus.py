@@ -12,20 +12,20 @@ with the merged module parameters as the Megatron YAML it checks.  Before the pl
   on one line, and each key whose defaults differ (a *conflict*) with both defaults and the value
   this run's layers get, and where that value was set.  A conflict is reported, not refused: the
   layers read the merged value, which is what ``check`` plans with;
-* a note where ``PRIMUS_PATCHES`` leaves primus_ext's patch out (the layers are then Primus's).
-
-A run Primus would not switch on for primus_ext (``primus-enable``) is refused here as the patch's
-condition refuses it, by the same rule.
+A run Primus would not switch on for primus_ext (``primus-enable``, ``PRIMUS_PATCHES`` without
+primus_ext's patch too), or whose keys would not mean what they say under Primus (``primus-layers``,
+``primus-window``, ``B25.no-mask``), is refused here as the patch's condition refuses it, by the
+same rules.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, TextIO
 
-from ..errors import PrimusExtError, UnsupportedConfigError, short_repr
+from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
 from ..settings import TurboAttentionSettings
 from ..settings.primus_config import (PATCH_ID, PrimusExperiment, enabled_patch_ids, is_experiment, primus_settings,
-                                      read_experiment, shared_keys, switch_reasons)
+                                      read_experiment, run_reasons, shared_keys, switch_reasons)
 
 
 def _value(value: Any) -> str:
@@ -57,10 +57,6 @@ def describe(experiment: PrimusExperiment) -> list[str]:
                          f"(from {s.source})")
         if not conflicts:
             lines.append("  no conflicts: every shared key has one default")
-    enabled = enabled_patch_ids()
-    if enabled is not None and PATCH_ID not in enabled:
-        lines.append(f"  note: PRIMUS_PATCHES (here) leaves out {PATCH_ID}: Primus would not run primus_ext's patch, "
-                     "and the layers would be Primus's own whatever the plans below say")
     return lines
 
 
@@ -89,7 +85,13 @@ def primus_refusal(config: dict[str, Any], settings: TurboAttentionSettings) -> 
     """The patch condition's refusal of this run where Primus would not install its spec provider."""
     if not settings.use_turbo_flex_attention:
         return None
-    reasons = switch_reasons(config.get("enable_primus_turbo", False))
+    reasons = switch_reasons(config.get("enable_primus_turbo", False)) + run_reasons(config)
+    enabled = enabled_patch_ids()
+    if enabled is not None and PATCH_ID not in enabled:
+        reasons.append(Reason(
+            ("PRIMUS_PATCHES", "use_turbo_flex_attention"), f"PRIMUS_PATCHES (here) leaves out {PATCH_ID}: Primus "
+            "drops that patch before any condition runs, and the layers would be Primus's own.",
+            f"add {PATCH_ID} to PRIMUS_PATCHES, or unset it.", "primus-enable"))
     return UnsupportedConfigError(reasons, context="Primus patch") if reasons else None
 
 

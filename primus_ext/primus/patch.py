@@ -25,9 +25,8 @@ import weakref
 from typing import Any, Callable
 
 from ..errors import Reason, UnsupportedConfigError
-from ..megatron.checkpoint import check_load_checkpoint
 from ..settings import TurboAttentionSettings
-from ..settings.primus_config import PATCH_ID, PRIMUS_PROVIDER_PATCH, primus_settings, switch_reasons
+from ..settings.primus_config import PATCH_ID, PRIMUS_PROVIDER_PATCH, primus_settings, run_reasons, switch_reasons
 
 PRIORITY = 42
 SPEC_PROVIDER = "primus.backends.megatron.core.extensions.transformer_engine_spec_provider"
@@ -71,9 +70,14 @@ def applies(ctx: Any) -> bool:
         return False
     reasons = switch_reasons(getattr(args, "enable_primus_turbo", False))  # `primus-ext check` applies it too
     reasons += _provider_gates(getattr(ctx, "backend_version", None))
+    reasons += run_reasons(_values(args))
     if reasons:
         raise UnsupportedConfigError(reasons, context="Primus patch")
     _provider()
+    # Imported here, not at the top: the launcher registers the patch before Primus puts its bundled
+    # Megatron-LM on sys.path, and megatron must not be imported before that.
+    from ..megatron.checkpoint import check_load_checkpoint
+
     check_load_checkpoint(args)  # an unconverted Primus checkpoint would load no (or zero) sinks
     return True
 
@@ -122,6 +126,13 @@ def _leading_ints(version: Any) -> Any:
             break
         parts.append(int(digits))
     return tuple(parts) if len(parts) >= 2 else None
+
+
+def _values(args: Any) -> dict:
+    try:
+        return dict(vars(args))
+    except TypeError:
+        return {}
 
 
 def _settings(args: Any) -> TurboAttentionSettings:

@@ -47,6 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional
 
+from .. import refusals as R
 from ..errors import Reason, UnsupportedConfigError, short_repr
 from .settings import SETTING_KEYS, TurboAttentionSettings
 from .yaml_file import load_yaml_mapping
@@ -380,6 +381,43 @@ def switch_reasons(enable_primus_turbo: Any, environ: Optional[Mapping[str, str]
     return reasons
 
 
-__all__ = ["MODULE_NAMES", "PATCH_ID", "PRIMUS_OWN_KEYS", "PRIMUS_PROVIDER_PATCH", "PRIMUS_TURBO_YAML",
+SPECS_MODULE = "primus_ext.primus.specs"
+"""primus_ext's ready ``ModuleSpec`` objects for Megatron's ``spec`` argument (no patch needed)."""
+
+
+def run_reasons(values: Mapping[str, Any]) -> list[Reason]:
+    """Why a run with ``use_turbo_flex_attention: true`` under Primus would not compute what its keys
+    say, from Megatron's arguments (or the merged parameters): layers Primus's spec provider does not
+    build (``transformer_impl: local``, a ``spec`` other than primus_ext's), ``sink_sliding_window``
+    without ``use_sink_attention`` (Primus's attention applies the window only with sinks,
+    ``primus_turbo.py`` l.927-942: the key would mean more here than in Primus), and
+    ``reset_attention_mask`` without Megatron's mask (``create_attention_mask_in_dataloader: false``)."""
+    reasons = []
+    spec = values.get("spec")
+    if spec and not (isinstance(spec, (list, tuple)) and spec and spec[0] == SPECS_MODULE):
+        reasons.append(Reason(
+            ("spec", "use_turbo_flex_attention"), f"spec={short_repr(spec)} names the layers' modules itself, so "
+            "Primus's spec provider, which the patch makes build primus_ext's attention, builds none of them.",
+            f"remove spec, or name primus_ext's own: spec: [{SPECS_MODULE}, gpt_layer_te_spec].", "primus-layers"))
+    if values.get("transformer_impl", "transformer_engine") == "local" and not spec:
+        reasons.append(Reason(
+            ("transformer_impl", "use_turbo_flex_attention"), "transformer_impl is local: megatron-core builds its "
+            "local layer spec (LocalSpecProvider), not through Primus's spec provider, so no layer would be "
+            "primus_ext's.", f"set transformer_impl: transformer_engine, or spec: [{SPECS_MODULE}, "
+            "gpt_layer_local_spec].", "primus-layers"))
+    window = values.get("sink_sliding_window") or 0
+    if isinstance(window, int) and window > 0 and not values.get("use_sink_attention"):
+        reasons.append(Reason(
+            ("sink_sliding_window", "use_sink_attention"), f"sink_sliding_window={window} without use_sink_attention: "
+            "Primus's attention applies that window only with sinks (none here), so the key would mean a window "
+            "under primus_ext and none under Primus.",
+            "set use_sink_attention: true for GPT-OSS sinks with the window, or remove sink_sliding_window (a "
+            "window without sinks: a mask hook such as primus_ext.attention.masks:sliding_window).", "primus-window"))
+    if values.get("reset_attention_mask") and values.get("create_attention_mask_in_dataloader") is False:
+        reasons.append(R.DOCUMENT_MASK_MISSING.reason_for())
+    return reasons
+
+
+__all__ = ["MODULE_NAMES", "SPECS_MODULE", "run_reasons", "PATCH_ID", "PRIMUS_OWN_KEYS", "PRIMUS_PROVIDER_PATCH", "PRIMUS_TURBO_YAML",
            "PrimusExperiment", "SharedKey", "configs_dir", "deep_merge", "enabled_patch_ids", "is_experiment",
            "primus_settings", "read_experiment", "shared_keys", "switch_reasons"]

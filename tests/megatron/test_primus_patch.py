@@ -162,6 +162,8 @@ def test_every_key_reaches_the_modules_through_primus_merge(key):
 
     value = _other_value(key)
     module = {"enable_primus_turbo": True, "use_turbo_flex_attention": True, key: value}
+    if key == "sink_sliding_window":  # under Primus the window exists only with sinks (primus-window)
+        module["use_sink_attention"] = True
     if key.endswith("_kwargs"):
         module[key.removesuffix("_kwargs")] = "tests.hook_examples:alibi"
     with P.installed() as registry:
@@ -221,3 +223,33 @@ def test_a_megatron_core_primus_s_provider_patch_skips_is_refused(monkeypatch):
     monkeypatch.setattr(P, "backend_version", lambda: None)  # unknown: Primus's version filter skips it too
     with pytest.raises(UnsupportedConfigError):
         launch(MODULE)
+
+
+@pytest.mark.parametrize("extra,code,key", [
+    ({"transformer_impl": "local"}, "primus-layers", "transformer_impl"),
+    ({"spec": ["my_specs", "layer_spec"]}, "primus-layers", "spec"),
+    ({"sink_sliding_window": 4}, "primus-window", "sink_sliding_window"),
+    ({"reset_attention_mask": True, "create_attention_mask_in_dataloader": False}, "B25.no-mask",
+     "create_attention_mask_in_dataloader"),
+], ids=["local-impl", "own-spec", "window-without-sinks", "reset-mask-without-mask"])
+def test_keys_that_would_not_mean_what_they_say_under_primus_are_refused_by_the_condition(extra, code, key):
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch({**MODULE, **extra})
+    assert code in err.value.codes and key in err.value.settings
+
+
+def test_primus_ext_s_own_spec_passes_the_condition():
+    model = launch({**MODULE, "spec": ["primus_ext.primus.specs", "gpt_layer_local_spec"]})
+    assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
+
+
+def test_the_launcher_refuses_a_primus_patches_list_without_its_patch(monkeypatch, tmp_path):
+    from primus_ext.primus.__main__ import main as launcher
+
+    script = tmp_path / "main.py"
+    script.write_text("raise SystemExit('ran')\n")
+    monkeypatch.setenv("PRIMUS_PATCHES", "megatron.turbo.te_spec_provider")
+    with pytest.raises(SystemExit, match="leaves out primus_ext.turbo_flex_attention"):
+        launcher([str(script)])
+    with pytest.raises(SystemExit, match="no script"):
+        launcher([str(tmp_path / "missing.py")])

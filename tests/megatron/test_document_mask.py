@@ -11,18 +11,17 @@ from unittest import mock
 
 import pytest
 import torch
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
-from primus_ext.megatron import PrimusTurboLocalAttention, document_mask, pack_eod_micro_batch, use_core_attention
+from primus_ext.megatron import PrimusTurboLocalAttention, document_mask, pack_eod_micro_batch
 from primus_ext.plan import build_plan
 from primus_ext.plan.facts import LayerFacts
 from primus_ext.testing import fake_primus_turbo
 from primus_ext.testing.counting import count_copies_and_syncs
 from tests.megatron import gpt
-from tests.megatron.test_eod_packing import BATCHES, EOD, PATHS, DenseMaskAttention, _step, megatron_rows
+from tests.megatron.test_eod_packing import (BATCHES, EOD, PATHS, as_megatron_gives_it, assert_steps_match_megatron,
+                                            dense_mask_gpt, megatron_rows)
 
 B, S = BATCHES[0].shape
 
@@ -48,22 +47,11 @@ def test_the_derivation_and_check_read_nothing_on_the_host():
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_training_on_the_dense_mask_equals_megatrons_dense_mask(path):
-    torch.manual_seed(0)
-    dense = GPTModel(config=_dense_cfg(), transformer_layer_spec=use_core_attention(get_gpt_layer_local_spec(),
-                                                                                   DenseMaskAttention),
-                     vocab_size=gpt.VOCAB, max_sequence_length=S * 4,
-                     position_embedding_type="learned_absolute").double()
+    dense = dense_mask_gpt(_dense_cfg())
     with fake_primus_turbo() as fake:
         model = gpt.build_gpt(gpt.settings(reset_attention_mask=True, **PATHS[path]), _dense_cfg(), seq=S).double()
         model.load_state_dict(dense.state_dict())
-        for tokens in BATCHES:
-            labels = torch.roll(tokens, -1, dims=1)
-            mask, loss_mask, pos = megatron_rows(tokens)
-            want_loss, want_grads = _step(dense, tokens, pos, labels, loss_mask.double(), mask=mask)
-            got_loss, got_grads = _step(model, tokens, pos, labels, loss_mask.double(), mask=mask)
-            assert abs(got_loss - want_loss) <= 1e-10 * abs(want_loss), (got_loss, want_loss)
-            for name, grad in want_grads.items():
-                torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-11, msg=name)
+        assert_steps_match_megatron(model, dense, as_megatron_gives_it)
     assert all(m.core.plan.mask_documents for m in gpt.attention_modules(model))
     if path != "flex-reference":
         assert fake.calls and {c.entry for c in fake.calls} == {"flash_attn_varlen_func"}

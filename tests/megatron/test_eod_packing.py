@@ -110,27 +110,47 @@ PATHS = {
 }
 
 
+def dense_mask_gpt(cfg) -> GPTModel:
+    """The float64 GPT whose core attention applies Megatron's dense mask (`DenseMaskAttention`)."""
+    torch.manual_seed(0)
+    return GPTModel(config=cfg, transformer_layer_spec=use_core_attention(get_gpt_layer_local_spec(),
+                                                                         DenseMaskAttention),
+                    vocab_size=gpt.VOCAB, max_sequence_length=S * 4,
+                    position_embedding_type="learned_absolute").double()
+
+
+def assert_steps_match_megatron(model, dense, feed) -> None:
+    """For every batch of `BATCHES`: one step of ``model`` on what ``feed(tokens, labels, loss_mask,
+    positions, mask)`` gives (``(tokens, positions, labels, loss_mask, mask, params)``) has the loss
+    and gradients of one step of ``dense`` on Megatron's own rows and dense mask."""
+    for tokens in BATCHES:
+        labels = torch.roll(tokens, -1, dims=1)
+        mask, loss_mask, pos = megatron_rows(tokens)
+        want_loss, want_grads = _step(dense, tokens, pos, labels, loss_mask.double(), mask=mask)
+        t, p, lab, weights, m, params = feed(tokens, labels, loss_mask, pos, mask)
+        got_loss, got_grads = _step(model, t, p, lab, weights.double(), mask=m, params=params)
+        assert abs(got_loss - want_loss) <= 1e-10 * abs(want_loss), (got_loss, want_loss)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def _converted(tokens, labels, loss_mask, positions, mask):
+    batch = pack_eod_micro_batch(tokens, eod_token=EOD, max_documents=12, labels=labels, loss_mask=loss_mask)
+    return batch.tokens, batch.position_ids, batch.labels, batch.loss_mask, None, batch.packed_seq_params
+
+
+def as_megatron_gives_it(tokens, labels, loss_mask, positions, mask):
+    """The rows as Megatron's get_batch hands them over, dense mask and all (no conversion)."""
+    return tokens, positions, labels, loss_mask, mask, None
+
+
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_training_through_the_conversion_equals_megatrons_dense_mask(path):
-    torch.manual_seed(0)
-    dense = GPTModel(config=_cfg(), transformer_layer_spec=use_core_attention(get_gpt_layer_local_spec(),
-                                                                              DenseMaskAttention),
-                     vocab_size=gpt.VOCAB, max_sequence_length=S * 4,
-                     position_embedding_type="learned_absolute").double()
+    dense = dense_mask_gpt(_cfg())
     with fake_primus_turbo() as fake:
         packed_model = gpt.build_gpt(gpt.settings(reset_attention_mask=True, **PATHS[path]), _cfg(), seq=S).double()
         packed_model.load_state_dict(dense.state_dict())
-        for tokens in BATCHES:
-            labels = torch.roll(tokens, -1, dims=1)
-            mask, loss_mask, pos = megatron_rows(tokens)
-            want_loss, want_grads = _step(dense, tokens, pos, labels, loss_mask.double(), mask=mask)
-            batch = pack_eod_micro_batch(tokens, eod_token=EOD, max_documents=12, labels=labels,
-                                         loss_mask=loss_mask)
-            got_loss, got_grads = _step(packed_model, batch.tokens, batch.position_ids, batch.labels,
-                                        batch.loss_mask.double(), params=batch.packed_seq_params)
-            assert abs(got_loss - want_loss) <= 1e-10 * abs(want_loss), (got_loss, want_loss)
-            for name, grad in want_grads.items():
-                torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-11, msg=name)
+        assert_steps_match_megatron(packed_model, dense, _converted)
     if path != "flex-reference":
         assert {c.entry for c in fake.calls} == {"flash_attn_varlen_func"}
 

@@ -129,6 +129,9 @@ def _documents_problem(c: "RuleInput") -> str:
     if not c.facts.causal:
         return (f"this layer is not causal (attn_mask_type={c.facts.attn_mask_type}), while Megatron's document "
                 "mask is")
+    if c.settings.packed_equal_documents:
+        return ("packed_equal_documents declares documents of one length, which the documents of Megatron's mask "
+                "(and the empty tail of its fixed-size boundaries) are not")
     packed = c.caps.packed_entry if c.flex and c.caps is not None else (
         c.direct.packed if not c.flex and c.direct is not None else "")
     if packed is None:
@@ -323,11 +326,12 @@ RULES: Tuple[Rule, ...] = (
          "varlen kernel) and set packed_sequences: true, or set reset_attention_mask: false.",
          lambda c: c.turbo_path and c.settings.reset_attention_mask and c.facts.packed is not True and (
              not c.facts.megatron_mask or c.facts.context_parallel_size > 1)),
-    Rule("B25-layer", ("reset_attention_mask", "turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+    Rule("B25-layer", ("reset_attention_mask", "turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod",
+                       "packed_equal_documents"),
          "reset_attention_mask on dense batches runs each call on the packed (varlen) kernel, causal inside each "
          "document, but {documents_problem}.",
-         "remove the hooks (or reset_attention_mask) on this layer, or convert each micro-batch with "
-         "primus_ext.megatron.pack_eod_micro_batch and set packed_sequences: true.",
+         "remove the hooks or packed_equal_documents (or reset_attention_mask) on this layer, or convert each "
+         "micro-batch with primus_ext.megatron.pack_eod_micro_batch and set packed_sequences: true.",
          lambda c: c.turbo_path and _dense_documents(c) and c.facts.context_parallel_size == 1
          and bool(_documents_problem(c))),
     Rule("B26", ("return_attn_probs",),

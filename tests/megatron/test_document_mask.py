@@ -151,7 +151,8 @@ def _facts(**overrides):
     (dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:causal",
           turbo_flex_attention_mask_mod_kwargs={}), dict(), "B25-layer"),
     (dict(), dict(causal=False, attn_mask_type="no_mask"), "B25-layer"),
-], ids=["context-parallel", "hook", "not-causal"])
+    (dict(packed_equal_documents=True), dict(), "B25-layer"),
+], ids=["context-parallel", "hook", "not-causal", "equal-documents"])
 def test_where_the_mask_cannot_run_on_the_varlen_kernel_the_build_refuses(keys, facts, code):
     with fake_primus_turbo():
         with pytest.raises(UnsupportedConfigError) as err:

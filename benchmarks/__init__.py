@@ -12,8 +12,11 @@ checkout this package lives in).  Results go to ``benchmarks/results/<name>.json
 * ``gpt_step``: a tiny megatron-core GPT training step, flex path against direct path.
 * ``eod_packing``: `pack_eod_micro_batch` per micro-batch against the dense-mask attention
   it replaces (``reset_attention_mask``), at S = 4k and 32k.
+* ``flex_blockmask``: document BlockMasks per step of 24 layers on the ``flex`` backend, shared
+  (one build) against built per layer, beside torch's ``create_block_mask``, at 8k and 32k.
 * ``hook_proofs``: what proving user mask / score hooks (B31) costs a 96-layer model
   build, at 4k and 128k tokens.
 """
 
-NAMES = ("adapter_overhead", "copies_and_syncs", "reference_vs_sdpa", "gpt_step", "hook_proofs", "eod_packing")
+NAMES = ("adapter_overhead", "copies_and_syncs", "reference_vs_sdpa", "gpt_step", "hook_proofs", "eod_packing",
+         "flex_blockmask")

@@ -254,3 +254,19 @@ def test_dropout_is_refused_with_our_error():
         with pytest.raises(UnsupportedInputError) as err:
             FlexBackend().dense(q, k, v, KernelCall(pattern=Pattern(-1, 0), dropout_p=0.1))
     assert "B34.flex" in err.value.codes and "reference" in str(err.value)
+
+
+# ------------------------------------------------------------------ regression: a score hook of another dtype
+def bf16_rounding(score, b, h, q_idx, kv_idx):
+    return score.to(torch.bfloat16)
+
+
+def test_a_score_hook_returning_another_dtype_rounds_only_the_score(cache):
+    """Found by the differential fuzzer: torch's eager flex_attention computed the whole softmax in the dtype a
+    score hook returns (bf16 here), 4e-3 off the oracle with float64 inputs; the backend casts the hook's
+    result back to the score's dtype, as the reference rounds only the score."""
+    backend = FlexBackend(block_masks=cache)
+    q, k, v = qkv(s=S)
+    out = backend.dense(q, k, v, KernelCall(pattern=Pattern(-1, 0), score_mod=bf16_rounding))
+    causal = oracle.flash_mask(S, S, causal=True, window=(-1, -1))
+    same(out, oracle.attention(q, k, v, causal, score_fn=bf16_rounding)[0])

@@ -35,7 +35,7 @@ from .. import refusals as R
 from ..attention.pattern import Pattern
 from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
 from .flex_cache import BLOCK_MASKS, BlockMaskCache, boundary_state
-from .flex_masks import captured_state, document_mod, pattern_mod, user_hook, with_alibi
+from .flex_masks import captured_state, document_mod, in_score_dtype, pattern_mod, user_hook, with_alibi
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest
@@ -91,7 +91,7 @@ class FlexBackend(AttentionBackend):
         else:
             pattern = call.pattern if call.pattern is not None else Pattern()
             mask_mod, shape = pattern_mod(pattern.at_length(q_len)), (None, None)
-        score_mod = with_alibi(user_hook(call.score_mod, "score_mod"), call.alibi_slopes)
+        score_mod = with_alibi(in_score_dtype(user_hook(call.score_mod, "score_mod")), call.alibi_slopes)
         block_mask = None
         if mask_mod is not None:
             block_mask = self.block_mask(mask_mod, shape[0], shape[1], q_len, kv_len, q.device,
@@ -104,23 +104,28 @@ class FlexBackend(AttentionBackend):
                max_seqlen_q: Any, max_seqlen_kv: Any, call: KernelCall) -> Output:
         self._refuse_unsupported(call, q, k, v)
         pattern = call.pattern if call.pattern is not None else Pattern()
-        total_q, total_kv = q.shape[0], k.shape[0]
-        key = ("packed documents", pattern.left, pattern.right, total_q, total_kv, q.device, self.block_size)
-        shared = cu_seqlens_kv is cu_seqlens_q
-        state = boundary_state(cu_seqlens_q, None if shared else cu_seqlens_kv)
-
-        def build() -> tuple[Any, int]:
-            mod, held = document_mod(pattern, cu_seqlens_q, cu_seqlens_q if shared else cu_seqlens_kv,
-                                     total_q, total_kv)
-            return self._create(mod, None, None, total_q, total_kv, q.device), held
-
-        block_mask = self.block_masks.get(key, state, build)
+        block_mask = self.document_block_mask(pattern, cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], q.device)
         score_mod = with_alibi(None, call.alibi_slopes)
         out, lse = self._attend(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), score_mod, block_mask, call)
         out = out.transpose(1, 2)[0]
         return (out, lse[0]) if call.return_lse else out
 
     # ----------------------------------------------------------------------------- parts
+    def document_block_mask(self, pattern: Pattern, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor, total_q: int,
+                            total_kv: int, device: torch.device) -> Any:
+        """The shared BlockMask of packed documents (``pattern``'s window inside each), built again only when
+        the boundary tensors are other objects or were changed in place."""
+        key = ("packed documents", pattern.left, pattern.right, total_q, total_kv, device, self.block_size)
+        shared = cu_seqlens_kv is cu_seqlens_q
+        state = boundary_state(cu_seqlens_q, None if shared else cu_seqlens_kv)
+
+        def build() -> tuple[Any, int]:
+            mod, held = document_mod(pattern, cu_seqlens_q, cu_seqlens_q if shared else cu_seqlens_kv,
+                                     total_q, total_kv)
+            return self._create(mod, None, None, total_q, total_kv, device), held
+
+        return self.block_masks.get(key, state, build)
+
     def block_mask(self, mask_mod: Callable, batch: Optional[int], heads: Optional[int], q_len: int, kv_len: int,
                    device: torch.device, state: tuple = ()) -> Any:
         """The shared BlockMask of ``mask_mod`` for one call shape (built on a miss or a changed capture)."""

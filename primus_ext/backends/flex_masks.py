@@ -155,6 +155,32 @@ def _documents(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
 
 
 # ------------------------------------------------------------------------------------ scores
+_IN_SCORE_DTYPE: "weakref.WeakKeyDictionary[Any, ScoreMod]" = weakref.WeakKeyDictionary()
+
+
+def in_score_dtype(score_mod: Optional[ScoreMod]) -> Optional[ScoreMod]:
+    """``score_mod`` with its result cast back to the score's dtype (one stable function per hook).
+
+    A hook may return another dtype (``score.to(torch.bfloat16)``: a rounding of the score); torch's
+    eager flex_attention would then compute the whole softmax in that dtype, where the reference (and
+    the compiled kernel's float32 accumulators) round only the score."""
+    if score_mod is None:
+        return None
+    try:
+        made = _IN_SCORE_DTYPE.get(score_mod)
+    except TypeError:
+        made = None
+    if made is None:
+        def score_in_dtype(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score_mod(score, b, h, q_idx, kv_idx).to(score.dtype)
+        made = score_in_dtype
+        try:
+            _IN_SCORE_DTYPE[score_mod] = made
+        except TypeError:  # not weakly referenceable: a fresh wrapper per call
+            pass
+    return made
+
+
 def with_alibi(score_mod: Optional[ScoreMod], slopes: Optional[Tensor]) -> Optional[ScoreMod]:
     """``score_mod`` then ALiBi ``slope[h] * (kv - q)`` (the project's sign, as the reference)."""
     if slopes is None:
@@ -248,5 +274,5 @@ def same_state(a: tuple, b: tuple) -> bool:
     return True
 
 
-__all__ = ["captured_state", "causal_mod", "document_mod", "pattern_mod", "same_state", "user_hook",
+__all__ = ["captured_state", "causal_mod", "document_mod", "in_score_dtype", "pattern_mod", "same_state", "user_hook",
            "window_mod", "with_alibi"]

@@ -48,7 +48,8 @@ class Tally:
         if case.flex:
             for spec in (case.mask_hook, case.score_hook):
                 if spec and spec.startswith("tests.fuzz.user_hooks:"):
-                    where = "turbo" if case.resolved_backend == "turbo" and case.fake is not None else "reference"
+                    where = "turbo" if case.resolved_backend == "turbo" and case.fake is not None else (
+                        "flex" if case.resolved_backend == "flex" else "reference")
                     self.by_hook[(spec.partition(":")[2], where, outcome)] += 1
         if outcome == "refused":
             self.refusals[detail] += 1
@@ -73,9 +74,10 @@ class Tally:
         out.append(f"  refusals by rule: {top}")
         hooks = sorted({name for name, _, _ in self.by_hook})
         if hooks:
-            out.append("  user hooks, matched/refused on turbo | on reference:")
-            parts = [f"{name} {self.by_hook[(name, 'turbo', 'matched')]}/{self.by_hook[(name, 'turbo', 'refused')]}"
-                     f"|{self.by_hook[(name, 'reference', 'matched')]}/{self.by_hook[(name, 'reference', 'refused')]}"
+            out.append("  user hooks, matched/refused on turbo | on reference | on flex:")
+            parts = [f"{name} " + "|".join(f"{self.by_hook[(name, where, 'matched')]}/"
+                                           f"{self.by_hook[(name, where, 'refused')]}"
+                                           for where in ("turbo", "reference", "flex"))
                      for name in hooks]
             for i in range(0, len(parts), 6):
                 out.append("    " + ", ".join(parts[i:i + 6]))

@@ -46,6 +46,9 @@ class MaskSpec:
     raises: bool = False
     """Raises when called as torch calls it (torch.vmap over 0-d indices): no backend can compute what it
     means, so every backend refuses it at build (B31)."""
+    dynamic: Optional[bool] = False
+    """Outside the provable subset (docs/mask_hooks.md, the three classes): refused on ``flex`` at build
+    (``flex-dynamic``); None: not claimed either way."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class ScoreSpec:
     reads: Optional[str] = None
     raises: bool = False
     """Raises when called as torch calls it: refused on every backend (B31)."""
+    dynamic: Optional[bool] = False
+    """Outside the provable subset: refused on ``flex`` at build (``flex-dynamic``)."""
 
 
 NOT_KERNEL = MaskSpec(False)
@@ -137,7 +142,7 @@ def mask_spec(spec: Optional[str], kwargs: Optional[dict], heads: int) -> Option
 
 
 # ------------------------------------------------------------------------- the provable subset
-DYNAMIC = NOT_KERNEL
+DYNAMIC = MaskSpec(False, dynamic=True)
 """Outside the provable subset (docs/mask_hooks.md): never proven, refused on turbo (B31) whatever it
 computes; the reference calls it as torch does."""
 
@@ -283,13 +288,14 @@ OUTSIDE_MASKS = {
                                   "random_window", "functools_window", "isinstance_window", "try_window",
                                   "compiling_window", "dim_window")},
     "int32_index": NOT_KERNEL,  # causal below 2**31 only: the int32 cast wraps past it
-    "rank_branch": MaskSpec(False, raises=True),  # a branch on a value under vmap raises
+    # a branch on a value under vmap raises (B31 on every backend); whether flex-dynamic is named too is not claimed
+    "rank_branch": MaskSpec(False, raises=True, dynamic=None),
 }
 """Hooks outside the subset (dynamic) or that the prover declines (a narrowing index cast)."""
 
 
 def _with_reads(spec: MaskSpec, name: str) -> MaskSpec:
-    return MaskSpec(spec.provable, spec.kind, name)
+    return MaskSpec(spec.provable, spec.kind, name, spec.raises, spec.dynamic)
 
 
 def _explicit_band(left: int, right: int) -> MaskSpec:
@@ -395,9 +401,11 @@ def score_spec(spec: Optional[str], kwargs: Optional[dict], heads: int) -> Optio
         # float64 arithmetic: the slope is the Python float itself, which Turbo takes only if float32
         return ScoreSpec(_alibi_kind([float(kw["slope"])] * heads))
     if name == "object_alibi":
-        return ScoreSpec("other", reads="CONFIG.SLOPE")  # outside the subset: reads an object
-    if name in ("nested_alibi", "bf16_score", "fp16_score", "fp16_overflow"):
-        return ScoreSpec("other")  # a lambda (dynamic); casts that round (and overflow)
+        return ScoreSpec("other", reads="CONFIG.SLOPE", dynamic=True)  # outside the subset: reads an object
+    if name == "nested_alibi":
+        return ScoreSpec("other", dynamic=True)  # a lambda: outside the subset
+    if name in ("bf16_score", "fp16_score", "fp16_overflow"):
+        return ScoreSpec("other")  # casts that round (and overflow): in the subset, admitted
     raise KeyError(spec)
 
 

@@ -65,7 +65,7 @@ class Case:
     level: str
     flex: bool
     backend: str
-    """``turbo_flex_attention_backend`` as written (``reference``, ``turbo`` or ``auto``)."""
+    """``turbo_flex_attention_backend`` as written (``reference``, ``turbo``, ``flex`` or ``auto``)."""
     fake: Optional[dict]
     """Knobs of ``fake_primus_turbo`` (the Turbo build imitated), or None: no Primus-Turbo."""
     settings: dict
@@ -497,7 +497,7 @@ def adapter_cases(draw) -> Case:
         q_len = draw(ints(1, 24))
         kv_len = q_len if not draw(one_in(4)) else draw(ints(1, 24))
     fake = turbo_build(draw)
-    backend = draw(pick(*("reference", "reference", "turbo", "turbo", "auto")))
+    backend = draw(weighted(("reference", 5), ("turbo", 5), ("auto", 3), ("flex", 2)))
     keys = common_settings(draw, True, backend, q_len)
     mask = mask_hook(draw, q_len, kv_len)
     gain, scale = magnitude(draw)
@@ -566,7 +566,7 @@ def megatron_cases(draw) -> Case:
         docs = None
         batch, q_len = draw(ints(1, 4)), draw(ints(1, 20))
     fake = turbo_build(draw, need=not flex and not draw(one_in(15)))
-    backend = draw(pick(*("reference", "turbo", "turbo", "auto")))
+    backend = draw(weighted(("turbo", 5), ("reference", 3), ("auto", 3), ("flex", 2)))
     keys = common_settings(draw, flex, backend, q_len)
     gain, scale = magnitude(draw)
     mask = score = (None, None)

@@ -13,6 +13,10 @@ whether it is certain to run.  Then it runs the case:
 * runs -> a predicted refusal is a failure, and the output (and, for a subset, the
   gradients of q, k, v and the sink) must match `tests.fuzz.oracle`.
 
+The ``flex`` backend (torch's FlexAttention) is run forward only here: torch's
+``flex_attention`` has no CPU backward, so a ``flex`` case that checks gradients must be
+refused at the call (B34.flex-cpu-grad), and the others run under ``torch.no_grad()``.
+
 Hooks: what each generated hook provably is comes from `hook_specs`, worked out from
 its definition.  A hook equal to a fixed-kernel mask (or to the identity / ALiBi with
 float32 slopes) for every batch index, head and position must run on turbo and match;
@@ -216,6 +220,7 @@ def expect_build(case: Case) -> BuildExpectation:
     backend = resolved_backend(case) if flex else "direct"
     fake = case.fake
     on_turbo = flex and backend == "turbo" and fake is not None
+    on_flex = flex and backend == "flex"  # torch's FlexAttention (docs/refusals.md: flex-*)
     on_direct = turbo_path and not flex
     packed = packed_fact(case)
     may_dense, may_pack = packed is not True, packed is not False
@@ -258,7 +263,8 @@ def expect_build(case: Case) -> BuildExpectation:
         "B25": turbo_path and s["reset_attention_mask"] and packed is not True and (
             case.level != "megatron" or cp > 1),
         "B25-layer": turbo_path and mask_docs and cp == 1 and (
-            bool(mask_hook or score_hook) or not layer_causal(case) or (on_direct and fp8)),
+            bool(mask_hook or score_hook) or not layer_causal(case) or (on_direct and fp8)
+            or s.get("packed_equal_documents", False)),
         "B27": turbo_path and layer["position_embedding_type"] == "alibi",
         "softcap": on_turbo and score == "softcap",
         # CK's ALiBi is symmetric right of the diagonal; with a sink the Triton kernels run (B35).
@@ -276,6 +282,12 @@ def expect_build(case: Case) -> BuildExpectation:
         # Every build's flash entries take `deterministic`, and they run every pattern (B7).
         "B24": False,
         "B24-packed": False,
+        # torch's FlexAttention has no dropout and no backward shown deterministic; it traces every hook,
+        # so one outside the provable subset is no safer there (docs/mask_hooks.md, the three classes).
+        "flex-dropout": on_flex and layer["attention_dropout"] > 0.0,
+        "flex-deterministic": on_flex and bool(s["deterministic_mode"]),
+        "flex-dynamic": on_flex and any(spec is not None and spec.dynamic is True and not spec.raises
+                                        for spec in (mspec, sspec)),
     }
     # A rule is expected once docs/refusals.md documents it (B30-cp and cp-heads arrive with
     # the context-parallel direct path; before that nothing refuses those cases at build).
@@ -289,7 +301,8 @@ def expect_build(case: Case) -> BuildExpectation:
     # can compute: refused on every backend, reference included.
     if flex and not exp.hook_refused and any(spec is not None and spec.raises for spec in (mspec, sspec)):
         exp.must.add("B31")
-    undecided = on_turbo and mspec is not None and mspec.provable is None
+    undecided = (on_turbo and mspec is not None and mspec.provable is None) or (
+        on_flex and any(spec is not None and spec.dynamic is None for spec in (mspec, sspec)))
     if case.level == "megatron" and cp > 1 and not exp.must and not exp.hook_refused and not undecided:
         # The fuzzer's world has one process, so no context-parallel group of that size: a layer planned
         # for a split the process groups do not make is refused when it is built (B22).
@@ -328,6 +341,12 @@ class CallExpectation:
     late_sink: bool = False
 
 
+def on_flex_backend(case: Case) -> bool:
+    """The layer runs on the ``flex`` backend (torch's flex_attention; only when asked for: ``auto`` has no GPU
+    here)."""
+    return case.flex and resolved_backend(case) == "flex"
+
+
 def expect_call(case: Case) -> CallExpectation:
     exp = CallExpectation()
     c = case.call
@@ -345,6 +364,10 @@ def expect_call(case: Case) -> CallExpectation:
         exp.must.append(f"{mutated}, read by a proof, changed after the build")
     if turbo and mspec is not None and mspec.provable is None:
         exp.may = True  # not claimed either way: refused at build, or runs as proven
+    flex_backend = on_flex_backend(case)
+    if flex_backend and case.grad:
+        # every gradient case has q, k, v (or Megatron's sink parameter) requiring grad with grad enabled
+        exp.must.append("gradients on the CPU on flex: torch's flex_attention has no CPU backward (B34.flex-cpu-grad)")
     if not c["thd"] and hooked and mod == LIB and name == "packed_documents" and c["q_len"] == c["kv_len"] \
             and case.settings["turbo_flex_attention_mask_mod_kwargs"]["cu_seqlens"][-1] != c["q_len"]:
         exp.must.append("document mask of another length")
@@ -358,6 +381,8 @@ def expect_call(case: Case) -> CallExpectation:
             exp.must.append("a planned sink missing at the call")
         if c["thd"] and (hooked or scored or c["bias"]):
             exp.must.append("hook or bias on a packed call")
+        if flex_backend and c["bias"]:
+            exp.must.append("a bias tensor on flex (B34.flex)")
         if c["thd"] and turbo and (causal or window != (-1, -1)) and c["docs_q"] != c["docs_kv"]:
             exp.must.append("packed q and kv documents of different lengths on turbo")
         if not c["thd"] and hooked and (causal or window != (-1, -1)):
@@ -610,6 +635,12 @@ def turbo_installed(case: Case):
     return fake_primus_turbo(**case.fake) if case.fake is not None else contextlib.nullcontext()
 
 
+def grad_mode(case: Case):
+    """A ``flex`` case that checks no gradients runs forward only, under ``torch.no_grad()`` (Megatron's
+    learned sink is a parameter: with grad enabled the call would need its gradient, refused on the CPU)."""
+    return torch.no_grad() if on_flex_backend(case) and not case.grad else contextlib.nullcontext()
+
+
 def run_case(case: Case, tally) -> None:
     build = expect_build(case)
     call = expect_call(case)
@@ -617,7 +648,7 @@ def run_case(case: Case, tally) -> None:
     stage = ["build"]
     with mutated_globals(case) as mutate:
         try:
-            with turbo_installed(case):
+            with turbo_installed(case), grad_mode(case):
                 ran = runner(case, stage, mutate)
         except PrimusExtError as err:
             check_refusal(case, err, stage[0], build, call, tally)

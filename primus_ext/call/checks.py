@@ -121,8 +121,10 @@ def check_packing(declared: Optional[bool], packed_call: bool, eod_documents: bo
     (``reset_attention_mask``) would attend across them (B25, B34).  A plan whose documents come
     in Megatron's mask (``mask_documents``) gets its dense calls as THD from the Megatron core: a
     dense flash-style call has no mask to read them from."""
-    if mask_documents and not packed_call:
-        raise refuse(R.DOCUMENT_MASK_MISSING)
+    if mask_documents:
+        if not packed_call:
+            raise refuse(R.DOCUMENT_MASK_MISSING)
+        return  # the Megatron core's conversion of a dense call (its own check refused a thd call not declared)
     if declared is None or declared is packed_call:
         return
     if packed_call:

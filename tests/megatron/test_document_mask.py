@@ -27,7 +27,7 @@ B, S = BATCHES[0].shape
 
 
 def _dense_cfg(**overrides):
-    return gpt.config(kv_channels=16, **overrides)  # packed_sequences unset: dense batches
+    return gpt.config(kv_channels=16, **overrides)  # packed_sequences unset: dense batches (or thd)
 
 
 @pytest.mark.parametrize("tokens", BATCHES, ids=["docs-and-one-doc-row", "eod-edges"])
@@ -45,11 +45,13 @@ def test_the_derivation_and_check_read_nothing_on_the_host():
     assert counts.syncs == 0, counts.summary()
 
 
+@pytest.mark.parametrize("declared", [None, False], ids=["packing-unset", "dense-only"])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_training_on_the_dense_mask_equals_megatrons_dense_mask(path):
+def test_training_on_the_dense_mask_equals_megatrons_dense_mask(path, declared):
     dense = dense_mask_gpt(_dense_cfg())
     with fake_primus_turbo() as fake:
-        model = gpt.build_gpt(gpt.settings(reset_attention_mask=True, **PATHS[path]), _dense_cfg(), seq=S).double()
+        model = gpt.build_gpt(gpt.settings(reset_attention_mask=True, packed_sequences=declared, **PATHS[path]),
+                              _dense_cfg(), seq=S).double()
         model.load_state_dict(dense.state_dict())
         assert_steps_match_megatron(model, dense, as_megatron_gives_it)
     assert all(m.core.plan.mask_documents for m in gpt.attention_modules(model))
@@ -178,3 +180,13 @@ def test_a_flash_style_dense_call_on_such_a_plan_is_refused_not_run_without_docu
         with pytest.raises(UnsupportedInputError) as err:
             TurboFlexAttention(plan)(q, q[:, :, :2], q[:, :, :2], causal=True)
     assert plan.mask_documents and "B25.no-mask" in err.value.codes
+
+
+def test_a_thd_call_on_a_dense_only_document_mask_layer_is_refused():
+    with fake_primus_turbo():
+        layer = _layer(packed_sequences=False)
+        q, k, v = (torch.randn(B * S, n, 16) for n in (4, 2, 2))
+        cu = torch.tensor([0, S, B * S], dtype=torch.int32)
+        with pytest.raises(UnsupportedInputError) as err:
+            layer(q, k, v, None, packed_seq_params=gpt.thd_params(cu))
+    assert "B34.packed-call" in err.value.codes

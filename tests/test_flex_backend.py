@@ -270,3 +270,25 @@ def test_a_score_hook_returning_another_dtype_rounds_only_the_score(cache):
     out = backend.dense(q, k, v, KernelCall(pattern=Pattern(-1, 0), score_mod=bf16_rounding))
     causal = oracle.flash_mask(S, S, causal=True, window=(-1, -1))
     same(out, oracle.attention(q, k, v, causal, score_fn=bf16_rounding)[0])
+
+
+def test_half_inputs_on_cpu_accumulate_in_float32_as_the_other_backends_do():
+    """torch's eager CPU flex_attention computes in the inputs' dtype; the backend upcasts there, so a
+    bf16 call with large scores (and its lse) is as close to float64 as the reference backend's."""
+    from primus_ext.attention.pattern import Pattern
+    from primus_ext.backends.base import KernelCall
+    from primus_ext.backends.flex import FlexBackend
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 2, 8) * s for s in (16.0, 1.0, 1.0))
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    call = KernelCall(pattern=Pattern(-1, 0), return_lse=True)
+    out, lse = FlexBackend().dense(q, k, v, call)
+    q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
+    scores = (q64 @ k64.transpose(-1, -2)) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    want = (torch.softmax(scores, -1) @ v64).transpose(1, 2)
+    assert lse.dtype == torch.float32 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=0)

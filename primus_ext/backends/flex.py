@@ -151,10 +151,15 @@ class FlexBackend(AttentionBackend):
                 call: KernelCall) -> tuple[Tensor, Optional[Tensor]]:
         """``(out [B, Hq, Sq, Dv], lse [B, Hq, Sq] or None)`` in torch's layout, sinks applied."""
         kernel = self._kernel(q.device)
+        given = q.dtype
+        if self.kernel is None and q.device.type == "cpu" and given in (torch.bfloat16, torch.float16):
+            # torch's eager CPU flex_attention computes scores, softmax and lse in the inputs' dtype; the
+            # compiled GPU kernel (and every other backend) accumulates in float32: compute in float32 here.
+            q, k, v = q.float(), k.float(), v.float()
         want_lse = call.sink is not None or call.return_lse
         common = dict(score_mod=score_mod, block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
         if not want_lse:
-            return kernel(q, k, v, **common), None
+            return kernel(q, k, v, **common).to(given), None
         if HAS_RETURN_AUX:
             out, aux = kernel(q, k, v, **common, return_aux=AuxRequest(lse=True))
             lse = aux.lse
@@ -165,9 +170,9 @@ class FlexBackend(AttentionBackend):
         if call.sink is not None:
             sink = call.sink.to(work).view(1, -1, 1)
             # softmax over the keys and the sink: the keys' share of the mass is sigmoid(lse - sink)
-            out = (out.to(work) * torch.sigmoid(lse - sink).unsqueeze(-1)).to(q.dtype)
+            out = out.to(work) * torch.sigmoid(lse - sink).unsqueeze(-1)
             lse = torch.logaddexp(lse, sink.expand_as(lse))
-        return out, lse
+        return out.to(given), lse
 
     def _refuse_unsupported(self, call: KernelCall, q: Tensor, k: Tensor, v: Tensor) -> None:
         if call.dropout_p > 0.0:

@@ -387,6 +387,12 @@ FLEX_UNSUPPORTED = rule(
     "{what} on the flex backend: torch's flex_attention has no dropout, takes no bias tensor and is not shown "
     "to have a deterministic backward, so it would be ignored.",
     "set turbo_flex_attention_backend: reference (exact torch math, any device), or {instead}.")
+FLEX_TRACE = rule(
+    "B34.flex-trace", ("turbo_flex_attention_backend", "turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+    "torch's flex_attention could not trace the hook ({error}): FlexAttention compiles a hook into its kernel, and "
+    "this one uses something torch cannot trace there.",
+    "use turbo_flex_attention_backend: reference (it evaluates the hook as written), or rewrite the hook with "
+    "tensor operations only.")
 FLEX_CPU_GRAD = rule(
     "B34.flex-cpu-grad", ("turbo_flex_attention_backend",),
     "a call on the CPU that needs gradients, on the flex backend: torch's flex_attention has no CPU backward.",

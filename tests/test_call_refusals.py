@@ -100,6 +100,22 @@ def megatron(path: str = "direct", mask_type=AttnMaskType.causal, keys: Any = No
 RESET = dict(reset_attention_mask=True)
 
 
+def _untraceable_on_flex():
+    """torch's flex_attention raising its tracer's error on a hook (the fuzzer met one with math.isqrt in a
+    Megatron layer): our refusal, not torch._dynamo's."""
+    import torch._dynamo
+
+    from primus_ext.attention.pattern import Pattern
+    from primus_ext.backends.base import KernelCall
+    from primus_ext.backends.flex import FlexBackend
+
+    def kernel(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("torch.* op returned non-Tensor")
+
+    q = torch.randn(1, 4, 2, 8)
+    FlexBackend(kernel=kernel).dense(q, q, q, KernelCall(pattern=Pattern(-1, 0)))
+
+
 def causal_mask(b: int, q_len: int, kv_len: int) -> torch.Tensor:
     """Megatron's causal mask (True = masked)."""
     return torch.arange(kv_len).view(1, -1) > torch.arange(q_len).view(-1, 1)
@@ -190,6 +206,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.dropout": lambda: adapter(settings())(*qkv(), dropout_p=1.5),
     # torch's FlexAttention (`primus_ext.backends.flex`)
     "B34.flex": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(), dropout_p=0.1),
+    "B34.flex-trace": lambda: _untraceable_on_flex(),
     "B34.flex-cpu-grad": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(grad=True)),
     "B34.scale": lambda: adapter(settings())(*qkv(), softmax_scale="0.3"),
     "B34.window": lambda: adapter(settings(), drop_in=True)(*qkv(), causal=True, window_size=(2.5, 0)),

@@ -28,6 +28,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 import torch
+import torch._dynamo  # its exception types: what flex_attention raises on a hook it cannot trace
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -158,13 +159,16 @@ class FlexBackend(AttentionBackend):
             q, k, v = q.float(), k.float(), v.float()
         want_lse = call.sink is not None or call.return_lse
         common = dict(score_mod=score_mod, block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
-        if not want_lse:
-            return kernel(q, k, v, **common).to(given), None
-        if HAS_RETURN_AUX:
-            out, aux = kernel(q, k, v, **common, return_aux=AuxRequest(lse=True))
-            lse = aux.lse
-        else:  # pragma: no cover - torch before return_aux
-            out, lse = kernel(q, k, v, **common, return_lse=True)
+        try:  # torch traces the hooks into its kernel, even eagerly: what it cannot trace is refused, ours
+            if not want_lse:
+                return kernel(q, k, v, **common).to(given), None
+            if HAS_RETURN_AUX:
+                out, aux = kernel(q, k, v, **common, return_aux=AuxRequest(lse=True))
+                lse = aux.lse
+            else:  # pragma: no cover - torch before return_aux
+                out, lse = kernel(q, k, v, **common, return_lse=True)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            raise R.refuse(R.FLEX_TRACE, error=type(exc).__name__) from exc
         work = torch.promote_types(q.dtype, torch.float32)
         lse = lse.to(work)
         if call.sink is not None:

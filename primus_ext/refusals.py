@@ -397,6 +397,13 @@ FLEX_CPU_GRAD = rule(
     "B34.flex-cpu-grad", ("turbo_flex_attention_backend",),
     "a call on the CPU that needs gradients, on the flex backend: torch's flex_attention has no CPU backward.",
     "set turbo_flex_attention_backend: reference (or auto, which picks it on the CPU), or run on a GPU.")
+LEARNED_COMPILE = rule(
+    "B34.learned-compile", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+    "a compiled call whose hooks capture {learned} tensor(s) that require grad (a learned table): under "
+    "torch.compile the attention is one opaque op that takes q, k and v, not the hook's tensors, so the table "
+    "would silently get no gradient.",
+    "run the layer eagerly (the reference backend trains the table through autograd), or freeze the table "
+    "(requires_grad=False).")
 
 # -- what Megatron hands core attention (`primus_ext.megatron.call_contract`) ------------------
 _MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader); the layer "

@@ -21,6 +21,14 @@ def document_ids(b, h, q_idx, kv_idx):
     return (DOC_IDS[q_idx] == DOC_IDS[kv_idx]) & (kv_idx <= q_idx)
 
 
+RELATIVE = torch.linspace(-1.0, 1.0, 16).requires_grad_(True)
+"""A learned relative-position bias table (requires grad), read by `relative_bias`."""
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    return score + RELATIVE[(q_idx - kv_idx).clamp(0, 15)]
+
+
 def softcap(score, b, h, q_idx, kv_idx):
     return 5.0 * torch.tanh(score / 5.0)
 

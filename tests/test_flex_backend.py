@@ -101,6 +101,20 @@ def test_captured_document_ids_rebuild_exactly_when_updated_in_place(cache):
         flex_hooks.DOC_IDS.copy_(saved)
 
 
+def test_what_a_hook_captures_counts_in_the_cache_bytes(cache):
+    """The cached BlockMask keeps its mask_mod alive, and with it the hook's captured tensors: counted."""
+    q, k, v = qkv(s=S)
+    with torch.no_grad():
+        TurboFlexAttention(flex_plan(turbo_flex_attention_mask_mod=HOOKS + "prefix_lm"), FlexBackend(block_masks=cache))(
+            q, k, v)
+        plain = cache.nbytes
+        cache.clear()
+        TurboFlexAttention(flex_plan(turbo_flex_attention_mask_mod=HOOKS + "document_ids"),
+                           FlexBackend(block_masks=cache))(q, k, v)
+    ids = flex_hooks.DOC_IDS
+    assert cache.nbytes - plain == ids.numel() * ids.element_size()  # both BlockMasks have the same shape
+
+
 def test_a_rebound_global_rebuilds(cache, monkeypatch):
     backend = FlexBackend(block_masks=cache)
     run = TurboFlexAttention(flex_plan(turbo_flex_attention_mask_mod=HOOKS + "prefix_lm"), backend)

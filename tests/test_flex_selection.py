@@ -56,12 +56,26 @@ def test_auto_avoids_flex_where_it_lacks_dropout_or_determinism():
 @pytest.mark.parametrize("keys, code", [
     ({"turbo_flex_attention_mask_mod": HOOKS + "typed_causal"}, "flex-dynamic"),
     ({"deterministic_mode": True}, "flex-deterministic"),
+    ({"turbo_flex_attention_score_mod": HOOKS + "relative_bias"}, "hook-learned"),
 ])
 def test_explicit_flex_refusals(keys, code):
     with pytest.raises(UnsupportedConfigError) as err:
         build_plan(settings(turbo_flex_attention_backend="flex", **keys), facts())
     assert code in err.value.codes
     assert "turbo_flex_attention_backend" in str(err.value) and "reference" in str(err.value)
+
+
+def test_fp8_is_refused_on_flex_as_on_the_whole_flex_path():
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings(turbo_flex_attention_backend="flex", enable_turbo_attention_float8=True), facts())
+    assert "B23" in err.value.codes
+
+
+def test_context_parallel_builds_on_flex():
+    """Ulysses hands the flex backend whole sequences of a rank's heads (tests/megatron/test_cp_ulysses.py)."""
+    chosen = build_plan(settings(turbo_flex_attention_backend="flex", turbo_flex_attention_mask_mod=HOOKS + "prefix_lm"),
+                        facts(seq_length=48, context_parallel_size=2))
+    assert chosen.backend == "flex"
 
 
 def test_explicit_flex_refuses_dropout():

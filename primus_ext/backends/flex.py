@@ -36,7 +36,7 @@ from .. import refusals as R
 from ..attention.pattern import Pattern
 from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
 from .flex_cache import BLOCK_MASKS, BlockMaskCache, boundary_state
-from .flex_masks import captured_state, document_mod, in_score_dtype, pattern_mod, user_hook, with_alibi
+from .flex_masks import captured_bytes, captured_state, document_mod, in_score_dtype, pattern_mod, user_hook, with_alibi
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest
@@ -131,8 +131,8 @@ class FlexBackend(AttentionBackend):
                    device: torch.device, state: tuple = ()) -> Any:
         """The shared BlockMask of ``mask_mod`` for one call shape (built on a miss or a changed capture)."""
         key = ("mask_mod", mask_mod, batch, heads, q_len, kv_len, device, self.block_size)
-        return self.block_masks.get(key, state,
-                                    lambda: (self._create(mask_mod, batch, heads, q_len, kv_len, device), 0))
+        return self.block_masks.get(key, state, lambda: (self._create(mask_mod, batch, heads, q_len, kv_len, device),
+                                                         captured_bytes(state)))
 
     def _create(self, mask_mod: Callable, batch: Optional[int], heads: Optional[int], q_len: int, kv_len: int,
                 device: torch.device) -> Any:
@@ -157,6 +157,10 @@ class FlexBackend(AttentionBackend):
             # torch's eager CPU flex_attention computes scores, softmax and lse in the inputs' dtype; the
             # compiled GPU kernel (and every other backend) accumulates in float32: compute in float32 here.
             q, k, v = q.float(), k.float(), v.float()
+        if self.kernel is None and q.device.type == "cpu" and not torch.is_grad_enabled():
+            # torch refuses CPU inputs that require grad even where no graph is recorded (no_grad; the forward
+            # of a compiled graph's attention op): nothing is differentiated here, so hand it detached views
+            q, k, v = q.detach(), k.detach(), v.detach()
         want_lse = call.sink is not None or call.return_lse
         common = dict(score_mod=score_mod, block_mask=block_mask, scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
         try:  # torch traces the hooks into its kernel, even eagerly: what it cannot trace is refused, ours

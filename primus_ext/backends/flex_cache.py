@@ -8,9 +8,10 @@ the same objects, unchanged (weak reference and in-place version counter, as
 `primus_ext.call.facts` keeps tensor facts), and what the hook captures is unchanged
 (`primus_ext.backends.flex_masks.captured_state`: a tensor updated in place bumps its version).
 Otherwise the mask is built again and replaces the entry.  Nothing of a call's inputs is kept
-alive: boundaries are held by weak reference; an entry holds its BlockMask and what its mask_mod
-captures (per-token document numbers derived on the device), counted in bytes.  The cache is bounded
-in bytes (least recently used first out); `builds` and `hits` count what happened.
+alive: boundaries are held by weak reference.  An entry holds its BlockMask, and through the
+BlockMask its mask_mod and what that captures (per-token document numbers derived on the device, a
+hook's captured tensors) until it is replaced or evicted; all of it is counted in bytes.  The cache is
+bounded in bytes (least recently used first out); `builds` and `hits` count what happened.
 """
 
 from __future__ import annotations

@@ -130,8 +130,9 @@ def _pattern_mod(pattern: Pattern) -> Optional[MaskMod]:
 def document_mod(pattern: Pattern, cu_q: Tensor, cu_kv: Tensor, total_q: int, total_kv: int) -> tuple[MaskMod, int]:
     """``(mask_mod, bytes it captures)`` of packed documents, ``pattern``'s window inside each, positions
     counted from each document's start (top-left); computed on ``cu_q``'s device without a host read."""
+    shared = cu_kv is cu_q and total_kv == total_q
     doc_q, start_q = _documents(cu_q, total_q)
-    doc_kv, start_kv = (doc_q, start_q) if cu_kv is cu_q and total_kv == total_q else _documents(cu_kv, total_kv)
+    doc_kv, start_kv = (doc_q, start_q) if shared else _documents(cu_kv, total_kv)
     inner = window_mod(pattern.left, pattern.right)
 
     def packed_documents(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -140,6 +141,13 @@ def document_mod(pattern: Pattern, cu_q: Tensor, cu_kv: Tensor, total_q: int, to
             return same
         return same & inner(b, h, q_idx - start_q[q_idx], kv_idx - start_kv[kv_idx])
 
+    def shared_documents(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        # One boundary tensor: q and kv of one document share its start, and a window compares only
+        # their difference, so the starts cancel (attention-gym's form, one gather fewer per side).
+        return (doc_q[q_idx] == doc_q[kv_idx]) & inner(b, h, q_idx, kv_idx)
+
+    if shared and inner is not None:
+        return shared_documents, doc_q.numel() * doc_q.element_size()
     held = {id(t): t for t in (doc_q, start_q, doc_kv, start_kv)}
     return packed_documents, sum(t.numel() * t.element_size() for t in held.values())
 
@@ -251,6 +259,24 @@ def captured_state(*hooks: Optional[Callable]) -> tuple:
     return tuple(stamps)
 
 
+def captured_bytes(state: tuple) -> int:
+    """Bytes of the live tensors a `captured_state` names (each once): what a cached BlockMask keeps alive
+    through its mask_mod."""
+    held = {}
+    for stamp in state:
+        if stamp[0] == "tensor" and stamp[1]() is not None:
+            held[id(stamp[1]())] = stamp[1]()
+    return sum(t.numel() * t.element_size() for t in held.values())
+
+
+def learned_tensors(*hooks: Optional[Callable]) -> int:
+    """How many tensors ``hooks`` capture that require grad (a learned bias table): their gradient can come
+    only from autograd through the hook as called, which a fixed kernel, a graph's opaque op and (unshown
+    here) flex_attention's captured-buffer gradient do not give."""
+    return sum(1 for stamp in captured_state(*hooks)
+               if stamp[0] == "tensor" and stamp[1]() is not None and stamp[1]().requires_grad)
+
+
 def _names(code: types.CodeType) -> set[str]:
     names = set(code.co_names)
     for const in code.co_consts:
@@ -274,5 +300,5 @@ def same_state(a: tuple, b: tuple) -> bool:
     return True
 
 
-__all__ = ["captured_state", "causal_mod", "document_mod", "in_score_dtype", "pattern_mod", "same_state", "user_hook",
+__all__ = ["captured_bytes", "captured_state", "causal_mod", "document_mod", "in_score_dtype", "learned_tensors", "pattern_mod", "same_state", "user_hook",
            "window_mod", "with_alibi"]

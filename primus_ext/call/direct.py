@@ -35,6 +35,9 @@ class DirectTarget:
         if self.routes is not None:
             self.routes.check("dense" if a.cu_q is None else "varlen", a, a.causal, a.window)
 
+    def check_in_graph(self, a: CallArgs) -> None:
+        """Nothing more inside a compiled graph: the direct path has no hooks."""
+
     def pair(self, a: CallArgs) -> Optional[KernelPair]:
         # The direct path passes Megatron's own causal / window to the entry: the same here.
         return kernel_pair(self.kernels, self.routes, a, a.causal, a.window)

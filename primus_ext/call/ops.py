@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..backends.base import CallArgs, KernelPair, kernel_rng
+from ..backends.dispatch_keys import autograd_keys_lifted
 from .checks import assert_boundaries
 from .op_rng import rng_restored, rng_size, rng_snapshot
 
@@ -52,6 +53,10 @@ class OpTarget(Protocol):
     def check(self, a: CallArgs) -> None:
         """Refuse a call its kernels would fail or compute wrongly (its route on the plan's arch, its
         storage layout): run by the forward op itself, since a traced graph skips the eager check."""
+        ...
+
+    def check_in_graph(self, a: CallArgs) -> None:
+        """Refuse what only an op inside a compiled graph cannot do (gradients to what hooks capture)."""
         ...
 
     def run(self, a: CallArgs) -> Any:
@@ -111,12 +116,13 @@ def _contiguous(t: Tensor) -> Tensor:
 def _run_forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
     """The forward ops' body: the kernel pair's forward, or the target's eager call."""
     target(handle).check(a)
+    target(handle).check_in_graph(a)
     pair = _pair(handle, a)
     if pair is not None:
         out, lse, rng = pair.forward(a)
         return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), rng
     rng = rng_snapshot(a.q.device, a.dropout_p) if a.dropout_p > 0 else kernel_rng(a)
-    with torch.no_grad():
+    with torch.no_grad(), autograd_keys_lifted():  # hooks run under vmap here, which needs functorch's keys
         result = target(handle).run(a)
     out, lse = result if a.return_lse else (result, None)
     # zeros, not garbage: an output nobody asked for must still be deterministic
@@ -154,20 +160,9 @@ def _fit(g: Optional[Tensor], leaf: Optional[Tensor], q: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def _autograd_inside_op():
-    """Record autograd inside an op implementation.
-
-    A custom op's implementation runs below the Autograd dispatch keys (they are in
-    the thread-local exclude set), so ops inside it build no graph even under
-    ``enable_grad``.  The backward ops recompute the forward to differentiate it, so
-    they lift that exclusion for the recompute (Autocast stays excluded).
-    """
-    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
-    for key in ("AutogradFunctionality", "AutogradNestedTensor"):
-        if hasattr(torch._C.DispatchKey, key):
-            keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-    include = torch._C._dispatch_tls_local_include_set()
-    exclude = torch._C._dispatch_tls_local_exclude_set() - keys
-    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+    """Record autograd inside an op implementation: the backward ops recompute the forward to
+    differentiate it, and ops below the Autograd keys build no graph even under ``enable_grad``."""
+    with autograd_keys_lifted(), torch.enable_grad():
         yield
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import refusals as R
 from ..attention.library import library_pattern
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..backends.base import AttentionBackend, CallArgs, KernelCall, KernelPair, Output
 from ..backends.call_route import CallRoutes
+from ..backends.flex_masks import learned_tensors
 from ..plan.plan import AttentionPlan
 from .prepared import Runner
 
@@ -65,6 +67,15 @@ class PlanTarget:
             return
         entry = "varlen" if a.cu_q is not None or pattern.documents else "dense"
         self.routes.check(entry, a, pattern.right == 0, pattern.window)
+
+    def check_in_graph(self, a: CallArgs) -> None:
+        """What only a compiled graph's op cannot do: hand gradients to tensors the hooks capture (B34)."""
+        if self.plan.mask_mod is None and self.plan.score_mod is None:
+            return
+        # Grad mode inside an op says nothing of the caller's, and a frozen model may still train the table.
+        learned = learned_tensors(self.plan.mask_mod, self.plan.score_mod)
+        if learned:
+            raise R.refuse(R.LEARNED_COMPILE, learned=learned)
 
     def run(self, a: CallArgs) -> Output:
         """The call, eagerly, with the backend's own autograd."""

@@ -16,6 +16,7 @@ from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, p
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
 from ..backends.dispatch import ARCHES, DENSE, Selection
+from ..backends.flex_masks import learned_tensors
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import kernel_selection, load_ops
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError, short_repr
@@ -84,7 +85,7 @@ HOOK_RULES = ("B31", "B31-score", "softcap", "B35")
 
 
 def _auto_for_hooks(settings: TurboAttentionSettings, facts: LayerFacts, chosen: tuple,
-                    mask_proof: Optional[MaskProof], score_proof: Optional[ScoreProof]) -> tuple:
+                    mask_proof: Optional[MaskProof], score_proof: Optional[ScoreProof], learned: int = 0) -> tuple:
     """``auto`` for one hook layer (docs/mask_hooks.md, the three classes): proven -> turbo where it imports;
     admitted -> flex on a GPU (a device, or ``turbo_arch`` naming one, as ``check --arch`` plans), reference
     elsewhere or where flex lacks what the layer needs; dynamic -> reference only."""
@@ -96,6 +97,9 @@ def _auto_for_hooks(settings: TurboAttentionSettings, facts: LayerFacts, chosen:
     if any(p.outside is not None for p in proofs):
         return ("reference", "auto: a dynamic hook (outside the provable subset) runs on reference only",
                 *reference[2:])
+    if learned:
+        return ("reference", "auto: the hooks capture tensors that require grad; autograd through the hook "
+                "trains them on reference only", *reference[2:])
     if name == "turbo" and not problem:
         ctx = RuleInput(settings=settings, facts=facts, backend=name, caps=caps, window=layer_window(settings, facts),
                         mask_proof=mask_proof, score_proof=score_proof)
@@ -147,6 +151,7 @@ def build_plan(
     facts = _declared_packing(settings, facts, reasons)
     mask_mod = score_mod = None
     mask_proof = score_proof = None
+    learned = 0
     direct: Optional[DirectEntries] = None
     if flex:
         name, why, problem, caps = _backend_for(settings, backend)
@@ -159,11 +164,12 @@ def build_plan(
             mask_proof = prove_mask(mask_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
         if score_mod is not None:
             score_proof = prove_score(score_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
+        learned = learned_tensors(mask_mod, score_mod)
         mask_mod = _torch_convention(mask_mod, mask_proof, "mask_mod", settings, reasons)
         score_mod = _torch_convention(score_mod, score_proof, "score_mod", settings, reasons)
         if backend is None and settings.turbo_flex_attention_backend == "auto":
             name, why, problem, caps = _auto_for_hooks(settings, facts, (name, why, problem, caps),
-                                                       mask_proof, score_proof)
+                                                       mask_proof, score_proof, learned)
     else:
         name, why, problem, caps = "turbo", "direct path", "", None
         if settings.use_turbo_attention or facts.turbo_module:
@@ -171,7 +177,7 @@ def build_plan(
     window = layer_window(settings, facts)
     ctx = RuleInput(
         settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
-        window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct,
+        window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct, learned=learned,
     )
     reasons.extend(failing_reasons(ctx))
     arch, _ = resolve_arch(settings.turbo_arch)

@@ -34,6 +34,8 @@ class RuleInput:
     mask_proof: Optional[MaskProof] = None
     score_proof: Optional[ScoreProof] = None
     direct: Optional[DirectEntries] = None
+    learned: int = 0
+    """Tensors the hooks capture that require grad (`primus_ext.backends.flex_masks.learned_tensors`)."""
 
     @property
     def flex(self) -> bool:
@@ -92,6 +94,8 @@ class RuleInput:
             "direct_dense": self.direct.dense if self.direct else None,
             "direct_packed": self.direct.packed if self.direct else None,
             "dynamic": "; ".join(_dynamic_hooks(self)),
+            "learned": self.learned,
+            "backend": self.backend,
         }
 
 
@@ -407,6 +411,15 @@ RULES: Tuple[Rule, ...] = (
          "set turbo_flex_attention_backend: reference (evaluates the hook as torch calls it) or auto (which does), "
          "or rewrite the hook inside the provable subset (docs/mask_hooks.md).",
          lambda c: _on_flex(c) and bool(_dynamic_hooks(c))),
+    Rule("hook-learned", ("turbo_flex_attention_backend", "turbo_flex_attention_mask_mod",
+                          "turbo_flex_attention_score_mod"),
+         "the hooks capture {learned} tensor(s) that require grad (a learned table) on the {backend} backend: their "
+         "gradient comes only from autograd through the hook as called; Primus-Turbo runs a proven hook as a fixed "
+         "kernel, and torch's flex_attention gradient for captured tensors is not shown here, so the table would "
+         "silently not train.",
+         "set turbo_flex_attention_backend: reference (or auto, which picks it; eager only: under torch.compile the "
+         "call is refused, B34.learned-compile), or freeze the table (requires_grad=False).",
+         lambda c: c.flex and c.learned > 0 and c.backend in ("turbo", "flex")),
     Rule("flex-dropout", ("attention_dropout", "turbo_flex_attention_backend"),
          "attention_dropout={dropout} on the flex backend: torch's flex_attention has no dropout; it would be "
          "ignored.",

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from tests.flex_standin import flex_standin
 from tests.fuzz import oracle as fuzz_oracle
 from tests.fuzz import user_hooks
 from tests.megatron import gpt
@@ -20,6 +21,7 @@ WINDOW = 3
 DIRECT: dict = {}
 REFERENCE = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference")
 TURBO = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="turbo")
+FLEX = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="flex")
 SINK = dict(use_sink_attention=True)
 HOOKS = "tests.fuzz.user_hooks:"
 
@@ -56,6 +58,11 @@ LAYERS = {
     "turbo-causal-sink": Layer({**TURBO, **SINK}),
     "turbo-window": Layer(TURBO, window=(WINDOW, 0), comm="p2p", sizes=(2,)),
     "turbo-alibi": Layer(TURBO, score_hook=HOOKS + "alibi"),
+    # flex: torch's FlexAttention has no CPU backward, so these run over the autograd stand-in (`build`)
+    "flex-window-sink": Layer({**FLEX, **SINK}, window=(WINDOW, 0)),
+    "flex-head-and-position-mask": Layer(FLEX, mask_hook=HOOKS + "first_head_sees_all"),
+    "flex-alibi": Layer(FLEX, score_hook=HOOKS + "alibi", sizes=(2,)),
+    "flex-sink-compiled": Layer({**FLEX, **SINK}, compiled=True, sizes=(2,)),
 }
 
 
@@ -104,9 +111,14 @@ def megatron_split(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return get_batch_on_this_cp_rank(dict(batch))
 
 
-def build(layer: Layer, cp: int, hq: int, hkv: int, *, config_cp: Optional[int] = None, tp: int = 1) -> Any:
+def build(layer: Layer, cp: int, hq: int, hkv: int, *, config_cp: Optional[int] = None, tp: int = 1,
+          flex_kernel: Optional[Callable] = flex_standin) -> Any:
+    """The layer's module; a ``flex`` layer over ``flex_kernel`` (None: torch's own flex_attention)."""
     from megatron.core.transformer.enums import AttnMaskType
 
+    import primus_ext.call.adapter as adapter_module
+    from primus_ext.backends import make_backend
+    from primus_ext.backends.flex import FlexBackend
     from primus_ext.megatron import PrimusTurboLocalAttention
 
     keys = dict(layer.keys)
@@ -117,7 +129,14 @@ def build(layer: Layer, cp: int, hq: int, hkv: int, *, config_cp: Optional[int] 
                      num_query_groups=hkv, hidden_size=hq * DIM, window_size=layer.window,
                      tensor_model_parallel_size=tp)
     mask = AttnMaskType.causal if layer.causal else AttnMaskType.no_mask
-    module = PrimusTurboLocalAttention(cfg, 1, mask, "self", cp_comm_type=layer.comm, settings=gpt.settings(**keys))
+    made = adapter_module.make_backend
+    if flex_kernel is not None:
+        adapter_module.make_backend = lambda name: FlexBackend(kernel=flex_kernel) if name == "flex" else made(name)
+    try:
+        module = PrimusTurboLocalAttention(cfg, 1, mask, "self", cp_comm_type=layer.comm,
+                                           settings=gpt.settings(**keys))
+    finally:
+        adapter_module.make_backend = made
     if layer.sink:  # the tensor-parallel rank's entries (`tp_heads`)
         with torch.no_grad():
             module.softmax_offset.copy_(tp_heads(sink_values(hq).view(1, 1, -1, 1), tp)[0, 0, :, 0])

@@ -5,7 +5,8 @@ fake of Primus-Turbo.  Every rank takes its part of the batch with megatron-core
 ``get_batch_on_this_cp_rank``, which is load-balanced (of ``2 * CP`` chunks, rank r holds
 chunks r and ``2 * CP - 1 - r``), and runs the layer forward and backward.  Its output and
 q/k/v gradients must equal its rows of the float64 oracle of the whole sequence.  Both
-paths are covered: the direct path, and the flex path on the reference and turbo backends.
+paths are covered: the direct path, and the flex path on the reference, turbo and flex backends (flex over
+the autograd stand-in of torch's flex_attention, and once forward through torch's own).
 The layers are causal, windowed, full, with learned sinks, GQA, ALiBi, and mask hooks that
 read the head index and absolute positions.  The sink's gradient, summed over the CP ranks
 (as Megatron's gradient reduction does), must equal the oracle's.  One layer per path is
@@ -112,7 +113,12 @@ def run_world(cp: int, rank: int, port: int, out_dir: str) -> None:
                                               entries=sorted({c.entry for c in fake.calls}))
             if cp == 4:  # the same world again as tensor parallel 2 x context parallel 2
                 record["tp2cp2"] = tensor_and_context_parallel(fake)
-            if cp == 2:
+            if cp == 2:  # torch's own flex_attention under CP, forward only (it has no CPU backward)
+                flex = LAYERS["flex-head-and-position-mask"]
+                with torch.no_grad():
+                    out = build(flex, cp, hq, hkv, flex_kernel=None)(
+                        *(part[n].transpose(0, 1).contiguous() for n in "qkv"), None).transpose(0, 1)
+                record["torch_flex"] = dict(got=out, want=megatron_split({"out": oracle(flex, whole, hq)["out"]})["out"])
                 causal = LAYERS["direct-causal"]
                 split_mask = megatron_split({"attention_mask": torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
                                              .view(1, 1, SEQ, SEQ)})["attention_mask"]
@@ -244,6 +250,15 @@ def test_a_compiled_cp_layer_is_one_graph_with_the_exchange_and_the_attention_op
         for record in records:
             (graph,) = record["layers"][name]["got"]["graphs"]
             assert "all_to_all_single" in graph and "primus_ext.dense_attention" in graph, name
+
+
+def test_torchs_own_flex_attention_under_cp_equals_the_oracle_forward(world):
+    """The flex layers above run over the autograd stand-in; here the head- and position-reading hook runs
+    through torch's real flex_attention on each CP rank (forward: torch has no CPU backward)."""
+    for record in _cp2(world):
+        why = fuzz_oracle.mismatch(record["torch_flex"]["got"], record["torch_flex"]["want"],
+                                   fuzz_oracle.OUTPUT_TOL[torch.float32])
+        assert why is None, f"rank {record['cp_rank']}: {why}"
 
 
 def test_megatrons_split_causal_mask_is_accepted_and_changes_nothing(world):

@@ -3,7 +3,8 @@
 Every layer's core attention reaches the process's shared cache (`primus_ext.backends.flex_cache.BLOCK_MASKS`)
 with the same key (the hook, B, H, Sq, Skv, device): the first layer of the first step builds the mask and
 the other 23 take it; a later step with nothing changed builds none; a step after the captured document-id
-tensor the hook reads is updated in place builds exactly one more.  Forward only (torch's flex_attention
+tensor the hook reads is updated in place builds exactly one more.  Packed (THD) batches alike: one document
+BlockMask per step, one more for a new boundary tensor and one more when it is changed in place.  Forward only (torch's flex_attention
 has no CPU backward), under ``torch.no_grad()``; the logits equal those of the same model on ``reference``.
 """
 
@@ -55,3 +56,30 @@ def test_24_layers_build_one_block_mask_per_step_and_rebuild_on_an_in_place_upda
     per_step = LAYERS - 1
     assert counts == [(1, per_step), (1, per_step + LAYERS), (2, 2 * per_step + LAYERS),
                       (2, 2 * per_step + 2 * LAYERS)], counts
+
+
+def test_24_packed_layers_build_one_document_block_mask_per_step_and_rebuild_on_new_boundaries():
+    """Packed (THD) batches: the document BlockMask follows the boundary tensor (identity and version)."""
+    def packed_model(backend: str):
+        cfg = gpt.config(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8)
+        keys = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend=backend, packed_sequences=True)
+        return gpt.build_gpt(gpt.settings(**keys), cfg, seq=SEQ)
+
+    flex, reference = packed_model("flex"), packed_model("reference")
+    tokens, positions, cu, _ = gpt.pack(gpt.documents([10, 20, 18]))
+    other = torch.tensor([0, 24, 48], dtype=torch.int32)
+    BLOCK_MASKS.clear()
+    counts = []
+    try:
+        for step, bounds in enumerate([cu, cu, other, other]):
+            if step == 3:
+                other[1] = 30  # the same tensor, changed in place
+            params = gpt.thd_params(bounds)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = gpt.logits(flex, tokens, positions, params)
+            counts.append(BLOCK_MASKS.builds)
+            torch.testing.assert_close(got, gpt.logits(reference, tokens, positions, params), rtol=1e-5, atol=1e-5)
+    finally:
+        BLOCK_MASKS.clear()
+    assert counts == [1, 1, 2, 3], counts

@@ -1,4 +1,5 @@
-"""`primus-ext demo`: trains a tiny megatron-core GPT on the flex and direct paths.
+"""`primus-ext demo`: trains a tiny megatron-core GPT on the flex path and compares it with a second
+implementation (the direct path, the reference backend, or torch's flex_attention).
 
 The end-to-end runs happen in a subprocess: the demo creates (and tears down) its own
 gloo world, which must not meet the process group of tests/megatron.
@@ -21,8 +22,10 @@ from primus_ext.settings import TurboAttentionSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "configs" / "examples" / "demo.yaml"
-PARITY = re.compile(r"^parity, step by step from identical parameters, flex vs ([\w-]+): max relative loss "
-                    r"difference (\S+), max relative gradient difference (\S+) \(steps (\d+)\)$", re.M)
+PARITY = re.compile(r"^parity, step by step from identical parameters, flex vs (?P<partner>[\w-]+) "
+                    r"\((?P<mine>[^()]+) vs (?P<theirs>[^()]+)\): max relative loss difference (?P<loss>\S+), "
+                    r"max relative gradient difference (?P<grad>\S+) \(steps (?P<steps>\d+)(?:; (?P<note>[^()]+))?\)$",
+                    re.M)
 HAS_TURBO = importlib.util.find_spec("primus_turbo") is not None
 
 
@@ -58,8 +61,11 @@ def test_demo_trains_both_paths_and_prints_parity_and_plans():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = PARITY.search(out)
     assert match, out
-    assert match.group(1) == "direct" and float(match.group(2)) < 1e-5 and float(match.group(3)) < 1e-4
-    assert match.group(4) == "3"
+    assert match["partner"] == "direct" and float(match["loss"]) < 1e-5 and float(match["grad"]) < 1e-4
+    assert match["steps"] == "3" and match["note"] is None
+    # the first line names the two implementations compared
+    assert match["theirs"].startswith("Primus-Turbo flash_attn_*"), out
+    assert match["mine"] == ("turbo backend" if HAS_TURBO else "reference backend"), out
     # progress bar (final state) and the per-run summary
     assert re.search(r"^.*flex .*3/3 .*loss=\d+\.\d+, [\d,]+ tok/s", out, re.M), out
     assert re.search(r"direct .*3/3 .*loss=", out), out
@@ -79,7 +85,7 @@ def test_demo_on_packed_batches(tmp_path):
     proc = run_cli(str(config), "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "THD packed" in proc.stdout
-    assert float(PARITY.search(proc.stdout).group(2)) < 1e-5
+    assert float(PARITY.search(proc.stdout)["loss"]) < 1e-5
     if not HAS_TURBO:
         assert "direct kernels: flash_attn_varlen_func x4" in proc.stdout
 
@@ -101,8 +107,83 @@ def test_a_hook_is_compared_with_the_path_that_computes_it(tmp_path, left, right
     proc = run_cli(str(_hook_config(tmp_path, left, right)), "--steps", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = PARITY.search(proc.stdout)
-    assert match and match.group(1) == partner, proc.stdout
+    assert match and match["partner"] == partner, proc.stdout
     assert "cannot express" not in proc.stdout or partner == "reference"
+
+
+PREFIX_LM = ROOT / "configs" / "examples" / "prefix_lm_hook.yaml"  # a mask hook on the reference backend
+
+
+def _softcap_config(tmp_path):
+    """The default demo (sinks, windows; auto) with a soft-cap score hook, which auto runs on reference here."""
+    path = tmp_path / "softcap.yaml"
+    path.write_text(EXAMPLE.read_text() + 'turbo_flex_attention_score_mod: "tests.hook_examples:softcap"\n')
+    return path
+
+
+@pytest.mark.parametrize("make", [lambda tmp: PREFIX_LM, _softcap_config], ids=["prefix-lm", "softcap-sinks"])
+def test_a_hook_only_reference_runs_is_compared_with_torch_flex_attention(tmp_path, capsys, make):
+    """The flex backend (torch's flex_attention) is the second implementation of a hook the reference
+    backend ran; on the CPU the comparison is the loss only (torch's flex_attention has no CPU backward)."""
+    assert main(["demo", str(make(tmp_path)), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    match = PARITY.search(out)
+    assert match, out
+    assert match["partner"] == demo.FLEX and match["mine"] == "reference backend", out
+    assert match["theirs"] == "torch's flex_attention", out
+    assert float(match["loss"]) < 1e-4, out  # float32: two implementations' rounding
+    assert "compared with: torch-flex (the hook ran on the exact reference backend" in out, out
+    if "on cpu" in out:
+        assert match["grad"] == "n/a" and match["note"].startswith(demo.FORWARD_ONLY), out
+        assert "torch-flex path: loss" in out and "forward only (no gradients)" in out, out
+    else:  # a GPU: loss and gradients, as for every other partner
+        assert float(match["grad"]) < 1e-3 and match["note"] is None, out
+
+
+def test_a_torch_flex_comparison_detects_a_different_attention(monkeypatch, capsys):
+    """torch's flex_attention made to drop the hook's mask (full attention instead of prefix-LM): the
+    demo's comparison sees it and exits 1, as for any parity failure.  Two steps: at the initial
+    weights attention barely moves the loss (a gap near 5e-5); after one step it is above 1e-3."""
+    from primus_ext.backends import flex as flex_backend
+
+    real = flex_backend.flex_attention
+    monkeypatch.setattr(flex_backend, "flex_attention",
+                        lambda *args, **kwargs: real(*args, **{**kwargs, "block_mask": None}))
+    assert main(["demo", str(PREFIX_LM), "--steps", "2"]) == 1
+    captured = capsys.readouterr()
+    match = PARITY.search(captured.out)
+    assert match and match["partner"] == demo.FLEX and float(match["loss"]) > 1e-3, captured.out
+    assert "MISMATCH" in captured.err and "vs torch-flex" in captured.err, captured.err
+
+
+DYNAMIC = PREFIX_LM.read_text().replace('"primus_ext.attention.masks:prefix_lm"', '"tests.flex_hooks:typed_causal"')
+DYNAMIC = "\n".join(line for line in DYNAMIC.splitlines() if "mask_mod_kwargs" not in line) + "\n"
+
+
+@pytest.mark.parametrize("text, code", [
+    (PREFIX_LM.read_text() + "attention_dropout: 0.1\n", "flex-dropout"),
+    (PREFIX_LM.read_text() + "deterministic_mode: true\n", "flex-deterministic"),
+    (DYNAMIC, "flex-dynamic"),  # a hook outside the provable subset (isinstance on torch.Tensor)
+], ids=["dropout", "deterministic", "dynamic-hook"])
+def test_a_hook_flex_refuses_is_compared_with_nothing_and_says_why(tmp_path, capsys, text, code):
+    """The reference backend runs what the flex backend refuses (dropout, a deterministic backward,
+    a dynamic hook): no second implementation, the plan's reason named, exit 0."""
+    path = tmp_path / "refused_by_flex.yaml"
+    path.write_text(text)
+    assert main(["demo", str(path), "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("compared with:"))
+    assert line.startswith("compared with: nothing (the hook runs on the exact reference backend, its only "
+                           "implementation here: torch's flex_attention, the second one, refuses it: "), out
+    assert line.endswith(f"({code}))"), line
+    assert "parity," not in out and "torch-flex path" not in out
+
+
+def test_parity_of_a_forward_only_partner_compares_losses_only():
+    flex, forward = _steps([2.0, 1.0]), [demo_model.Step({}, loss, {}) for loss in (2.0, 1.0 + 1e-3)]
+    loss_gap, grad_gap, worst = demo.parity(flex, forward)
+    assert grad_gap is None and worst == 2 and loss_gap == pytest.approx(1e-3 / 1.001)
+    assert demo.parity(flex, _steps([2.0, 1.0]))[1] == 0.0
 
 
 def test_the_loss_falls_over_the_default_steps():
@@ -177,14 +258,21 @@ def _steps(losses, grad=1.0):
     return [demo_model.Step({}, loss, {"w": torch.full((2,), grad)}) for loss in losses]
 
 
-def test_a_loss_mismatch_exits_1(monkeypatch, capsys):
-    """The parity verdict, with the two training runs replaced by canned steps."""
+def _canned_runs(monkeypatch, flex, other, partner="direct"):
+    """The two training runs of `run_demo` replaced by canned steps (no model is built)."""
     import contextlib
 
-    runs = iter([(_steps([2.0, 1.0]), []), (_steps([2.0, 1.1]), [])])
+    runs = iter([flex, other])
     monkeypatch.setattr(demo_model, "single_process_world", contextlib.nullcontext)
+    monkeypatch.setattr(demo, "_model", lambda *a, **k: None)
+    monkeypatch.setattr(demo_model, "layer_plans", lambda model: [])
     monkeypatch.setattr(demo, "_run", lambda *a, **k: next(runs))
-    monkeypatch.setattr(demo, "_partner", lambda plans, s, cfg: ("direct", s, cfg, ""))
+    monkeypatch.setattr(demo, "_partner", lambda plans, s, cfg: (partner, s, cfg, ""))
+
+
+def test_a_loss_mismatch_exits_1(monkeypatch, capsys):
+    """The parity verdict, with the two training runs replaced by canned steps."""
+    _canned_runs(monkeypatch, _steps([2.0, 1.0]), _steps([2.0, 1.1]))
     assert demo.run_demo(None, 2) == 1
     captured = capsys.readouterr()
     assert "max relative loss difference 9.09e-02" in captured.out
@@ -192,12 +280,7 @@ def test_a_loss_mismatch_exits_1(monkeypatch, capsys):
 
 
 def test_a_gradient_mismatch_alone_exits_1(monkeypatch, capsys):
-    import contextlib
-
-    runs = iter([(_steps([2.0, 1.0], grad=1.0), []), (_steps([2.0, 1.0], grad=1.01), [])])
-    monkeypatch.setattr(demo_model, "single_process_world", contextlib.nullcontext)
-    monkeypatch.setattr(demo, "_run", lambda *a, **k: next(runs))
-    monkeypatch.setattr(demo, "_partner", lambda plans, s, cfg: ("direct", s, cfg, ""))
+    _canned_runs(monkeypatch, _steps([2.0, 1.0], grad=1.0), _steps([2.0, 1.0], grad=1.01))
     assert demo.run_demo(None, 2) == 1
     assert "max relative gradient difference 9.90e-03" in capsys.readouterr().out
 
@@ -241,5 +324,5 @@ def test_eod_documents_demo_is_compared_with_megatrons_dense_mask(capsys):
     assert main(["demo", str(ROOT / "configs" / "examples" / "eod_documents.yaml"), "--steps", "3"]) == 0
     out = capsys.readouterr().out
     match = PARITY.search(out)
-    assert match and match.group(1) == "dense-mask" and float(match.group(3)) < 1e-4, out
+    assert match and match["partner"] == "dense-mask" and float(match["grad"]) < 1e-4, out
     assert "converted to packed THD" in out

@@ -2,11 +2,14 @@
 
 Builds a tiny real megatron-core GPT on CPU (one gloo process), trains it on a
 synthetic corpus through the flex path with a progress bar, then trains the same
-model from the same seed on the same batches through the direct path
-(``use_turbo_flex_attention: false``).  Without Primus-Turbo the direct path runs on
-`primus_ext.testing.fake_primus_turbo`, and the output says so.  Prints the plan of
-every layer and the largest relative loss difference between the two runs; exit 0
-when it is below `PARITY_TOLERANCE`, 1 when it is not, 2 when the config is refused.
+model from the same seed on the same batches through a second implementation of the
+same attention (`_partner`): the direct path (``use_turbo_flex_attention: false``), the
+exact ``reference`` backend, or, for a hook only ``reference`` ran, torch's own
+flex_attention (the ``flex`` backend; loss only on the CPU, where it has no backward).
+Without Primus-Turbo the direct path runs on `primus_ext.testing.fake_primus_turbo`, and
+the output says so.  Prints the plan of every layer and the largest relative loss and
+gradient differences between the two runs; exit 0 when they are below `LOSS_TOLERANCE`
+and `GRAD_TOLERANCE`, 1 when they are not, 2 when the config is refused.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import importlib.resources
 import math
 import sys
 import time
+import warnings
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import yaml
 
 from ..backends import turbo_import_problem
-from ..errors import PrimusExtError, UnsupportedConfigError
+from ..errors import PrimusExtError, UnsupportedConfigError, UnsupportedInputError
 from ..settings import TurboAttentionSettings
 from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
 from . import demo_model as dm
@@ -34,6 +38,16 @@ GRAD_TOLERANCE = 1e-4
 """Per step, from identical parameters: float32 rounding of two attention implementations
 stays near 1e-6 on the loss and 1e-5 on a gradient; an attention that differs is far above."""
 DEFAULT_NAME = "demo.yaml"
+FLEX = "torch-flex"
+"""The partner of a hook only the reference backend ran: the same model on the ``flex`` backend."""
+FORWARD_ONLY = "forward only: torch's flex_attention has no CPU backward"
+IMPLEMENTATIONS = {
+    "direct": "Primus-Turbo flash_attn_*",
+    "reference": "the exact reference backend",
+    FLEX: "torch's flex_attention",
+    "dense-mask": "megatron-core's dense reset_attention_mask mask",
+}
+"""What each comparison partner computes attention with, for the parity line."""
 
 
 def load_config(path: Optional[str]) -> tuple[dict, str]:
@@ -79,22 +93,29 @@ class _Progress:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def _run(label: str, config: Any, settings: TurboAttentionSettings, batches: list, opts: dm.DemoOptions,
-         seq_length: int, device: torch.device, replay: Optional[list] = None,
-         core_attention: Any = None) -> tuple[list[Any], list[Any]]:
+def _model(config: Any, settings: TurboAttentionSettings, opts: dm.DemoOptions, seq_length: int,
+           device: torch.device, core_attention: Any = None) -> Any:
+    """The demo's GPT from ``opts.seed``: the same weights for every run (a refused plan raises here)."""
     vocab = opts.vocab_size + (1 if opts.eod_documents else 0)  # the EOD token is one past the corpus
-    model = dm.build_gpt(config, settings, vocab_size=vocab, seq_length=seq_length,
-                         seed=opts.seed, device=device, core_attention=core_attention)
+    return dm.build_gpt(config, settings, vocab_size=vocab, seq_length=seq_length,
+                        seed=opts.seed, device=device, core_attention=core_attention)
+
+
+def _run(label: str, model: Any, batches: list, opts: dm.DemoOptions, device: torch.device,
+         replay: Optional[list] = None, forward_only: bool = False) -> list[Any]:
     progress = _Progress(label, len(batches))
     start = time.perf_counter()
     try:
-        steps = dm.train(model, batches, opts.lr, device, progress, replay=replay)
+        with warnings.catch_warnings():  # torch's note on eager flex_attention: on the CPU there is no other
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            steps = dm.train(model, batches, opts.lr, device, progress, replay=replay, backward=not forward_only)
     finally:
         rate = progress.close()
     each = ", each from the flex run's parameters" if replay is not None else ""
+    each += ", forward only (no gradients)" if forward_only else ""
     print(f"{label} path: loss {steps[0].loss:.4f} -> {steps[-1].loss:.4f} over {len(steps)} steps{each} "
           f"({rate:,.0f} tokens/s, {time.perf_counter() - start:.1f} s)", flush=True)
-    return steps, (dm.layer_plans(model) if core_attention is None else [])
+    return steps
 
 
 def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tuple[str, Any, Any, str]:
@@ -102,7 +123,9 @@ def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tu
 
     The direct path when it computes the same attention (also for a hook proven to be a
     causal window, given to it as ``window_size``); otherwise the exact ``reference`` backend,
-    unless the flex run already ran on it (then there is no second implementation).
+    unless the flex run already ran on it: then torch's flex_attention (`FLEX`, the ``flex``
+    backend), the one other implementation of any hook here (`run_demo` says "nothing" when
+    the plan refuses the hook on it).
     """
     direct = settings.replace(use_turbo_flex_attention=False)
     hooked = any(p.mask_hook or p.score_hook for p in plans)
@@ -117,10 +140,18 @@ def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tu
         return "direct", plain, dataclasses.replace(cfg, window_size=window), (
             f"the hook is proven {pattern.describe()}, which the direct path runs as window_size")
     if all(p.backend == "reference" for p in plans):
-        return "", None, None, ("the hook runs on the exact reference backend, its only implementation here; "
-                                "there is no second one to compare it with")
+        return FLEX, settings.replace(turbo_flex_attention_backend="flex"), cfg, (
+            "the hook ran on the exact reference backend; the same model on the flex backend "
+            "(turbo_flex_attention_backend: flex) is its second implementation")
     return "reference", settings.replace(turbo_flex_attention_backend="reference"), cfg, (
         "the direct path cannot express the hook, so the exact reference backend is the comparison")
+
+
+def _refused_by_flex(exc: Any) -> str:
+    """Why there is nothing to compare with when the flex backend refuses the hook: its reasons."""
+    reasons = " ".join(f"{r.reason} ({r.code})" if r.code else r.reason for r in exc.reasons)
+    return ("the hook runs on the exact reference backend, its only implementation here: torch's flex_attention, "
+            f"the second one, refuses it: {reasons}")
 
 
 @contextlib.contextmanager
@@ -141,25 +172,35 @@ def _print_kernels(label: str, fake: Any) -> None:
         print(f"{label} kernels: " + (", ".join(f"{name} x{n}" for name, n in sorted(used.items())) or "none"))
 
 
-def parity(flex: list[Any], other: list[Any]) -> tuple[float, float, int]:
+def parity(flex: list[Any], other: list[Any]) -> tuple[float, Optional[float], int]:
     """``(loss gap, gradient gap, worst step)`` of two runs compared step by step.
 
     Both started each step from the same parameters (`dm.train` with ``replay``), so a gap is
     the two attention implementations' difference on that step alone.  The loss gap is
     ``|a - b| / |b|``; the gradient gap is the largest ``||ga - gb|| / ||gb||`` over the
-    parameters.  inf when a number is not finite.
+    parameters, None when ``other`` computed no gradients (forward only).  inf when a number
+    is not finite.
     """
-    worst, worst_step = (0.0, 0.0), 0
+    worst, worst_step, grads_seen = (0.0, 0.0), 0, False
     for i, (a, b) in enumerate(zip(flex, other)):
         if not (math.isfinite(a.loss) and math.isfinite(b.loss)):
-            return math.inf, math.inf, i + 1
+            return math.inf, math.inf if b.grads else None, i + 1
         loss_gap = abs(a.loss - b.loss) / max(abs(b.loss), 1e-12)
-        grad_gap = max(((a.grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in b.grads.items())
+        grad_gap = max((((a.grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in b.grads.items()),
+                       default=0.0)
+        grads_seen = grads_seen or bool(b.grads)
         if max(loss_gap / LOSS_TOLERANCE, grad_gap / GRAD_TOLERANCE) > max(
                 worst[0] / LOSS_TOLERANCE, worst[1] / GRAD_TOLERANCE):
             worst_step = i + 1
         worst = (max(worst[0], loss_gap), max(worst[1], grad_gap))
-    return worst[0], worst[1], worst_step
+    return worst[0], worst[1] if grads_seen else None, worst_step
+
+
+def _flex_run_on(plans: list[Any], fake: bool) -> str:
+    """What the flex run computed attention with: its layers' backends."""
+    backends = sorted({p.backend for p in plans})
+    return "/".join(backends) + (" backend" if len(backends) == 1 else " backends") + (
+        " on the CPU fake" if fake and "turbo" in backends else "")
 
 
 def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
@@ -227,8 +268,10 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
             with _maybe_fake(flex_on_fake) as fake:
                 if fake is not None:
                     print("flex path: Primus-Turbo flex entries (CPU fake)")
-                flex_steps, plans = _run("flex", cfg, settings, batches, opts, seq_length, device)
+                model = _model(cfg, settings, opts, seq_length, device)
+                flex_steps = _run("flex", model, batches, opts, device)
                 _print_kernels("flex", fake)
+            plans = dm.layer_plans(model)
             print("flex plans:")
             for plan in plans:
                 print(f"  {plan.describe()}")
@@ -240,16 +283,34 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
                 label, other_settings, other_cfg, core_attention, other_batches = (
                     "dense-mask", settings, cfg, DenseMaskAttention, dense_mask_batches)
                 why = "megatron-core's own reset_attention_mask mask and positions, applied densely"
-            if why:
-                print(f"compared with: {label or 'nothing'} ({why})")
-            if not label:
-                return 0
-            if label == "direct":
-                print("direct path: Primus-Turbo flash_attn_* " + ("(real)" if real_turbo else "(CPU fake)"),
-                      flush=True)
-            with _maybe_fake(label == "direct" and not real_turbo) as fake:
-                other_steps, _ = _run(label, other_cfg, other_settings, other_batches, opts, seq_length, device,
-                                      replay=flex_steps, core_attention=core_attention)
+            # torch's flex_attention has no CPU backward: there the flex backend gives each step's loss only.
+            forward_only = label == FLEX and device.type != "cuda"
+            direct_on_fake = label == "direct" and not real_turbo
+            with _maybe_fake(direct_on_fake) as fake:
+                other = None
+                try:
+                    if label:
+                        other = _model(other_cfg, other_settings, opts, seq_length, device, core_attention)
+                except UnsupportedConfigError as exc:  # a refused partner: only torch-flex may be
+                    if label != FLEX:
+                        raise
+                    label, why = "", _refused_by_flex(exc)
+                if why:
+                    note = f"; {FORWARD_ONLY}" if forward_only and label else ""
+                    print(f"compared with: {label or 'nothing'} ({why}{note})")
+                if not label:
+                    return 0
+                if label == "direct":
+                    print("direct path: Primus-Turbo flash_attn_* " + ("(CPU fake)" if direct_on_fake else "(real)"),
+                          flush=True)
+                try:
+                    other_steps = _run(label, other, other_batches, opts, device, replay=flex_steps,
+                                       forward_only=forward_only)
+                except UnsupportedInputError as exc:  # e.g. a hook torch's flex_attention cannot trace (B34)
+                    if label != FLEX:
+                        raise
+                    print(f"compared with: nothing ({_refused_by_flex(exc)})")
+                    return 0
                 _print_kernels(label, fake)
     except UnsupportedConfigError as exc:
         # Rebuilt from its reasons: megatron-core appends "when instantiating ..." to the text.
@@ -259,9 +320,12 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
         torch.set_num_threads(threads)
 
     loss_gap, grad_gap, worst = parity(flex_steps, other_steps)
-    print(f"parity, step by step from identical parameters, flex vs {label}: max relative loss difference "
-          f"{loss_gap:.2e}, max relative gradient difference {grad_gap:.2e} (steps {len(flex_steps)})")
-    if loss_gap < LOSS_TOLERANCE and grad_gap < GRAD_TOLERANCE:
+    theirs = IMPLEMENTATIONS[label] + (" on the CPU fake" if direct_on_fake else "")
+    grads, note = ("n/a", f"; {FORWARD_ONLY}, gradients not compared") if grad_gap is None else (f"{grad_gap:.2e}", "")
+    print(f"parity, step by step from identical parameters, flex vs {label} ({_flex_run_on(plans, flex_on_fake)} "
+          f"vs {theirs}): max relative loss difference {loss_gap:.2e}, max relative gradient difference {grads} "
+          f"(steps {len(flex_steps)}{note})")
+    if loss_gap < LOSS_TOLERANCE and (grad_gap is None or grad_gap < GRAD_TOLERANCE):
         return 0
     print(f"MISMATCH: above the tolerances (loss {LOSS_TOLERANCE:g}, gradients {GRAD_TOLERANCE:g}); worst at "
           f"step {worst}: flex loss {flex_steps[worst - 1].loss!r} vs {label} {other_steps[worst - 1].loss!r}",
@@ -269,4 +333,4 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
     return 1
 
 
-__all__ = ["GRAD_TOLERANCE", "LOSS_TOLERANCE", "load_config", "parity", "run_demo"]
+__all__ = ["FLEX", "GRAD_TOLERANCE", "LOSS_TOLERANCE", "load_config", "parity", "run_demo"]

@@ -229,7 +229,7 @@ def make_batches(opts: DemoOptions, steps: int, *, packed: bool, seq_length: int
 @dataclass
 class Step:
     """One training step as the parity check needs it: the parameters it started from, its
-    loss and the gradients it computed."""
+    loss and the gradients it computed (none for a forward-only step)."""
 
     params: dict[str, torch.Tensor]
     loss: float
@@ -237,13 +237,18 @@ class Step:
 
 
 def train(model: Any, batches: list[Batch], lr: float, device: torch.device,
-          on_step: Callable[[int, float, int, float], None], replay: Optional[list[Step]] = None) -> list[Step]:
+          on_step: Callable[[int, float, int, float], None], replay: Optional[list[Step]] = None,
+          backward: bool = True) -> list[Step]:
     """Adam steps; ``on_step(step, loss, tokens, seconds)`` after each.
 
     With ``replay`` (another run's steps) every step starts from that run's parameters
     instead of this model's own, so the two runs are compared step by step from identical
-    parameters: float rounding cannot accumulate into a drifting trajectory.
+    parameters: float rounding cannot accumulate into a drifting trajectory.  With
+    ``backward=False`` (only with ``replay``) each step is the loss alone, computed under
+    ``torch.no_grad()``: no gradients, no optimizer step.
     """
+    if not backward and replay is None:
+        raise ValueError("backward=False evaluates another run's steps: pass replay")
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     steps = []
@@ -256,12 +261,15 @@ def train(model: Any, batches: list[Batch], lr: float, device: torch.device,
                     named[name].copy_(value)
         params = {n: p.detach().clone() for n, p in named.items()} if replay is None else {}
         b = batch.to(device)
-        loss = model(b.tokens, b.positions, b.attention_mask, labels=b.labels,
-                     packed_seq_params=b.packed_seq_params()).float().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
-        opt.step()
+        with torch.set_grad_enabled(backward):
+            loss = model(b.tokens, b.positions, b.attention_mask, labels=b.labels,
+                         packed_seq_params=b.packed_seq_params()).float().mean()
+        grads = {}
+        if backward:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grads = {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
+            opt.step()
         steps.append(Step(params, loss.item(), grads))
         on_step(step, steps[-1].loss, b.num_tokens, time.perf_counter() - start)
     return steps

@@ -15,7 +15,9 @@ many layers with one pattern pays for one test.  Under autotune (`Selection.auto
 any backend that takes a call may run it, so each route runs once per candidate the dispatch
 model names (`Route.candidates`), pinned for that run through the installed build's
 ``GlobalBackendManager.set_attn_backend`` and restored after (`pinned_backend`).  On CPU it runs
-against whatever ``primus_turbo`` is importable (the CPU fake in tests).
+against whatever ``primus_turbo`` is importable (the CPU fake in tests).  A plan on the ``flex``
+backend (torch's FlexAttention) has its routes tested alike, through the layer's adapter, with its
+hooks; on the CPU with torch's kernel forward only (no CPU backward): `primus_ext.call.selftest_flex`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import dataclasses
 import importlib
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -36,10 +38,12 @@ from ..backends.base import CallArgs
 from ..backends.direct import DirectRunner, choose_direct
 from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Selection, default_scale
 from ..backends.dispatch import route as dispatch_route
+from ..backends.flex import FlexBackend
 from ..backends.layout import kernel_views, storage_features
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError
 from ..plan.plan import AttentionPlan
+from . import selftest_flex as flex_test
 
 MIN_SEQ = 64
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -55,7 +59,8 @@ class RouteResult:
     """One route's self-test: ``error`` is set when it could not run or disagreed.  ``pinned``: the
     kernel backend pinned for the run (autotune), "" when the dispatcher chose; ``skipped``: why a
     pinned backend did not run (upstream's "cannot handle" ``ValueError``: it does not take the
-    call, so autotune cannot keep it either), which is no failure."""
+    call, so autotune cannot keep it either), which is no failure; ``unchecked``: what the run could
+    not check and why (a flex route's backward on the CPU, `selftest_flex.FORWARD_ONLY`), no failure."""
 
     route: str
     kernels: str
@@ -65,6 +70,7 @@ class RouteResult:
     error: str = ""
     pinned: str = ""
     skipped: str = ""
+    unchecked: str = ""
 
     @property
     def ok(self) -> bool:
@@ -76,7 +82,10 @@ _DONE: dict[tuple, RouteResult] = {}
 
 def seq_length(plan: AttentionPlan) -> int:
     """Long enough that every window bound is reached from both ends (a window of 128 is not causal
-    on 64 tokens), a multiple of 16."""
+    on 64 tokens), a multiple of 16; a hook plan's own ``seq_length`` where known (its hooks may index
+    captured per-token tensors)."""
+    if (plan.mask_mod is not None or plan.score_mod is not None) and plan.seq_length:
+        return int(plan.seq_length)
     bounds = [b for b in (plan.window + ((plan.pattern.left, plan.pattern.right) if plan.pattern else ())) if b > 0]
     reach = 2 * max(bounds, default=0) + 16
     return max(MIN_SEQ, -(-reach // 16) * 16)
@@ -91,17 +100,21 @@ def splits(plan: AttentionPlan, packed: bool, seq: int) -> list[Optional[tuple[i
 
 
 def _key(plan: AttentionPlan, packed: bool, device: torch.device, dtype: torch.dtype, seq: int,
-         split: Optional[tuple[int, ...]], pinned: Optional[str] = None) -> tuple:
-    return (plan.path, plan.pattern if not packed else plan.window, plan.causal, plan.window, plan.sink,
+         split: Optional[tuple[int, ...]], pinned: Optional[str] = None,
+         flex: Optional[FlexBackend] = None) -> tuple:
+    return (plan.path, plan.backend, plan.pattern if not packed else plan.window, plan.causal, plan.window, plan.sink,
             plan.alibi_slopes, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.head_dim_v, plan.scale,
             plan.deterministic, plan.mask_hook, plan.score_hook, packed, str(device), dtype, plan.arch,
-            plan.selection, plan.storage, seq, split, pinned)
+            plan.selection, plan.storage, seq, split, pinned) + flex_test.key_part(plan, device, flex)
 
 
 def _describe(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]], dtype: torch.dtype,
               pinned: Optional[str] = None) -> str:
     inside = pattern_from_flash_args(plan.causal, plan.window).describe()
-    what = f"{plan.path} {'packed' if packed else 'dense'}: {plan.pattern_text if not packed else inside}"
+    kind = f"{plan.path} {'packed' if packed else 'dense'}"
+    what = f"{kind}: {plan.pattern_text if not packed else inside}"
+    if flex_test.on_flex(plan):  # named apart from a Turbo route, with the hooks it runs
+        what = f"{kind} on FlexAttention: {flex_test.mask_text(plan, packed, inside)}"
     extras = [x for x, on in (("sink", plan.sink), ("ALiBi", plan.alibi_slopes is not None)) if on]
     if split is not None:
         extras.append(f"documents {list(split)}")
@@ -140,9 +153,13 @@ def _inputs(plan: AttentionPlan, packed: bool, device: torch.device, dtype: torc
     return fused, views, grad, sink
 
 
-def _run(call, fused, views, grad, sink):
-    """One forward and backward from a fresh leaf of the fused projection: q, k, v keep the layouts
-    the layer gives the kernels, and their gradients arrive in the projection's."""
+def _run(call, fused, views, grad, sink, backward: bool = True):
+    """One forward and backward (``backward`` False: a forward without gradients, and no grads) from a
+    fresh leaf of the fused projection: q, k, v keep the layouts the layer gives the kernels, and their
+    gradients arrive in the projection's."""
+    if not backward:
+        with torch.no_grad():
+            return call(*views(fused), sink).detach(), []
     leaf = fused.detach().clone().requires_grad_(True)
     sink_leaf = sink.detach().clone().requires_grad_(True) if sink is not None else None
     out = call(*views(leaf), sink_leaf)
@@ -156,8 +173,9 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.detach().float() - want.detach().float()).abs().max()) / scale
 
 
-def _calls(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]]):
-    """``(turbo call, reference call)`` taking ``(q, k, v, sink)``."""
+def _calls(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]], backend=None):
+    """``(turbo call, reference call)`` taking ``(q, k, v, sink)``; a flex-path plan's through its adapter
+    over ``backend`` (None: the plan's, `make_backend`)."""
     reference = TurboFlexAttention(dataclasses.replace(plan, path="flex", backend="reference"),
                                    make_backend("reference"))
     bounds = split or (0, 1)
@@ -172,7 +190,7 @@ def _calls(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]]):
         return lambda q, k, v, s: layer(q, k, v, sink=s, **flash)
 
     if plan.flex:
-        return through(TurboFlexAttention(plan)), through(reference)
+        return through(TurboFlexAttention(plan, backend)), through(reference)
     runner = DirectRunner(load_ops(), choose_direct(load_ops(), fp8=False, context_parallel=False))
 
     def direct(q, k, v, s):
@@ -209,9 +227,11 @@ def _call_features(plan: AttentionPlan, packed: bool, split: Optional[tuple[int,
 def candidates(plan: AttentionPlan, packed: bool, split: Optional[tuple[int, ...]],
                dtype: torch.dtype) -> tuple[str, ...]:
     """Under autotune with no pin, the kernel backends the dispatch model says take the self-test's
-    call on the plan's arch (`Route.candidates`: any of them may run the layer's calls); else ()."""
+    call on the plan's arch (`Route.candidates`: any of them may run the layer's calls); else () (and on flex:
+    torch's kernel runs its calls)."""
     selection = plan.selection
-    if not selection.autotune or selection.pin is not None or plan.arch not in ARCHES or _core() is None:
+    if not selection.autotune or selection.pin is not None or plan.arch not in ARCHES or flex_test.on_flex(plan) or (
+            _core() is None):
         return ()  # without the manager (older builds) nothing can be pinned: the route runs as dispatched
     return dispatch_route(_call_features(plan, packed, split, dtype), Selection(autotune=True)).candidates
 
@@ -270,49 +290,60 @@ def _cannot_handle(exc: BaseException) -> bool:
 
 
 def check_route(plan: AttentionPlan, packed: bool, device: torch.device, dtype: torch.dtype,
-                split: Optional[tuple[int, ...]] = None, pinned: Optional[str] = None) -> RouteResult:
-    """Run one route on Turbo (with kernel backend ``pinned``, if given) and on the reference;
-    cached per process."""
+                split: Optional[tuple[int, ...]] = None, pinned: Optional[str] = None,
+                flex_kernel: Optional[Callable] = None) -> RouteResult:
+    """Run one route on Turbo (with kernel backend ``pinned``, if given), or on the flex backend (torch's
+    ``flex_attention``, or ``flex_kernel`` with its contract), and on the reference; cached per process."""
     seq = seq_length(plan)
     split = split if split is not None or not packed else splits(plan, packed, seq)[0]
-    key = _key(plan, packed, device, dtype, seq, split, pinned)
+    backend = flex_test.flex_backend(flex_kernel) if flex_test.on_flex(plan) else None
+    key = _key(plan, packed, device, dtype, seq, split, pinned, backend)
     if key in _DONE:
         return _DONE[key]
     route, kernels = _describe(plan, packed, split, dtype, pinned), "; ".join(plan.kernels) or "-"
+    backward = backend is None or flex_test.checks_backward(device, backend)
+    unchecked = "" if backward else flex_test.FORWARD_ONLY
+    route += "" if backward else f", {flex_test.FORWARD_ONLY}"
     plan = dataclasses.replace(plan, dropout=0.0)  # numbers are compared, so no random drops
     start = time.perf_counter()
     ms = lambda: 1e3 * (time.perf_counter() - start)  # noqa: E731
+    if plan.seq_length is None and flex_test.reads_captured_tensors(plan):
+        result = _DONE[key] = RouteResult(route, kernels, float("nan"), float("nan"), ms(), skipped=(
+            "the hooks read captured tensors and the layer's seq_length is not known here, so no length "
+            "the hooks are written for can be chosen"))
+        return result
     if pinned is not None and pinned.upper() not in _core().BackendType.__members__:
         result = _DONE[key] = RouteResult(route, kernels, float("nan"), float("nan"), ms(), pinned=pinned,
                                           skipped=f"this Primus-Turbo has no BackendType.{pinned.upper()}")
         return result
     try:
-        turbo, reference = _calls(plan, packed, split)
+        turbo, reference = _calls(plan, packed, split, backend)
         fused, views, grad, sink = _inputs(plan, packed, device, dtype, seq)
         with pinned_backend(pinned):
-            out, grads = _run(turbo, fused, views, grad, sink)
-        want, want_grads = _run(reference, fused, views, grad, sink)
+            out, grads = _run(turbo, fused, views, grad, sink, backward)
+        want, want_grads = _run(reference, fused, views, grad, sink, backward)
         fwd = _error(out, want)
-        bwd = max(_error(g, w) for g, w in zip(grads, want_grads))
+        bwd = max((_error(g, w) for g, w in zip(grads, want_grads)), default=float("nan"))
     except Exception as exc:  # noqa: BLE001 - whatever the kernel raises is the finding
         if pinned is not None and _cannot_handle(exc):
             result = RouteResult(route, kernels, float("nan"), float("nan"), ms(), pinned=pinned,
                                  skipped=f"{pinned} does not take the call: {exc}")
         else:
             result = RouteResult(route, kernels, float("nan"), float("nan"), ms(), f"{type(exc).__name__}: {exc}",
-                                 pinned=pinned or "")
+                                 pinned=pinned or "", unchecked=unchecked)
     else:
         tol = TOLERANCE.get(dtype, 1e-3)
-        bad = [name for name, err in (("forward", fwd), ("backward", bwd)) if not err <= tol]
+        checked = (("forward", fwd), ("backward", bwd)) if backward else (("forward", fwd),)
+        bad = [name for name, err in checked if not err <= tol]
         why = f"{' and '.join(bad)} differ from the reference by more than {tol:g}" if bad else ""
-        result = RouteResult(route, kernels, fwd, bwd, ms(), why, pinned=pinned or "")
+        result = RouteResult(route, kernels, fwd, bwd, ms(), why, pinned=pinned or "", unchecked=unchecked)
     _DONE[key] = result
     return result
 
 
 def routes_of(plan: AttentionPlan) -> list[bool]:
-    """The call kinds a plan makes that the self-test can run: ``packed`` flags."""
-    if plan.backend != "turbo" or (not plan.flex and (plan.dense_entry or "").endswith("_fp8_func")):
+    """The call kinds a plan makes that the self-test can run: ``packed`` flags (on turbo, and on flex)."""
+    if plan.backend not in ("turbo", "flex") or (not plan.flex and (plan.dense_entry or "").endswith("_fp8_func")):
         return []  # reference needs no test; context-parallel and fp8 entries need their own harness
     hooks = plan.mask_mod is not None or plan.score_mod is not None  # packed calls with hooks are refused (B17)
     return [packed for packed in (False, True)
@@ -320,10 +351,12 @@ def routes_of(plan: AttentionPlan) -> list[bool]:
 
 
 def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] = None,
-              dtype: Optional[torch.dtype] = None) -> list[RouteResult]:
+              dtype: Optional[torch.dtype] = None, flex_kernel: Optional[Callable] = None) -> list[RouteResult]:
     """Each distinct route of ``plans`` once, in each plan's own dtype (else bf16 on a GPU, float32
     on CPU), each packed route on each document split; under autotune once per candidate kernel
-    backend (`candidates`), each pinned for its run."""
+    backend (`candidates`), each pinned for its run; a flex plan's on ``flex_kernel`` if given (a
+    function with ``flex_attention``'s contract), else torch's.  Of two results one row names, a
+    failure is kept."""
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     results: dict[str, RouteResult] = {}
     for plan in plans:
@@ -332,8 +365,9 @@ def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] 
         for packed in routes_of(plan):
             for split in splits(plan, packed, seq_length(plan)):
                 for pinned in candidates(plan, packed, split, chosen) or (None,):
-                    found = check_route(plan, packed, device, chosen, split, pinned)
-                    results.setdefault(found.route, found)
+                    found = check_route(plan, packed, device, chosen, split, pinned, flex_kernel)
+                    if found.route not in results or not found.ok:
+                        results[found.route] = found
     return list(results.values())
 
 

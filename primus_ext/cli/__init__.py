@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny Megatron GPT on CPU through the flex path")
     demo.add_argument("config", nargs="?", default=None, help="YAML (default: the embedded example)")
     demo.add_argument("--steps", type=int, default=None, help="training steps")
-    selftest = sub.add_parser("selftest", help="run each distinct Turbo route of a config once against the reference")
+    selftest = sub.add_parser("selftest", help="run each distinct Turbo or FlexAttention route of a config once against the reference")
     selftest.add_argument("config", nargs="?", default=None, help="YAML (default: a small config of common kinds)")
     selftest.add_argument("--arch", choices=("gfx942", "gfx950"), default=None, help="plan for this GPU")
     selftest.add_argument("--fault", action="append", default=[], metavar="NAME",

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence
 from ..backends import turbo_import_problem
 from ..errors import UnsupportedConfigError
 from ..plan.plan import AttentionPlan
-from ..call.selftest import clear, refuse_failures, self_test
+from ..call.selftest import RouteResult, clear, refuse_failures, self_test
 from ..testing import fake_primus_turbo
 from .check import REFUSED, _load, _plans, format_table, settings_for
 
@@ -61,16 +61,28 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
     print(f"primus-ext selftest: {path or 'default config'} against {what}", file=out)
     columns = ("route", "kernels", "fwd error", "bwd error", "ms", "verdict")
     rows = [(r.route, r.kernels, f"{r.forward_error:.2e}", f"{r.backward_error:.2e}", f"{r.ms:.0f}",
-             "FAILED" if not r.ok else "skipped (does not take the call)" if r.skipped else "ok") for r in results]
+             _verdict(r)) for r in results]
     print(format_table(rows, columns), file=out)
+    for r in results:
+        if r.ok and r.skipped:
+            print(f"skipped [{r.route}]: {r.skipped}", file=out)
     if not results:
-        print("no Turbo route to test (reference backend, or context-parallel / fp8 entries)", file=out)
+        print("no Turbo or FlexAttention route to test (reference backend, or context-parallel / fp8 entries)",
+              file=out)
     try:
         refuse_failures(results, 0)
     except UnsupportedConfigError as exc:
         print(exc, file=err)
         return REFUSED
     return 0
+
+
+def _verdict(r: RouteResult) -> str:
+    if not r.ok:
+        return "FAILED"
+    if r.skipped:
+        return "skipped"
+    return "ok (forward only)" if r.unchecked else "ok"
 
 
 __all__ = ["run_selftest"]

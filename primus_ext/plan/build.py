@@ -226,6 +226,7 @@ def build_plan(
         packed=facts.packed,
         eod_documents=bool(settings.reset_attention_mask and facts.packed),
         mask_documents=_mask_documents(settings, facts),
+        seq_length=facts.seq_length,
         mask_mod=mask_on_heads(mask_mod, facts.head_offset),
         score_mod=score_on_heads(score_mod, facts.head_offset),
         head_offset=facts.head_offset,

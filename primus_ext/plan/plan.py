@@ -58,6 +58,9 @@ class AttentionPlan:
     """``reset_attention_mask`` on dense batches: each dense call's documents are read from Megatron's
     ``[B, 1, S, S]`` mask on the device and run on the packed (varlen) entry
     (`primus_ext.megatron.document_mask`)."""
+    seq_length: Optional[int] = None
+    """The model's sequence length where the settings give it (`LayerFacts.seq_length`): a hook reading a
+    captured per-token tensor is written for it (the self-test runs hook routes at it)."""
     mask_mod: Optional[MaskMod] = field(default=None, compare=False, repr=False)
     score_mod: Optional[ScoreMod] = field(default=None, compare=False, repr=False)
     arch: Optional[str] = None

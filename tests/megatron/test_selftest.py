@@ -248,3 +248,51 @@ def test_a_pinned_candidate_that_cannot_take_the_call_is_skipped_not_failed():
         assert set(selftest.candidates(layer.plan, False, None, torch.bfloat16)) == {"FlyDSL", "AITER"}
         found = selftest.check_route(layer.plan, False, torch.device("cpu"), torch.bfloat16, pinned="HipKittens")
         assert found.ok and found.pinned == "HipKittens" and "cannot handle" in found.skipped
+
+
+# -- the flex backend's routes (torch's FlexAttention) are self-tested through the layer's adapter -------
+FLEX = dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="flex", use_sink_attention=True,
+            turbo_flex_attention_mask_mod="tests.flex_hooks:prefix_lm")
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_flex_layer_is_self_tested_at_build_forward_only_on_the_cpu(monkeypatch):
+    """On the CPU, torch's kernel has no backward: the build checks the forward, passes, and says so; a
+    wrong forward still refuses the build; with the autograd stand-in the backward is checked too."""
+    from primus_ext.backends import flex as flex_module
+    from primus_ext.call import selftest_flex
+
+    from ..flex_standin import flex_standin
+    from ..test_selftest_flex import broken
+
+    seen = []
+
+    def spy(plans, **keys):  # the rows the layer's build got
+        found = selftest.self_test(plans, **keys)
+        seen.extend(found)
+        return found
+
+    monkeypatch.setattr("primus_ext.megatron.core.self_test", spy)
+    selftest.clear()
+    layer = build(gpt.settings(turbo_selftest="true", **FLEX))
+    assert layer.plan.backend == "flex"
+    (row,) = seen
+    assert row.ok and row.unchecked == selftest_flex.FORWARD_ONLY
+    assert "mask_mod tests.flex_hooks:prefix_lm" in row.route and row.forward_error < 1e-5
+    selftest.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(flex_module, "flex_attention", broken(flex_module.flex_attention, "forward"))
+        with pytest.raises(UnsupportedConfigError, match="self-test of route \\[flex dense on FlexAttention"):
+            build(gpt.settings(turbo_selftest="true", **FLEX))
+    for where in ("backward", None):  # the stand-in in place of torch's kernel: gradients checked
+        selftest.clear()
+        kernel = broken(flex_standin, where) if where else flex_standin
+        monkeypatch.setattr(selftest_flex, "flex_backend", lambda _=None, k=kernel: flex_module.FlexBackend(kernel=k))
+        seen.clear()
+        if where:
+            with pytest.raises(UnsupportedConfigError, match="backward differ"):
+                build(gpt.settings(turbo_selftest="true", **FLEX))
+        else:
+            build(gpt.settings(turbo_selftest="true", **FLEX))
+            assert seen[0].ok and not seen[0].unchecked and seen[0].backward_error < 1e-5
+    selftest.clear()

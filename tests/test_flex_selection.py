@@ -103,3 +103,14 @@ def test_check_with_arch_shows_flex_for_admitted_hooks(tmp_path):
     assert run_check(str(path), out=out, err=io.StringIO()) == 0
     rows = [line.split() for line in out.getvalue().splitlines() if line[:1].isdigit()]
     assert rows and all(row[2] == "reference" for row in rows), out.getvalue()
+
+
+def test_a_layer_built_to_run_on_a_cpu_plans_reference_even_with_turbo_arch():
+    """`check --arch gfx942` plans a cluster (flex); a module built here without a GPU runs reference, not a
+    flex layer whose first backward would be refused (B34.flex-cpu-grad)."""
+    with fake_primus_turbo(build="main"):
+        built = build_plan(settings(turbo_flex_attention_mask_mod=HOOKS + "prefix_lm", turbo_arch="gfx942",
+                                    turbo_flex_attention_backend="auto"),
+                           facts(seq_length=48, runs_here=True))
+    assert built.backend == "reference" and "no GPU here" in built.backend_reason
+    assert plan_for("mask", "prefix_lm", turbo_arch="gfx942").backend == "flex"

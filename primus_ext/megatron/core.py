@@ -89,6 +89,7 @@ class TurboAttentionCore:
             attention_dropout=self.dropout,
             softmax_scale=softmax_scale if softmax_scale is not None else config.softmax_scale,
             cp_comm_type=cp_comm_type,
+            runs_here=True,  # built to run in this process: auto plans flex only with a GPU here
             position_embedding_type=getattr(config, "position_embedding_type", None)
             or megatron_arg("position_embedding_type", "learned_absolute"),
             turbo_module=True,

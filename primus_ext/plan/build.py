@@ -109,7 +109,7 @@ def _auto_for_hooks(settings: TurboAttentionSettings, facts: LayerFacts, chosen:
         what = f"a hook Primus-Turbo does not compute ({', '.join(unproven)})"
     else:
         what = "hooks, with primus_turbo not importable here"
-    gpu = _gpu_target(settings)
+    gpu = _gpu_target(settings, facts)
     if not gpu:
         return ("reference", f"auto: {what}; no GPU here, so exact torch math", *reference[2:])
     if facts.attention_dropout > 0.0 or settings.deterministic_mode:
@@ -117,8 +117,12 @@ def _auto_for_hooks(settings: TurboAttentionSettings, facts: LayerFacts, chosen:
     return ("flex", f"auto: {what}; torch's FlexAttention on {gpu}", "", make_backend("flex").capabilities())
 
 
-def _gpu_target(settings: TurboAttentionSettings) -> str:
-    """Where a GPU is planned for ('' on none): the ROCm device or ``turbo_arch``'s, else a CUDA device."""
+def _gpu_target(settings: TurboAttentionSettings, facts: LayerFacts) -> str:
+    """Where a GPU is planned for ('' on none): the ROCm device or ``turbo_arch``'s, else a CUDA device; a
+    layer built to run here has none without one in this process (``turbo_arch`` then names the cluster's
+    arch, not this machine's: flex would refuse its first backward on the CPU, B34.flex-cpu-grad)."""
+    if facts.runs_here and not torch.cuda.is_available():
+        return ""
     arch, where = resolve_arch(settings.turbo_arch)
     if arch is not None:
         return where

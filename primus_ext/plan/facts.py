@@ -44,6 +44,9 @@ class LayerFacts:
     """The layer is Megatron's core attention, whose dense calls carry Megatron's ``attention_mask``:
     with ``reset_attention_mask`` the documents are read from it (`AttentionPlan.mask_documents`).
     A bare flash-style call has no mask argument, so there the documents would be lost (B25)."""
+    runs_here: bool = False
+    """The layer is built to run in this process (a Megatron module), not planned for another machine
+    (`primus-ext check --arch`): ``auto`` then plans torch's FlexAttention only where this process has a GPU."""
     head_offset: int = 0
     """The model's (global) index of this rank's first query head: ``tp_rank * num_heads`` under tensor
     parallelism.  Hooks see global heads and are proven for ``head_offset .. head_offset + num_heads - 1``

@@ -83,3 +83,18 @@ def test_24_packed_layers_build_one_document_block_mask_per_step_and_rebuild_on_
     finally:
         BLOCK_MASKS.clear()
     assert counts == [1, 1, 2, 3], counts
+
+
+def test_auto_on_a_cpu_builds_reference_layers_even_with_a_gpu_turbo_arch():
+    """turbo_arch names the cluster's GPU (as `check --arch` plans it); built here on a CPU, the layers run the
+    reference, which trains (flex would refuse the first backward)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_ext.megatron import PrimusTurboLocalAttention
+    from primus_ext.testing import fake_primus_turbo
+
+    with fake_primus_turbo(build="main"):
+        layer = PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.causal, "self",
+                                          settings=gpt.settings(**HOOK, turbo_flex_attention_backend="auto",
+                                                                turbo_arch="gfx942"))
+    assert layer.plan.backend == "reference" and "no GPU here" in layer.plan.backend_reason

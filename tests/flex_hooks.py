@@ -12,6 +12,11 @@ def prefix_lm(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) | (kv_idx < PREFIX)
 
 
+def per_head(b, h, q_idx, kv_idx):
+    """Even heads causal, odd heads a prefix-LM: a mask that reads the head index."""
+    return (kv_idx <= q_idx) | ((h % 2 == 1) & (kv_idx < PREFIX))
+
+
 def dilated_window(b, h, q_idx, kv_idx):
     d = q_idx - kv_idx
     return (d >= 0) & (d <= WINDOW) & (d % 2 == 0)

@@ -115,6 +115,45 @@ def test_what_a_hook_captures_counts_in_the_cache_bytes(cache):
     assert cache.nbytes - plain == ids.numel() * ids.element_size()  # both BlockMasks have the same shape
 
 
+def _head_helper(h, q):
+    return (h % 2 == 0) | (q > 3)
+
+
+def _reads_head_through_a_helper(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & _head_helper(h, q_idx)
+
+
+def _reads_batch_in_a_closure(b, h, q_idx, kv_idx):
+    def inner():
+        return b == 0
+    return (kv_idx <= q_idx) | inner()
+
+
+def test_reads_argument_is_sound_on_what_a_hook_passes_on_or_closes_over():
+    from primus_ext.backends.flex_masks import reads_argument
+
+    assert [reads_argument(flex_hooks.prefix_lm, i) for i in (0, 1, 2, 3)] == [False, False, True, True]
+    assert reads_argument(_reads_head_through_a_helper, 1) and not reads_argument(_reads_head_through_a_helper, 0)
+    assert reads_argument(_reads_batch_in_a_closure, 0) and not reads_argument(_reads_batch_in_a_closure, 1)
+    assert reads_argument(lambda *args: args[0], 0)  # what it cannot see, it assumes read
+
+
+def test_a_mask_that_reads_neither_batch_nor_head_is_one_broadcast_block_mask(cache):
+    """B x H times fewer bytes; a head-reading hook keeps one mask per head (broadcast over the batch); both
+    equal the oracle."""
+    q, k, v = qkv(s=S)
+    sizes = {}
+    for name in ("prefix_lm", "per_head"):
+        cache.clear()
+        with torch.no_grad():
+            out = TurboFlexAttention(flex_plan(turbo_flex_attention_mask_mod=HOOKS + name),
+                                     FlexBackend(block_masks=cache))(q, k, v)
+        (entry,) = cache._entries.values()
+        sizes[name] = tuple(entry.mask.kv_num_blocks.shape[:2])
+        same(out, oracle.attention(q, k, v, oracle.hook_mask(getattr(flex_hooks, name), 2, 4, S, S))[0])
+    assert sizes == {"prefix_lm": (1, 1), "per_head": (1, 4)}, sizes  # per head, not per batch row
+
+
 def test_a_rebound_global_rebuilds(cache, monkeypatch):
     backend = FlexBackend(block_masks=cache)
     run = TurboFlexAttention(flex_plan(turbo_flex_attention_mask_mod=HOOKS + "prefix_lm"), backend)

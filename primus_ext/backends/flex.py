@@ -7,7 +7,8 @@ the blocks its BlockMask marks empty.  What this backend adds around the kernel:
 
 * the BlockMask of the call, from the plan's mask_mod (a call without a hook: its causal /
   window as mask_mods, `flex_masks`), built by ``create_block_mask`` once per key and shared by
-  every layer (`flex_cache.BLOCK_MASKS`);
+  every layer (`flex_cache.BLOCK_MASKS`), broadcast over the batch and heads where the hook reads
+  neither index (`flex_masks.reads_argument`);
 * score hooks passed through, ALiBi slopes as a score_mod;
 * GQA through ``enable_gqa``; indices top-left for ``q_len != kv_len`` (as the reference);
 * learned sinks, exactly and differentiably: ``out * sigmoid(lse - sink)`` per head, the LSE from
@@ -36,7 +37,8 @@ from .. import refusals as R
 from ..attention.pattern import Pattern
 from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
 from .flex_cache import BLOCK_MASKS, BlockMaskCache, boundary_state
-from .flex_masks import captured_bytes, captured_state, document_mod, in_score_dtype, pattern_mod, user_hook, with_alibi
+from .flex_masks import (captured_bytes, captured_state, document_mod, in_score_dtype, pattern_mod, reads_argument,
+                         user_hook, with_alibi)
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest
@@ -88,7 +90,8 @@ class FlexBackend(AttentionBackend):
         kv_len = k.shape[1]
         hook = user_hook(call.mask_mod, "mask_mod")
         if hook is not None:
-            mask_mod, shape = hook, (batch, heads)
+            # A mask that never reads the batch (head) index is one BlockMask broadcast over it: B (H) times less
+            mask_mod, shape = hook, tuple(None if not reads_argument(hook, i) else n for i, n in ((0, batch), (1, heads)))
         else:
             pattern = call.pattern if call.pattern is not None else Pattern()
             mask_mod, shape = pattern_mod(pattern.at_length(q_len)), (None, None)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import dis
+import inspect
 import types
 import weakref
 from typing import Any, Callable, Optional
@@ -54,6 +56,25 @@ def user_hook(hook: Any, kind: str) -> Optional[Callable]:
                 return inner(score, b, h + offset, q_idx, kv_idx)
             made[key] = score_on_heads
     return made[key]
+
+
+_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE",
+          "DELETE_FAST", "STORE_FAST")
+
+
+def reads_argument(hook: Callable, index: int) -> bool:
+    """Whether ``hook``'s code may read its positional argument ``index`` (True unless it provably does not:
+    a plain function whose bytecode never names that parameter).  Sound for the hooks flex runs (admitted:
+    no frame or ``locals()`` introspection), which are the only ones whose mask is broadcast on it."""
+    code = getattr(hook, "__code__", None)
+    if not isinstance(hook, types.FunctionType) or code is None or index >= code.co_argcount or (
+            code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)):
+        return True
+    name = code.co_varnames[index]
+    for ins in dis.get_instructions(code):
+        if ins.opname in _LOADS and (ins.argval == name or (isinstance(ins.argval, tuple) and name in ins.argval)):
+            return True
+    return False
 
 
 def _is_torch_call_wrapper(fn: Any) -> bool:
@@ -300,5 +321,5 @@ def same_state(a: tuple, b: tuple) -> bool:
     return True
 
 
-__all__ = ["captured_bytes", "captured_state", "causal_mod", "document_mod", "in_score_dtype", "learned_tensors", "pattern_mod", "same_state", "user_hook",
-           "window_mod", "with_alibi"]
+__all__ = ["captured_bytes", "captured_state", "causal_mod", "document_mod", "in_score_dtype", "learned_tensors",
+           "pattern_mod", "reads_argument", "same_state", "user_hook", "window_mod", "with_alibi"]

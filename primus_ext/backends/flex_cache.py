@@ -40,7 +40,9 @@ def boundary_state(*tensors: Optional[Tensor]) -> tuple:
             stamps.append(("value", type(None), None))
             continue
         version = tensor_version(t)
-        stamps.append(("tensor", weakref.ref(t), version, t.data_ptr(), tuple(t.shape), t.dtype)
+        # no value snapshot: boundaries are read on the device, and a write behind the version counter is the
+        # documented limit of the shared tensor facts too (docs/performance.md, caches)
+        stamps.append(("tensor", weakref.ref(t), version, t.data_ptr(), tuple(t.shape), t.dtype, None)
                       if version is not None else ("inference tensor", id(t)))
     return tuple(stamps)
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import types
 import weakref
@@ -28,6 +29,7 @@ from torch.nn.attention.flex_attention import and_masks
 
 from ..attention.heads import unshifted
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
+from ..hooks.trace import SNAPSHOT_MAX
 from .check_op import tensor_version
 
 _ON_HEADS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int], Callable]]" = weakref.WeakKeyDictionary()
@@ -58,10 +60,6 @@ def user_hook(hook: Any, kind: str) -> Optional[Callable]:
     return made[key]
 
 
-_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE",
-          "DELETE_FAST", "STORE_FAST")
-
-
 def reads_argument(hook: Callable, index: int) -> bool:
     """Whether ``hook``'s code may read its positional argument ``index`` (True unless it provably does not:
     a plain function whose bytecode never names that parameter).  Sound for the hooks flex runs (admitted:
@@ -71,8 +69,9 @@ def reads_argument(hook: Callable, index: int) -> bool:
             code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)):
         return True
     name = code.co_varnames[index]
+    # Any instruction naming the parameter counts (whatever its opcode, so a newer Python's loads are covered).
     for ins in dis.get_instructions(code):
-        if ins.opname in _LOADS and (ins.argval == name or (isinstance(ins.argval, tuple) and name in ins.argval)):
+        if ins.argval == name or (isinstance(ins.argval, tuple) and name in ins.argval):
             return True
     return False
 
@@ -226,36 +225,58 @@ def with_alibi(score_mod: Optional[ScoreMod], slopes: Optional[Tensor]) -> Optio
 # ------------------------------------------------------------------------------------ captures
 _LIMIT = 256
 _SKIP_MODULES = ("torch", "builtins", "math", "operator", "functools", "numpy", "primus_ext.attention.masks")
+_VALUES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _skipped(module: str) -> bool:
+    """Code nobody rebinds in place: these packages (by whole name, not by prefix) and their submodules."""
+    return any(module == m or module.startswith(m + ".") for m in _SKIP_MODULES)
+
+
+def _tensor_stamp(t: Tensor) -> tuple:
+    version = tensor_version(t)
+    if version is None:
+        return ("inference tensor", id(t))
+    # A write through ``.data``, numpy or the storage bumps no version: small tensors are compared by value too
+    snapshot = t.detach().clone() if t.numel() <= SNAPSHOT_MAX else None
+    return ("tensor", weakref.ref(t), version, t.data_ptr(), tuple(t.shape), t.dtype, snapshot)
 
 
 def captured_state(*hooks: Optional[Callable]) -> tuple:
     """What ``hooks`` read besides their arguments, as stamps a later call compares (`same_state`):
-    tensors by weak reference, version and storage; numbers and strings by value; code by identity;
-    anything else, or more than the walk reads, as volatile (the mask is then built at every call).
-    Read through closures, defaults, the module globals a function names, attributes it names of a
-    module it reads, and the parts of torch's ``and_masks`` / ``or_masks``."""
+    tensors by weak reference, version and storage (small ones by value too); numbers and strings by value;
+    code by identity; anything else, or more than the walk reads, as volatile (the mask is then built at every
+    call).  Read through closures, defaults, the module globals a function names, attributes it names of a
+    module it reads, ``functools.partial`` parts, the parameters and attributes of objects (an ``nn.Module``,
+    a callable instance: volatile, but walked so a learned table behind them is found), and the parts of
+    torch's ``and_masks`` / ``or_masks``."""
     stamps: list[tuple] = []
     seen: set[int] = set()
     stack: list[tuple[Any, frozenset]] = [(h, frozenset()) for h in hooks if h is not None]
     while stack and len(seen) < _LIMIT:
         obj, names = stack.pop()
+        if obj is None or isinstance(obj, _VALUES):  # by value, every time: equal values may be one object
+            stamps.append(("value", type(obj), obj))
+            continue
         if id(obj) in seen:
+            stamps.append(("again", id(obj)))
             continue
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            version = tensor_version(obj)
-            stamps.append(("tensor", weakref.ref(obj), version, obj.data_ptr(), tuple(obj.shape), obj.dtype)
-                          if version is not None else ("inference tensor", id(obj)))
-        elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
-            stamps.append(("value", type(obj), obj))
+            stamps.append(_tensor_stamp(obj))
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stamps.append(("container", type(obj), len(obj)))
-            stack.extend((item, names) for item in obj)
+            stack.extend((item, names) for item in (sorted(obj, key=repr) if isinstance(obj, (set, frozenset))
+                                                   else obj))
         elif isinstance(obj, dict):
-            stamps.append(("container", dict, len(obj)))
+            stamps.append(("container", dict, len(obj), tuple(map(repr, obj))))
             stack.extend((item, names) for item in obj.values())
         elif isinstance(obj, types.ModuleType):
-            if not (obj.__name__.split(".")[0] in _SKIP_MODULES or obj.__name__ in _SKIP_MODULES):
+            if not _skipped(obj.__name__):
+                stack.extend((getattr(obj, n), names) for n in sorted(names) if hasattr(obj, n))
+        elif isinstance(obj, type):  # ``cfg.W`` of a class, as of a module: the attributes the code names
+            stamps.append(("class", id(obj)))
+            if not _skipped(obj.__module__ or ""):
                 stack.extend((getattr(obj, n), names) for n in sorted(names) if hasattr(obj, n))
         elif isinstance(obj, types.FunctionType):
             code = obj.__code__
@@ -268,13 +289,26 @@ def captured_state(*hooks: Optional[Callable]) -> tuple:
                     continue
             stack.extend((d, own) for d in obj.__defaults__ or ())
             stack.extend((d, own) for d in (obj.__kwdefaults__ or {}).values())
-            if not (obj.__module__ or "").startswith(_SKIP_MODULES):
+            if not _skipped(obj.__module__ or ""):
                 glob = obj.__globals__
                 stack.extend((glob[n], own) for n in sorted(own) if n in glob)
-        elif callable(obj):  # a builtin or torch function: code nobody rebinds in place
-            stamps.append(("callable", id(obj)))
+        elif isinstance(obj, functools.partial):
+            stamps.append(("partial", id(obj)))
+            stack.extend((part, names) for part in (obj.func, *obj.args, *obj.keywords.values()))
+        elif isinstance(obj, types.MethodType):
+            stamps.append(("volatile",))
+            stack.extend(((obj.__func__, names), (obj.__self__, names)))
+        elif isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or (
+                callable(obj) and not hasattr(obj, "__dict__")):
+            stamps.append(("callable", id(obj)))  # a builtin or torch function: code nobody rebinds in place
         else:  # an object whose attributes may change unseen (outside the provable subset anyway)
             stamps.append(("volatile",))
+            if isinstance(obj, torch.nn.Module):
+                stack.extend((t, names) for t in (*obj.parameters(), *obj.buffers()))
+            stack.extend((v, names) for v in getattr(obj, "__dict__", {}).values())
+            call = getattr(type(obj), "__call__", None)
+            if isinstance(call, types.FunctionType):
+                stack.append((call, names))
     if stack:  # more than the walk reads: what is past it could change unseen
         stamps.append(("volatile",))
     return tuple(stamps)
@@ -287,6 +321,8 @@ def captured_bytes(state: tuple) -> int:
     for stamp in state:
         if stamp[0] == "tensor" and stamp[1]() is not None:
             held[id(stamp[1]())] = stamp[1]()
+            if stamp[6] is not None:  # the value snapshot the entry keeps
+                held[id(stamp[6])] = stamp[6]
     return sum(t.numel() * t.element_size() for t in held.values())
 
 
@@ -306,6 +342,18 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+def _same_values(snapshot: Optional[Tensor], live: Tensor) -> bool:
+    """A small tensor's values as they were (None: too large to keep; its version counter decides).  On a
+    device, an asynchronous assert instead of a host sync, as the proofs' re-check (`primus_ext.hooks.trace`)."""
+    if snapshot is None:
+        return True
+    if live.device.type == "cpu":
+        return torch.equal(live.detach(), snapshot)
+    torch._assert_async((live.detach() == snapshot).all(),
+                        "primus_ext: a tensor a flex hook captures was changed behind its version counter")
+    return True
+
+
 def same_state(a: tuple, b: tuple) -> bool:
     """Whether two `captured_state` results describe the same values (tensors: the same object, unchanged)."""
     if len(a) != len(b):
@@ -314,7 +362,8 @@ def same_state(a: tuple, b: tuple) -> bool:
         if x[0] in ("inference tensor", "volatile"):  # values that may have changed unseen
             return False
         if x[0] == "tensor" and y[0] == "tensor":
-            if x[1]() is None or x[1]() is not y[1]() or x[2:] != y[2:]:
+            live = x[1]()
+            if live is None or live is not y[1]() or x[2:6] != y[2:6] or not _same_values(x[6], live):
                 return False
         elif x != y:
             return False

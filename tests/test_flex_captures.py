@@ -1,0 +1,135 @@
+"""What a flex hook captures, as the BlockMask cache and the learned-table rules see it (found by review).
+
+* Writes that bump no version counter (``.data``, numpy, the storage) to a small captured tensor rebuild the
+  BlockMask: such tensors are also compared by value.
+* Equal values are stamped each time they are read (a list ``[4, 4, 40] -> [4, 40, 40]``, globals
+  ``(0, 0, 40) -> (0, 40, 40)``), not once per object (small ints are one object).
+* A user package whose name merely begins like a skipped one (``torchy``, ``mathy``) is walked.
+* A learned table behind an ``nn.Module``, a ``functools.partial`` or a callable instance is found.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from primus_ext.backends.flex import FlexBackend
+from primus_ext.backends.flex_cache import BlockMaskCache
+from primus_ext.backends.flex_masks import captured_state, learned_tensors, same_state
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+S = 48
+IDS = torch.tensor([0] * 10 + [1] * 14 + [2] * 24)
+ROWS = [4, 4, 40]
+A, B, C = 0, 0, 40
+
+
+def by_ids(b, h, q_idx, kv_idx):
+    return (IDS[q_idx] == IDS[kv_idx]) & (kv_idx <= q_idx)
+
+
+def by_list(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= ROWS[1])
+
+
+def by_globals(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < B + A * C)
+
+
+def _masks(hook, change):
+    """The cached BlockMask before and after ``change()``, and a fresh one built after it."""
+    cache = BlockMaskCache()
+    backend = FlexBackend(block_masks=cache, block_size=16)
+    build = lambda: backend.block_mask(hook, None, None, S, S, torch.device("cpu"), captured_state(hook))  # noqa: E731
+    build()
+    change()
+    got = build()
+    fresh = create_block_mask(hook, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+    return cache, got, fresh
+
+
+WRITES = {
+    ".data.copy_": lambda t, new: t.data.copy_(new),
+    "numpy": lambda t, new: t.numpy().__setitem__(slice(None), new.numpy()),
+    "storage": lambda t, new: t.untyped_storage().copy_(new.untyped_storage()),
+}
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_a_write_behind_the_version_counter_rebuilds(how):
+    saved = IDS.clone()
+    try:
+        cache, got, fresh = _masks(by_ids, lambda: WRITES[how](IDS, torch.arange(S) // 6))
+        assert cache.builds == 2
+        assert torch.equal(got.to_dense(), fresh.to_dense())
+    finally:
+        IDS.copy_(saved)
+
+
+def test_equal_values_are_each_stamped():
+    saved = list(ROWS)
+    try:
+        cache, got, fresh = _masks(by_list, lambda: ROWS.__setitem__(slice(None), [4, 40, 40]))
+        assert cache.builds == 2 and torch.equal(got.to_dense(), fresh.to_dense())
+    finally:
+        ROWS[:] = saved
+    before = captured_state(by_globals)
+    module = sys.modules[__name__]
+    module.B = 40
+    try:
+        assert not same_state(before, captured_state(by_globals))
+    finally:
+        module.B = 0
+
+
+def test_a_package_named_like_a_skipped_one_is_walked():
+    module = types.ModuleType("torchy_masks")
+    exec("PREFIX = 0\ndef prefix(b, h, q_idx, kv_idx):\n    return (kv_idx <= q_idx) | (kv_idx < PREFIX)\n",
+         module.__dict__)
+    sys.modules["torchy_masks"] = module
+    try:
+        before = captured_state(module.prefix)
+        module.PREFIX = 40
+        assert not same_state(before, captured_state(module.prefix))
+    finally:
+        del sys.modules["torchy_masks"]
+
+
+class _Table(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(16))
+
+
+class _Lookup:
+    def __init__(self):
+        self.table = torch.zeros(16, requires_grad=True)
+
+    def __call__(self, d):
+        return self.table[d]
+
+
+MODULE, LOOKUP = _Table(), _Lookup()
+PARTIAL = functools.partial(torch.index_select, torch.zeros(16, requires_grad=True), 0)
+
+
+def via_module(score, b, h, q_idx, kv_idx):
+    return score + MODULE.table[(q_idx - kv_idx).clamp(0, 15)]
+
+
+def via_instance(score, b, h, q_idx, kv_idx):
+    return score + LOOKUP((q_idx - kv_idx).clamp(0, 15))
+
+
+def via_partial(score, b, h, q_idx, kv_idx):
+    return score + PARTIAL((q_idx - kv_idx).clamp(0, 15).reshape(1))[0]
+
+
+@pytest.mark.parametrize("hook", [via_module, via_instance, via_partial], ids=lambda f: f.__name__)
+def test_a_learned_table_behind_an_object_is_found(hook):
+    assert learned_tensors(hook) == 1

@@ -397,6 +397,15 @@ FLEX_CPU_GRAD = rule(
     "B34.flex-cpu-grad", ("turbo_flex_attention_backend",),
     "a call on the CPU that needs gradients, on the flex backend: torch's flex_attention has no CPU backward.",
     "set turbo_flex_attention_backend: reference (or auto, which picks it on the CPU), or run on a GPU.")
+HOOK_RAISED = rule(
+    "B34.hook-raised", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+    "the {kind} raised {error} when called with this call's indices (the largest [b, h, q_idx, kv_idx]: {top}): a "
+    "hook that reads a captured table (per head, per token) must cover every index the call has.",
+    "size what the hook reads for the model's heads and sequence length (seq_length), or guard the index "
+    "(e.g. clamp it) inside the hook.")
+HOOK_ERRORS = (IndexError, KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError, NameError)
+"""What a user's hook raises for an index it was not written for (not torch's out-of-memory or our errors)."""
+
 LEARNED_COMPILE = rule(
     "B34.learned-compile", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
     "a compiled call whose hooks capture {learned} tensor(s) that require grad (a learned table): under "

@@ -34,6 +34,14 @@ def relative_bias(score, b, h, q_idx, kv_idx):
     return score + RELATIVE[(q_idx - kv_idx).clamp(0, 15)]
 
 
+HEAD_BIAS = torch.tensor([0.0, 0.5, -0.5, 1.0])
+"""A per-head bias for 4 heads, read by `head_bias` (a layer of more heads is refused at build, hook-range)."""
+
+
+def head_bias(score, b, h, q_idx, kv_idx):
+    return score + HEAD_BIAS[h]
+
+
 def softcap(score, b, h, q_idx, kv_idx):
     return 5.0 * torch.tanh(score / 5.0)
 

@@ -208,6 +208,9 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.flex": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(), dropout_p=0.1),
     "B34.flex-trace": lambda: _untraceable_on_flex(),
     "B34.flex-cpu-grad": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(grad=True)),
+    "B34.hook-raised": lambda: adapter(settings(turbo_flex_attention_backend="reference",
+                                                turbo_flex_attention_mask_mod="tests.flex_hooks:document_ids"),
+                                       facts(seq_length=48))(*qkv(s=64)),  # a call longer than the 48 ids it reads
     "B34.learned-compile": lambda: _traced(adapter(settings(
         turbo_flex_attention_backend="reference", turbo_flex_attention_score_mod="tests.flex_hooks:relative_bias")),
         lambda run, q, k, v: run(q, k, v), *qkv()),

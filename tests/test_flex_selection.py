@@ -114,3 +114,20 @@ def test_a_layer_built_to_run_on_a_cpu_plans_reference_even_with_turbo_arch():
                            facts(seq_length=48, runs_here=True))
     assert built.backend == "reference" and "no GPU here" in built.backend_reason
     assert plan_for("mask", "prefix_lm", turbo_arch="gfx942").backend == "flex"
+
+
+@pytest.mark.parametrize("backend", ["flex", "reference", "auto"])
+def test_a_per_head_table_shorter_than_the_heads_is_refused_at_build(backend):
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings(turbo_flex_attention_backend=backend, turbo_flex_attention_score_mod=HOOKS + "head_bias"),
+                   facts(seq_length=48, num_heads=8, num_kv_heads=2))
+    assert "hook-range" in err.value.codes and "num_attention_heads" in str(err.value)
+    assert build_plan(settings(turbo_flex_attention_backend=backend, turbo_flex_attention_score_mod=HOOKS + "head_bias"),
+                      facts(seq_length=48, num_heads=4, num_kv_heads=2)).backend in ("flex", "reference")
+
+
+def test_a_token_table_shorter_than_seq_length_is_refused_at_build():
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings(turbo_flex_attention_backend="flex", turbo_flex_attention_mask_mod=HOOKS + "document_ids"),
+                   facts(seq_length=64))
+    assert "hook-range" in err.value.codes and "positions up to 63" in str(err.value)

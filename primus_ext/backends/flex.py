@@ -97,7 +97,7 @@ class FlexBackend(AttentionBackend):
             mask_mod, shape = pattern_mod(pattern.at_length(q_len)), (None, None)
         score_mod = with_alibi(in_score_dtype(user_hook(call.score_mod, "score_mod")), call.alibi_slopes)
         block_mask = None
-        if mask_mod is not None:
+        if mask_mod is not None and q_len and kv_len:  # no cell to mask in an empty call
             block_mask = self.block_mask(mask_mod, shape[0], shape[1], q_len, kv_len, q.device,
                                          captured_state(mask_mod) if hook is not None else ())
         out, lse = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod, block_mask, call)
@@ -108,7 +108,8 @@ class FlexBackend(AttentionBackend):
                max_seqlen_q: Any, max_seqlen_kv: Any, call: KernelCall) -> Output:
         self._refuse_unsupported(call, q, k, v)
         pattern = call.pattern if call.pattern is not None else Pattern()
-        block_mask = self.document_block_mask(pattern, cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], q.device)
+        block_mask = (self.document_block_mask(pattern, cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], q.device)
+                      if q.shape[0] and k.shape[0] else None)
         score_mod = with_alibi(None, call.alibi_slopes)
         out, lse = self._attend(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), score_mod, block_mask, call)
         out = out.transpose(1, 2)[0]
@@ -142,7 +143,11 @@ class FlexBackend(AttentionBackend):
         build = create_block_mask
         if device.type != "cpu" and not torch.compiler.is_compiling():
             build = _compiled("create_block_mask", create_block_mask)
-        return build(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=self.block_size)
+        try:
+            return build(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=self.block_size)
+        except R.HOOK_ERRORS as exc:  # the user's mask_mod at an index it was not written for
+            raise R.refuse(R.HOOK_RAISED, kind="mask_mod", error=f"{type(exc).__name__} ({exc})",
+                           top=[(batch or 1) - 1, (heads or 1) - 1, q_len - 1, kv_len - 1]) from exc
 
     def _kernel(self, device: torch.device) -> Callable[..., Any]:
         if self.kernel is not None:
@@ -154,6 +159,8 @@ class FlexBackend(AttentionBackend):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
                 call: KernelCall) -> tuple[Tensor, Optional[Tensor]]:
         """``(out [B, Hq, Sq, Dv], lse [B, Hq, Sq] or None)`` in torch's layout, sinks applied."""
+        if not q.shape[2] or not k.shape[2]:  # torch's kernel fails on an empty call: no query, or no key to see
+            return self._empty(q, v, call)
         kernel = self._kernel(q.device)
         given = q.dtype
         if self.kernel is None and q.device.type == "cpu" and given in (torch.bfloat16, torch.float16):
@@ -176,6 +183,9 @@ class FlexBackend(AttentionBackend):
                 out, lse = kernel(q, k, v, **common, return_lse=True)
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise R.refuse(R.FLEX_TRACE, error=type(exc).__name__) from exc
+        except R.HOOK_ERRORS as exc:  # a hook evaluated by the kernel at an index it was not written for
+            raise R.refuse(R.HOOK_RAISED, kind="score_mod or mask_mod", error=f"{type(exc).__name__} ({exc})",
+                           top=[q.shape[0] - 1, q.shape[1] - 1, q.shape[2] - 1, k.shape[2] - 1]) from exc
         work = torch.promote_types(q.dtype, torch.float32)
         lse = lse.to(work)
         if call.sink is not None:
@@ -184,6 +194,16 @@ class FlexBackend(AttentionBackend):
             out = out.to(work) * torch.sigmoid(lse - sink).unsqueeze(-1)
             lse = torch.logaddexp(lse, sink.expand_as(lse))
         return out.to(given), lse
+
+    @staticmethod
+    def _empty(q: Tensor, v: Tensor, call: KernelCall) -> tuple[Tensor, Optional[Tensor]]:
+        """An empty call as the reference computes it: zeros, lse -inf (the sink's where there is one)."""
+        b, heads, sq = q.shape[0], q.shape[1], q.shape[2]
+        out = q.new_zeros(b, heads, sq, v.shape[-1])
+        lse = q.new_full((b, heads, sq), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
+        if call.sink is not None:
+            lse = torch.logaddexp(lse, call.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
+        return out, lse
 
     def _refuse_unsupported(self, call: KernelCall, q: Tensor, k: Tensor, v: Tensor) -> None:
         if call.dropout_p > 0.0:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import refusals as R
 from .ops import INDEX_BOUND
 from ..attention.pattern import Pattern
 
@@ -135,7 +136,11 @@ def as_torch_calls(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
     def run(*args: torch.Tensor) -> torch.Tensor:
         shape = torch.broadcast_shapes(*(t.shape for t in args))
         flat = [t.expand(shape).reshape(-1) for t in args]
-        return torch.vmap(hook)(*flat).reshape(shape)
+        try:
+            return torch.vmap(hook)(*flat).reshape(shape)
+        except R.HOOK_ERRORS as exc:  # the user's hook, at an index it was not written for: ours, named
+            top = [int(t.max()) if t.numel() else -1 for t in args[-4:]]
+            raise R.refuse(R.HOOK_RAISED, kind=kind, error=f"{type(exc).__name__} ({exc})", top=top) from exc
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return run(b, h, q_idx, kv_idx)
@@ -164,6 +169,22 @@ def torch_call_problem(hook: Callable[..., Any], kind: str) -> str:
     return known[kind]
 
 
+def range_problem(hook: Callable[..., Any], kind: str, head_offset: int, num_heads: int,
+                  length: Optional[int]) -> str:
+    """Empty when ``hook``, called as torch calls it, runs at every head of the layer (their global indices) and
+    at the first and last positions of ``length`` tokens (of 8 where unknown); else what it raised.  A table
+    the hook reads per head or per token that is too short shows here, at build, not at the first call."""
+    top = length or 8
+    positions = torch.tensor(sorted({p for p in (0, 1, top - 2, top - 1) if 0 <= p < top}))
+    grid = torch.cartesian_prod(torch.tensor([0]), torch.arange(head_offset, head_offset + num_heads),
+                                positions, positions)
+    index = list(grid.unbind(1))
+    score = torch.zeros(len(grid)) if kind == "score_mod" else None
+    how, got = _calls(hook, index, score)[0]
+    return f"raises {got} at heads {head_offset}..{head_offset + num_heads - 1}, positions up to {top - 1}" if (
+        isinstance(got, str)) else ""
+
+
 def _smoke(hook: Callable[..., Any], kind: str) -> str:
     grid = torch.cartesian_prod(*(torch.arange(n) for n in (2, 2, 8, 8)))
     index = list(grid.unbind(1))
@@ -172,4 +193,4 @@ def _smoke(hook: Callable[..., Any], kind: str) -> str:
     return f"raises {got} when called with {how}" if isinstance(got, str) else ""
 
 
-__all__ = ["as_torch_calls", "check_mask", "check_score", "torch_call_problem"]
+__all__ = ["as_torch_calls", "check_mask", "check_score", "range_problem", "torch_call_problem"]

@@ -10,7 +10,7 @@ import torch
 
 from ..attention.heads import head_range, mask_on_heads, score_on_heads
 from ..attention.pattern import pattern_from_flash_args
-from ..hooks.crosscheck import as_torch_calls, torch_call_problem
+from ..hooks.crosscheck import as_torch_calls, range_problem, torch_call_problem
 from ..attention.library import is_library_mask
 from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
@@ -155,7 +155,7 @@ def build_plan(
     facts = _declared_packing(settings, facts, reasons)
     mask_mod = score_mod = None
     mask_proof = score_proof = None
-    learned = 0
+    learned, ranges = 0, ""
     direct: Optional[DirectEntries] = None
     if flex:
         name, why, problem, caps = _backend_for(settings, backend)
@@ -169,6 +169,7 @@ def build_plan(
         if score_mod is not None:
             score_proof = prove_score(score_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
         learned = learned_tensors(mask_mod, score_mod)
+        ranges = _range_problems(settings, facts, {"mask_mod": mask_mod, "score_mod": score_mod})
         mask_mod = _torch_convention(mask_mod, mask_proof, "mask_mod", settings, reasons)
         score_mod = _torch_convention(score_mod, score_proof, "score_mod", settings, reasons)
         if backend is None and settings.turbo_flex_attention_backend == "auto":
@@ -182,6 +183,7 @@ def build_plan(
     ctx = RuleInput(
         settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
         window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct, learned=learned,
+        hook_range=ranges,
     )
     reasons.extend(failing_reasons(ctx))
     arch, _ = resolve_arch(settings.turbo_arch)
@@ -334,6 +336,15 @@ def _torch_convention(hook: Optional[Callable], proof: Optional[MaskProof | Scor
                               "(docs/mask_hooks.md, the provable subset).", "B31"))
         return hook
     return as_torch_calls(hook, kind)
+
+
+def _range_problems(settings: TurboAttentionSettings, facts: LayerFacts, hooks: dict[str, Optional[Callable]]) -> str:
+    """Each hook's `range_problem` over the layer's heads and seq_length, for rule hook-range ('' if none)."""
+    found = [f"the {kind} {getattr(settings, f'turbo_flex_attention_{kind}')} {problem}"
+             for kind, hook in hooks.items() if hook is not None and not is_library_mask(hook)
+             for problem in [range_problem(hook, kind, facts.head_offset, facts.num_heads, facts.seq_length)]
+             if problem]
+    return "; ".join(found)
 
 
 def _hook_class(proof: Optional[MaskProof | ScoreProof]) -> Optional[str]:

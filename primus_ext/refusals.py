@@ -397,6 +397,14 @@ FLEX_CPU_GRAD = rule(
     "B34.flex-cpu-grad", ("turbo_flex_attention_backend",),
     "a call on the CPU that needs gradients, on the flex backend: torch's flex_attention has no CPU backward.",
     "set turbo_flex_attention_backend: reference (or auto, which picks it on the CPU), or run on a GPU.")
+FLEX_LEARNED = rule(
+    "B34.flex-learned", ("turbo_flex_attention_backend", "turbo_flex_attention_mask_mod",
+                         "turbo_flex_attention_score_mod"),
+    "a call on the flex backend whose hooks now capture {learned} tensor(s) that require grad (a table set to train "
+    "after the layer was built): torch's flex_attention gradient for captured tensors is not shown here, so the "
+    "table could silently not train (at build this is rule hook-learned).",
+    "set turbo_flex_attention_backend: reference (it trains the table through autograd), or keep the table "
+    "frozen (requires_grad=False).")
 HOOK_RAISED = rule(
     "B34.hook-raised", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
     "the {kind} raised {error} when called with this call's indices (the largest [b, h, q_idx, kv_idx]: {top}): a "

@@ -100,6 +100,21 @@ def megatron(path: str = "direct", mask_type=AttnMaskType.causal, keys: Any = No
 RESET = dict(reset_attention_mask=True)
 
 
+def _learned_after_build():
+    """A table frozen at build (so hook-learned let the layer onto flex), set to train before a call."""
+    from . import flex_hooks
+    from .flex_standin import flex_standin
+
+    flex_hooks.RELATIVE.requires_grad_(False)
+    try:
+        run = adapter(settings(turbo_flex_attention_backend="flex",
+                               turbo_flex_attention_score_mod="tests.flex_hooks:relative_bias"))
+    finally:
+        flex_hooks.RELATIVE.requires_grad_(True)
+    run.backend.kernel = flex_standin  # past the CPU-backward refusal: what is refused is the table
+    return run(*qkv(grad=True))
+
+
 def _untraceable_on_flex():
     """torch's flex_attention raising its tracer's error on a hook (the fuzzer met one with math.isqrt in a
     Megatron layer): our refusal, not torch._dynamo's."""
@@ -208,6 +223,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.flex": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(), dropout_p=0.1),
     "B34.flex-trace": lambda: _untraceable_on_flex(),
     "B34.flex-cpu-grad": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(*qkv(grad=True)),
+    "B34.flex-learned": lambda: _learned_after_build(),
     "B34.hook-raised": lambda: adapter(settings(turbo_flex_attention_backend="reference",
                                                 turbo_flex_attention_mask_mod="tests.flex_hooks:document_ids"),
                                        facts(seq_length=48))(*qkv(s=64)),  # a call longer than the 48 ids it reads

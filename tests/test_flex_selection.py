@@ -126,8 +126,16 @@ def test_a_per_head_table_shorter_than_the_heads_is_refused_at_build(backend):
                       facts(seq_length=48, num_heads=4, num_kv_heads=2)).backend in ("flex", "reference")
 
 
-def test_a_token_table_shorter_than_seq_length_is_refused_at_build():
-    with pytest.raises(UnsupportedConfigError) as err:
-        build_plan(settings(turbo_flex_attention_backend="flex", turbo_flex_attention_mask_mod=HOOKS + "document_ids"),
-                   facts(seq_length=64))
-    assert "hook-range" in err.value.codes and "positions up to 63" in str(err.value)
+def test_a_token_table_shorter_than_the_call_is_refused_at_the_call_not_at_build():
+    """Positions are the call's (the plan depends on no sequence length): the build of a 64-token layer over
+    48 captured ids holds, a 64-token call is refused with our error, not an IndexError."""
+    from primus_ext.call import TurboFlexAttention
+    from primus_ext.errors import UnsupportedInputError
+
+    from .helpers import qkv
+
+    chosen = build_plan(settings(turbo_flex_attention_backend="reference",
+                                 turbo_flex_attention_mask_mod=HOOKS + "document_ids"), facts(seq_length=64))
+    with pytest.raises(UnsupportedInputError) as err:
+        TurboFlexAttention(chosen)(*qkv(s=64))
+    assert "B34.hook-raised" in err.value.codes and "IndexError" in str(err.value)

@@ -169,20 +169,24 @@ def torch_call_problem(hook: Callable[..., Any], kind: str) -> str:
     return known[kind]
 
 
-def range_problem(hook: Callable[..., Any], kind: str, head_offset: int, num_heads: int,
-                  length: Optional[int]) -> str:
-    """Empty when ``hook``, called as torch calls it, runs at every head of the layer (their global indices) and
-    at the first and last positions of ``length`` tokens (of 8 where unknown); else what it raised.  A table
-    the hook reads per head or per token that is too short shows here, at build, not at the first call."""
-    top = length or 8
-    positions = torch.tensor(sorted({p for p in (0, 1, top - 2, top - 1) if 0 <= p < top}))
+def range_problem(hook: Callable[..., Any], kind: str, head_offset: int, num_heads: int) -> str:
+    """Empty when ``hook``, called as torch calls it, runs at every head of the layer (their global indices, at
+    positions 0 to 7); else what it raised.  A per-head table too short shows here, at build, not at the first
+    call.  Positions are the call's to try (`primus_ext.refusals.HOOK_RAISED`): a proof, and so the plan,
+    depends on no sequence length.  Only what a hook raises for an index counts (`HOOK_ERRORS`); a hook torch
+    cannot call at all is B31's."""
     grid = torch.cartesian_prod(torch.tensor([0]), torch.arange(head_offset, head_offset + num_heads),
-                                positions, positions)
+                                torch.arange(8), torch.arange(8))
     index = list(grid.unbind(1))
-    score = torch.zeros(len(grid)) if kind == "score_mod" else None
-    how, got = _calls(hook, index, score)[0]
-    return f"raises {got} at heads {head_offset}..{head_offset + num_heads - 1}, positions up to {top - 1}" if (
-        isinstance(got, str)) else ""
+    args = ((torch.zeros(len(grid)),) if kind == "score_mod" else ()) + tuple(index)
+    try:
+        with torch.no_grad():
+            torch.vmap(hook)(*args)
+    except R.HOOK_ERRORS as exc:
+        return f"raises {type(exc).__name__}: {exc} at heads {head_offset}..{head_offset + num_heads - 1}"
+    except Exception:  # noqa: BLE001 - not an index problem: the B31 checks report what torch cannot call
+        return ""
+    return ""
 
 
 def _smoke(hook: Callable[..., Any], kind: str) -> str:

@@ -339,10 +339,10 @@ def _torch_convention(hook: Optional[Callable], proof: Optional[MaskProof | Scor
 
 
 def _range_problems(settings: TurboAttentionSettings, facts: LayerFacts, hooks: dict[str, Optional[Callable]]) -> str:
-    """Each hook's `range_problem` over the layer's heads and seq_length, for rule hook-range ('' if none)."""
+    """Each hook's `range_problem` over the layer's heads, for rule hook-range ('' if none)."""
     found = [f"the {kind} {getattr(settings, f'turbo_flex_attention_{kind}')} {problem}"
              for kind, hook in hooks.items() if hook is not None and not is_library_mask(hook)
-             for problem in [range_problem(hook, kind, facts.head_offset, facts.num_heads, facts.seq_length)]
+             for problem in [range_problem(hook, kind, facts.head_offset, facts.num_heads)]
              if problem]
     return "; ".join(found)
 

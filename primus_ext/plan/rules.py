@@ -37,7 +37,7 @@ class RuleInput:
     learned: int = 0
     """Tensors the hooks capture that require grad (`primus_ext.backends.flex_masks.learned_tensors`)."""
     hook_range: str = ""
-    """What the hooks raise at the layer's heads or seq_length (`primus_ext.hooks.crosscheck.range_problem`)."""
+    """What the hooks raise at the layer's heads (`primus_ext.hooks.crosscheck.range_problem`)."""
 
     @property
     def flex(self) -> bool:
@@ -414,11 +414,10 @@ RULES: Tuple[Rule, ...] = (
          "set turbo_flex_attention_backend: reference (evaluates the hook as torch calls it) or auto (which does), "
          "or rewrite the hook inside the provable subset (docs/mask_hooks.md).",
          lambda c: _on_flex(c) and bool(_dynamic_hooks(c))),
-    Rule("hook-range", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod", "num_attention_heads",
-                        "seq_length"),
-         "{hook_range} of layer {layer}: what the hook reads per head or per token does not cover the layer, so a "
+    Rule("hook-range", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod", "num_attention_heads"),
+         "{hook_range} of layer {layer}: what the hook reads per head does not cover the layer's heads, so every "
          "call would fail or read past its table.",
-         "size the hook's tables for the model's heads and seq_length, or clamp the index inside the hook.",
+         "size the hook's tables for the model's heads (num_attention_heads), or clamp the index inside the hook.",
          lambda c: c.flex and bool(c.hook_range)),
     Rule("hook-learned", ("turbo_flex_attention_backend", "turbo_flex_attention_mask_mod",
                           "turbo_flex_attention_score_mod"),

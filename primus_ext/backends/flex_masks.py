@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import and_masks
 
 from ..attention.heads import unshifted
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
-from ..hooks.trace import SNAPSHOT_MAX
+from ..hooks.trace import SNAPSHOT_MAX, same_values
 from .check_op import tensor_version
 
 _ON_HEADS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int], Callable]]" = weakref.WeakKeyDictionary()
@@ -342,18 +342,6 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _same_values(snapshot: Optional[Tensor], live: Tensor) -> bool:
-    """A small tensor's values as they were (None: too large to keep; its version counter decides).  On a
-    device, an asynchronous assert instead of a host sync, as the proofs' re-check (`primus_ext.hooks.trace`)."""
-    if snapshot is None:
-        return True
-    if live.device.type == "cpu":
-        return torch.equal(live.detach(), snapshot)
-    torch._assert_async((live.detach() == snapshot).all(),
-                        "primus_ext: a tensor a flex hook captures was changed behind its version counter")
-    return True
-
-
 def same_state(a: tuple, b: tuple) -> bool:
     """Whether two `captured_state` results describe the same values (tensors: the same object, unchanged)."""
     if len(a) != len(b):
@@ -363,7 +351,8 @@ def same_state(a: tuple, b: tuple) -> bool:
             return False
         if x[0] == "tensor" and y[0] == "tensor":
             live = x[1]()
-            if live is None or live is not y[1]() or x[2:6] != y[2:6] or not _same_values(x[6], live):
+            if live is None or live is not y[1]() or x[2:6] != y[2:6] or not same_values(
+                    x[6], live, "primus_ext: a tensor a flex hook captures was changed behind its version counter"):
                 return False
         elif x != y:
             return False

@@ -230,15 +230,20 @@ def _tensor_check(tensor: torch.Tensor) -> Callable[[], bool]:
     def holds() -> bool:
         if tensor._version != version or tensor.data_ptr() != ptr:
             return False
-        if snapshot is None:
-            return True
-        if tensor.device.type == "cpu":
-            return torch.equal(tensor.detach(), snapshot)
-        torch._assert_async((tensor.detach() == snapshot).all(),
-                            "primus_ext: a tensor a hook proof read has changed (B31)")
-        return True
+        return same_values(snapshot, tensor, "primus_ext: a tensor a hook proof read has changed (B31)")
 
     return holds
+
+
+def same_values(snapshot: Optional[torch.Tensor], live: torch.Tensor, message: str) -> bool:
+    """``live`` still holds ``snapshot``'s values (None: too large to keep, the version counter decides).  On a
+    device an asynchronous assert with ``message`` instead of a host sync: the process stops, it never goes on."""
+    if snapshot is None:
+        return True
+    if live.device.type == "cpu":
+        return torch.equal(live.detach(), snapshot)
+    torch._assert_async((live.detach() == snapshot).all(), message)
+    return True
 
 
 def _list_check(value: list[Any]) -> Callable[[], bool]:

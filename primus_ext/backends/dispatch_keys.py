@@ -20,15 +20,25 @@ def autograd_keys_lifted() -> Iterator[None]:
     graph's run also functorch's and the wrappers') back in force, as in eager code; Autocast stays
     excluded and grad mode is left as it is.  The inputs there are plain tensors, so nothing the lifted
     keys handle reaches them unasked."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _LIFTED:
-        if exclude.has(key):
-            exclude = exclude - torch._C.DispatchKeySet(key)
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _LIFTED
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
         yield
 
 
-_LIFTED = tuple(key for name, key in torch._C.DispatchKey.__members__.items()
-                if not name.startswith("Autocast") and name != "Undefined")
+def _lifted() -> "torch._C.DispatchKeySet":
+    """Every dispatch key but Autocast's, as one set (built once: the op's forward lifts it at every call)."""
+    keys = None
+    for name, key in torch._C.DispatchKey.__members__.items():
+        if name.startswith("Autocast") or name == "Undefined":
+            continue
+        try:
+            one = torch._C.DispatchKeySet(key)
+        except RuntimeError:  # an alias or marker key, never in a thread-local set
+            continue
+        keys = one if keys is None else keys | one
+    return keys
+
+
+_LIFTED = _lifted()
 
 __all__ = ["autograd_keys_lifted"]

@@ -37,8 +37,8 @@ from .. import refusals as R
 from ..attention.pattern import Pattern
 from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
 from .flex_cache import BLOCK_MASKS, BlockMaskCache, boundary_state
-from .flex_masks import (captured_bytes, captured_state, document_mod, in_score_dtype, learned_tensors, pattern_mod,
-                         reads_argument, user_hook, with_alibi)
+from .flex_masks import (captured_bytes, captured_state, document_mod, in_score_dtype, learned_in, learned_tensors,
+                         pattern_mod, reads_argument, user_hook, with_alibi)
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest
@@ -96,14 +96,14 @@ class FlexBackend(AttentionBackend):
             pattern = call.pattern if call.pattern is not None else Pattern()
             mask_mod, shape = pattern_mod(pattern.at_length(q_len)), (None, None)
         score_hook = user_hook(call.score_mod, "score_mod")
-        learned = learned_tensors(hook, score_hook) if torch.is_grad_enabled() else 0
+        state = captured_state(hook) if hook is not None else ()  # the BlockMask's, read once per call
+        learned = learned_in(state) + learned_tensors(score_hook) if torch.is_grad_enabled() else 0
         if learned:  # a table set to train after the build (hook-learned refuses it there)
             raise R.refuse(R.FLEX_LEARNED, learned=learned)
         score_mod = with_alibi(in_score_dtype(score_hook), call.alibi_slopes)
         block_mask = None
         if mask_mod is not None and q_len and kv_len:  # no cell to mask in an empty call
-            block_mask = self.block_mask(mask_mod, shape[0], shape[1], q_len, kv_len, q.device,
-                                         captured_state(mask_mod) if hook is not None else ())
+            block_mask = self.block_mask(mask_mod, shape[0], shape[1], q_len, kv_len, q.device, state)
         out, lse = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod, block_mask, call)
         out = out.transpose(1, 2)
         return (out, lse) if call.return_lse else out

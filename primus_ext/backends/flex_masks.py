@@ -233,23 +233,23 @@ def _skipped(module: str) -> bool:
     return any(module == m or module.startswith(m + ".") for m in _SKIP_MODULES)
 
 
-def _tensor_stamp(t: Tensor) -> tuple:
+def _tensor_stamp(t: Tensor, snapshots: bool) -> tuple:
     version = tensor_version(t)
     if version is None:
         return ("inference tensor", id(t))
     # A write through ``.data``, numpy or the storage bumps no version: small tensors are compared by value too
-    snapshot = t.detach().clone() if t.numel() <= SNAPSHOT_MAX else None
+    snapshot = t.detach().clone() if snapshots and t.numel() <= SNAPSHOT_MAX else None
     return ("tensor", weakref.ref(t), version, t.data_ptr(), tuple(t.shape), t.dtype, snapshot)
 
 
-def captured_state(*hooks: Optional[Callable]) -> tuple:
+def captured_state(*hooks: Optional[Callable], snapshots: bool = True) -> tuple:
     """What ``hooks`` read besides their arguments, as stamps a later call compares (`same_state`):
     tensors by weak reference, version and storage (small ones by value too); numbers and strings by value;
     code by identity; anything else, or more than the walk reads, as volatile (the mask is then built at every
     call).  Read through closures, defaults, the module globals a function names, attributes it names of a
     module it reads, ``functools.partial`` parts, the parameters and attributes of objects (an ``nn.Module``,
     a callable instance: volatile, but walked so a learned table behind them is found), and the parts of
-    torch's ``and_masks`` / ``or_masks``."""
+    torch's ``and_masks`` / ``or_masks``.  ``snapshots=False``: no value copies (a state only read, not kept)."""
     stamps: list[tuple] = []
     seen: set[int] = set()
     stack: list[tuple[Any, frozenset]] = [(h, frozenset()) for h in hooks if h is not None]
@@ -263,7 +263,7 @@ def captured_state(*hooks: Optional[Callable]) -> tuple:
             continue
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            stamps.append(_tensor_stamp(obj))
+            stamps.append(_tensor_stamp(obj, snapshots))
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stamps.append(("container", type(obj), len(obj)))
             stack.extend((item, names) for item in (sorted(obj, key=repr) if isinstance(obj, (set, frozenset))
@@ -330,8 +330,12 @@ def learned_tensors(*hooks: Optional[Callable]) -> int:
     """How many tensors ``hooks`` capture that require grad (a learned bias table): their gradient can come
     only from autograd through the hook as called, which a fixed kernel, a graph's opaque op and (unshown
     here) flex_attention's captured-buffer gradient do not give."""
-    return sum(1 for stamp in captured_state(*hooks)
-               if stamp[0] == "tensor" and stamp[1]() is not None and stamp[1]().requires_grad)
+    return learned_in(captured_state(*hooks, snapshots=False))
+
+
+def learned_in(state: tuple) -> int:
+    """`learned_tensors` of the hooks a `captured_state` was taken of (no second walk)."""
+    return sum(1 for stamp in state if stamp[0] == "tensor" and stamp[1]() is not None and stamp[1]().requires_grad)
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -359,5 +363,5 @@ def same_state(a: tuple, b: tuple) -> bool:
     return True
 
 
-__all__ = ["captured_bytes", "captured_state", "causal_mod", "document_mod", "in_score_dtype", "learned_tensors",
-           "pattern_mod", "reads_argument", "same_state", "user_hook", "window_mod", "with_alibi"]
+__all__ = ["captured_bytes", "captured_state", "causal_mod", "document_mod", "in_score_dtype", "learned_in",
+           "learned_tensors", "pattern_mod", "reads_argument", "same_state", "user_hook", "window_mod", "with_alibi"]

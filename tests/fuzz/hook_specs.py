@@ -25,6 +25,7 @@ raises when torch calls it (``raises``) is refused on every backend (B31).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
@@ -49,6 +50,9 @@ class MaskSpec:
     dynamic: Optional[bool] = False
     """Outside the provable subset (docs/mask_hooks.md, the three classes): refused on ``flex`` at build
     (``flex-dynamic``); None: not claimed either way."""
+    untraceable: bool = False
+    """torch's flex_attention may not trace it into its kernel (``math.isqrt`` of a captured int, once Dynamo
+    has made that int symbolic): a dense call on ``flex`` may be refused (B34.flex-trace)."""
 
 
 @dataclass(frozen=True)
@@ -186,8 +190,8 @@ def _typed_widths(kw: dict, heads: int) -> MaskSpec:
 
 def _helper(kw: dict, heads: int) -> MaskSpec:
     width = int(kw["width"])
-    if kw.get("form", "helper") == "math":
-        return _window(abs(width), 0)  # math.isqrt(width * width)
+    if kw.get("form", "helper") == "math":  # math.isqrt(width * width)
+        return dataclasses.replace(_window(abs(width), 0), untraceable=True)
     return _causal_width(width)
 
 

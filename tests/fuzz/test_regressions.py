@@ -6,6 +6,7 @@ bug stays fixed even if the fuzzer's strategies change.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -241,3 +242,37 @@ def test_regression_float64_arithmetic_proven_with_the_constant_rounded_to_float
     with fake_primus_turbo():
         err = refused(dict(turbo_flex_attention_backend="turbo", **keys))
     assert "B31-score" in err.codes
+
+
+def test_regression_untraceable_hook_on_a_megatron_flex_layer_is_the_expected_refusal():
+    """The long fuzz drew a Megatron layer on ``flex`` whose hook calls ``math.isqrt`` of a captured int: once
+    Dynamo has traced the same code with another value it makes the int symbolic and cannot trace isqrt, so the
+    call is refused (B34.flex-trace), else it runs; the fuzzer's model expected it always to run.  Both
+    outcomes are accepted now: alone this runs; after the same hook with other widths, it is refused."""
+    from .strategies import Case
+    from .test_differential import run_case
+
+    case = Case(level="megatron", flex=True, backend="flex",
+                fake={"flex_bshd": False, "flex_deterministic": True, "varlen_sink": True, "flex": True},
+                settings={"use_turbo_attention": True, "use_turbo_flex_attention": True,
+                          "turbo_flex_attention_backend": "flex", "use_sink_attention": False,
+                          "deterministic_mode": False, "enable_turbo_attention_float8": False,
+                          "reset_attention_mask": False, "sink_window_even_layers_only": False,
+                          "turbo_flex_attention_mask_mod": "tests.fuzz.user_hooks:helper_window",
+                          "turbo_flex_attention_mask_mod_kwargs": {"width": -1, "form": "math"}},
+                layer={"num_heads": 1, "num_kv_heads": 1, "head_dim": 2, "head_dim_v": 2, "layer_number": 1,
+                       "attn_mask_type": "causal", "window_size": None, "window_attn_skip_freq": None,
+                       "softmax_type": "vanilla", "context_parallel_size": 1, "cp_comm_type": None,
+                       "attention_dropout": 0.0, "position_embedding_type": "learned_absolute",
+                       "softmax_scale": None, "params_bf16": False},
+                call={"thd": False, "batch": 1, "q_len": 1, "kv_len": 1, "docs_q": None, "docs_kv": None,
+                      "dtype": "float32", "padded": "none", "packed_params": "none", "attention_bias": False,
+                      "four_dim_thd": False, "gain": None, "mutate": None},
+                grad=False, seed=0)
+    from .conftest import Tally
+
+    tally = Tally()
+    for width in (-1, 2, 3, -1):  # the later calls see the int made symbolic
+        run_case(dataclasses.replace(case, settings={**case.settings, "turbo_flex_attention_mask_mod_kwargs": {
+            "width": width, "form": "math"}}), tally)
+    assert tally.outcomes["mismatched"] == 0 and tally.refusals.get("B34.flex-trace", 0) >= 1, tally.refusals

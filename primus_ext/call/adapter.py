@@ -22,7 +22,7 @@ from torch import Tensor
 from ..backends import AttentionBackend, make_backend
 from ..backends.base import CallArgs, Output, fp32_sink
 from ..plan.plan import AttentionPlan
-from ..refusals import (ALIBI_GRAD, ALIBI_TWICE, ATTN_PROBS, DENSE_RANK, HOOK_ASSUMPTION, MASK_LENGTH, MISSING_SINK,
+from ..refusals import (ALIBI_GRAD, ALIBI_TWICE, ATTN_PROBS, DENSE_RANK, MASK_LENGTH, MISSING_SINK,
                         PACKED_EXTRAS, PACKED_RANK, UNEQUAL_LENGTHS, UNPLANNED_SINK, refuse, refuse_naming)
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from .agreement import CallAgreement
@@ -51,9 +51,6 @@ class TurboFlexAttention:
         self.calls = PreparedCalls()
         # Fixed kernels (Turbo) bound what a call may pass; a backend that runs any mask computes it.
         self._fixed = not self.backend.capabilities().runs_any_mask
-        # A proof that used a module global or a captured tensor holds while they are unchanged; a
-        # backend evaluating the hooks itself needs no check.
-        self._assumptions = tuple(plan.hook_assumptions) if self._fixed else ()
         self._slopes: dict[torch.device, Tensor] = {}  # the plan's ALiBi slopes, per device
         self._symmetric_alibi = plan.score_recognised == "alibi-symmetric"  # runs on every mask (B35)
 
@@ -122,7 +119,7 @@ class TurboFlexAttention:
                                                                  a.sink)
         if key is not None and _int32_boundaries(raw, packed):
             self.calls.put(key, Prepared(
-                run, raw.sink, self._assumptions, device=a.q.device, same_cu=raw.cu_q is raw.cu_kv,
+                run, raw.sink, self._target.assumptions, device=a.q.device, same_cu=raw.cu_q is raw.cu_kv,
                 max_given=(raw.max_q is not None, raw.max_kv is not None) if packed else (),
                 equal_documents=self.plan.equal_documents))
         return out
@@ -137,7 +134,8 @@ class TurboFlexAttention:
         if q.dim() != (3 if packed else 4):  # before the heads: a 2-D call has no head axis to count
             raise refuse(PACKED_RANK if packed else DENSE_RANK, rank=q.dim())
         check_heads(q, k, plan.num_heads, plan.num_kv_heads)
-        self._check_assumptions()
+        if not torch.compiler.is_compiling():  # a compiled call's op checks them when the graph runs
+            self._target.check_assumptions()
         scale = check_scale(raw.scale)
         scale = scale if scale is not None else plan.scale
         dropout = check_dropout(raw.dropout_p)
@@ -189,12 +187,6 @@ class TurboFlexAttention:
         sink, scale, dropout, deterministic = common
         return CallArgs(q, k, a.v, cu_q, cu_kv, max_q, max_kv, sink, alibi, None, flag, window, scale, dropout,
                         deterministic, a.return_lse), pattern
-
-    def _check_assumptions(self) -> None:
-        for assumption in self._assumptions:
-            if not assumption.holds():
-                hooks = " / ".join(h for h in (self.plan.mask_hook, self.plan.score_hook) if h)
-                raise refuse(HOOK_ASSUMPTION, hooks=hooks, what=assumption.what)
 
     def _check_dense_shape(self, pattern: Any, q_len: int, kv_len: int) -> None:
         if pattern is None or q_len == kv_len or pattern.kind == "full":

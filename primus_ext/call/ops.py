@@ -119,7 +119,8 @@ def _run_forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Te
     target(handle).check_in_graph(a)
     pair = _pair(handle, a)
     if pair is not None:
-        out, lse, rng = pair.forward(a)
+        with torch.no_grad(), autograd_keys_lifted():  # a pair that evaluates a hook vmaps it, as below
+            out, lse, rng = pair.forward(a)
         return _contiguous(out), _contiguous(lse.to(_lse_dtype(a.q))), rng
     rng = rng_snapshot(a.q.device, a.dropout_p) if a.dropout_p > 0 else kernel_rng(a)
     with torch.no_grad(), autograd_keys_lifted():  # hooks run under vmap here, which needs functorch's keys
@@ -138,7 +139,8 @@ def _run_backward(handle: int, a: CallArgs, grad_out: Tensor, out: Tensor, lse: 
     like = [a.q, a.k, a.v, a.sink, a.alibi] + ([a.bias] if dense else [])
     pair = _pair(handle, a)
     if pair is not None:
-        dq, dk, dv, dsink, dalibi, dbias = pair.backward(a, grad_out, out, lse, rng_state)
+        with torch.no_grad(), autograd_keys_lifted():
+            dq, dk, dv, dsink, dalibi, dbias = pair.backward(a, grad_out, out, lse, rng_state)
         grads = [dq, dk, dv, dsink, dalibi] + ([dbias] if dense else [])
         return tuple(_fit(g, t, a.q) for g, t in zip(grads, like))
     leaves = [_leaf(t) for t in like]

@@ -39,6 +39,9 @@ class PlanTarget:
         # Chunks and constant document cuts hold at every length; a call gets its boundaries.
         self.per_length = plan.pattern is not None and (plan.pattern.chunk is not None
                                                         or plan.pattern.cuts is not None)
+        # A proof that used a module global or a captured tensor holds while they are unchanged; a
+        # backend evaluating the hooks itself needs no check.
+        self.assumptions = () if exact else tuple(plan.hook_assumptions)
 
     def kernel_call(self, a: CallArgs, flash: Optional[Pattern] = None) -> KernelCall:
         """What ``a`` computes: the plan's pattern (at the call's length) for a dense call on a hook
@@ -68,8 +71,18 @@ class PlanTarget:
         entry = "varlen" if a.cu_q is not None or pattern.documents else "dense"
         self.routes.check(entry, a, pattern.right == 0, pattern.window)
 
+    def check_assumptions(self) -> None:
+        """What the hook proofs rest on still holds (B31): the adapter checks it on an eager call, the forward
+        op when a compiled graph runs (its Python reads of version counters and storage are no graph's)."""
+        for assumption in self.assumptions:
+            if not assumption.holds():
+                hooks = " / ".join(h for h in (self.plan.mask_hook, self.plan.score_hook) if h)
+                raise R.refuse(R.HOOK_ASSUMPTION, hooks=hooks, what=assumption.what)
+
     def check_in_graph(self, a: CallArgs) -> None:
-        """What only a compiled graph's op cannot do: hand gradients to tensors the hooks capture (B34)."""
+        """What a compiled graph checks when it runs: the proofs' assumptions, and that no tensor the hooks
+        capture wants a gradient, which an op cannot hand back (B34)."""
+        self.check_assumptions()
         if self.plan.mask_mod is None and self.plan.score_mod is None:
             return
         # Grad mode inside an op says nothing of the caller's, and a frozen model may still train the table.

@@ -159,7 +159,7 @@ NOT_PROVEN_REVIEW = {  # hook -> what the refusal names
     "to_tensor_dtype": "float32", "score_to_score_dtype": "", "float_bucketize": "bucketize",
     "conditional_callee": "chosen by a branch", "branch_local": "chosen by a branch",
     "key_argument": "a function passed as an argument", "int_subclass": "a Sneaky",
-    "tensor_subclass": "Evil", "huge_int_score": "the constant 4611686018427387904",
+    "tensor_subclass": "Evil", "huge_int_score": "computes with the score by mul",
     "module_in_local": "held in a local variable", "dict_subclass_globals": "Globals as the globals",
     "keyword_override": "inside a tuple", "module_argument": "a module passed as an argument",
     "add_overflow": "overflows int64",

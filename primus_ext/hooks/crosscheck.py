@@ -25,10 +25,15 @@ _POWERS = sorted({0, 1, 2, 3} | {p + d for e in (4, 6, 8, 10, 12, 15, 16, 24, 31
                                  for p in (1 << e,) for d in (-1, 0, 1)} | {INDEX_BOUND - 1})
 
 
-def _positions(pattern: Optional[Pattern]) -> tuple[list[int], list[int]]:
-    """Query rows, and offsets ``q_idx - kv_idx`` around every feature of ``pattern`` (or a plain grid)."""
+def _positions(pattern: Optional[Pattern], constants: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """Query rows, and offsets ``q_idx - kv_idx`` around every feature of ``pattern`` (or a plain grid) and
+    every integer constant of the hook (where its arithmetic may begin to wrap or a comparison to flip)."""
     rows = set(_POWERS)
     offsets = {0, 1, -1, 2, -2}
+    for c in constants:
+        if abs(c) < INDEX_BOUND:
+            rows |= {abs(c) - 1, abs(c), abs(c) + 1}
+            offsets |= {c - 1, c, c + 1, -c - 1, -c, -c + 1}
     if pattern is not None:
         edges = ([pattern.left] if pattern.left >= 0 else []) + ([-pattern.right] if pattern.right >= 0 else [])
         for edge in edges:  # q_idx - kv_idx at the window's last allowed key, either side
@@ -41,25 +46,45 @@ def _positions(pattern: Optional[Pattern]) -> tuple[list[int], list[int]]:
     return sorted(x for x in rows if 0 <= x < INDEX_BOUND), sorted(offsets)
 
 
-def _heads(head_offset: int, num_heads: Optional[int]) -> list[int]:
-    top = head_offset + (num_heads or 4)
-    return sorted({h for h in (head_offset, head_offset + 1, top - 2, top - 1) if head_offset <= h < top})
+MAX_HEADS = 256
+"""Heads the cross-check calls a hook at, all of the rank's up to this many (a per-head table may differ at any)."""
 
 
-def _pairs(pattern: Optional[Pattern], heads: list[int]) -> list[torch.Tensor]:
-    """Flat ``b, h, q_idx, kv_idx`` vectors: each chosen row with the keys at each chosen offset and at
-    every chosen row, for batch indices 0 and 1 and each head."""
-    rows_list, offsets = _positions(pattern)
-    rows = torch.tensor(rows_list, dtype=torch.int64)
-    near = (rows.view(-1, 1) - torch.tensor(offsets, dtype=torch.int64).view(1, -1))
-    q = torch.cat([rows.view(-1, 1).expand_as(near).reshape(-1), rows.repeat_interleave(len(rows))])
-    kv = torch.cat([near.reshape(-1), rows.repeat(len(rows))])
+def _heads(head_offset: int, num_heads: Optional[int]) -> tuple[list[int], list[int]]:
+    """``(every head called near the diagonal, the heads also called at every pair of chosen rows)``."""
+    count = num_heads or 4
+    top = head_offset + count
+    ends = sorted({h for h in (head_offset, head_offset + 1, top - 2, top - 1) if head_offset <= h < top})
+    if count <= MAX_HEADS:
+        return list(range(head_offset, top)), ends
+    step = count / (MAX_HEADS - len(ends))
+    return sorted(set(ends) | {head_offset + int(i * step) for i in range(MAX_HEADS - len(ends))}), ends
+
+
+def _grid(rows: torch.Tensor, offsets: torch.Tensor, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    near = rows.view(-1, 1) - offsets.view(1, -1)
+    q, kv = rows.view(-1, 1).expand_as(near).reshape(-1), near.reshape(-1)
+    if full:
+        q, kv = torch.cat([q, rows.repeat_interleave(len(rows))]), torch.cat([kv, rows.repeat(len(rows))])
     keep = (kv >= 0) & (kv < INDEX_BOUND)
-    q, kv = q[keep], kv[keep]
-    planes = torch.tensor([(b, h) for b in (0, 1) for h in heads], dtype=torch.int64)
-    n = len(q)
-    return [planes[:, 0].repeat_interleave(n), planes[:, 1].repeat_interleave(n), q.repeat(len(planes)),
-            kv.repeat(len(planes))]
+    return q[keep], kv[keep]
+
+
+def _pairs(pattern: Optional[Pattern], heads: tuple[list[int], list[int]],
+           constants: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Flat ``b, h, q_idx, kv_idx`` vectors: each chosen row with the keys at each chosen offset, for batch
+    indices 0 and 1 and every head; at the end heads also with the keys at every chosen row."""
+    rows_list, offsets_list = _positions(pattern, constants)
+    rows, offsets = torch.tensor(rows_list, dtype=torch.int64), torch.tensor(offsets_list, dtype=torch.int64)
+    every, ends = heads
+    parts = []
+    for chosen, full in ((every, False), (ends, True)):
+        q, kv = _grid(rows, offsets, full)
+        planes = torch.tensor([(b, h) for b in (0, 1) for h in chosen], dtype=torch.int64).view(-1, 2)
+        n = len(q)
+        parts.append([planes[:, 0].repeat_interleave(n), planes[:, 1].repeat_interleave(n), q.repeat(len(planes)),
+                      kv.repeat(len(planes))])
+    return [torch.cat(pieces) for pieces in zip(*parts)]
 
 
 def _calls(fn: Callable[..., Any], index: Sequence[torch.Tensor],
@@ -83,9 +108,10 @@ def _first(bad: torch.Tensor, index: Sequence[torch.Tensor]) -> str:
     return ", ".join(f"{n}={int(t[at])}" for n, t in zip(("b", "h", "q_idx", "kv_idx"), index))
 
 
-def check_mask(hook: Callable[..., Any], pattern: Pattern, num_heads: Optional[int], head_offset: int) -> str:
+def check_mask(hook: Callable[..., Any], pattern: Pattern, num_heads: Optional[int], head_offset: int,
+               constants: Sequence[int] = ()) -> str:
     """Empty when ``hook`` called both ways equals ``pattern`` at every chosen point; else what differs."""
-    index = _pairs(pattern, _heads(head_offset, num_heads))
+    index = _pairs(pattern, _heads(head_offset, num_heads), constants)
     expected = pattern.allows(index[2], index[3])
     for how, got in _calls(hook, index, None):
         if isinstance(got, str):
@@ -101,15 +127,24 @@ def check_mask(hook: Callable[..., Any], pattern: Pattern, num_heads: Optional[i
     return ""
 
 
+_F32 = torch.finfo(torch.float32)
+EXTREME_SCORES = (0.0, -0.0, _F32.tiny, -_F32.tiny, _F32.tiny / 8, 1e-30, -1e-30, 1e10, -1e10, 1e30, -1e30, 1e37,
+                  -1e37, 1e38, -1e38, _F32.max / 2, _F32.max, -_F32.max)
+"""Scores where float32 arithmetic underflows or overflows, every one a finite float32 score a kernel may see."""
+
+
 def check_score(hook: Callable[..., Any], kind: str, slopes: Optional[Sequence[float]], num_heads: Optional[int],
-                head_offset: int) -> str:
-    """Empty when ``hook`` called both ways computes ``kind`` (identity / ALiBi forms) at the chosen points."""
-    heads = _heads(head_offset, num_heads)
+                head_offset: int, constants: Sequence[int] = ()) -> str:
+    """Empty when ``hook`` called both ways computes ``kind`` (identity / ALiBi forms) at the chosen points, with
+    ordinary scores and the float32 extremes."""
+    every, ends = _heads(head_offset, num_heads)
     if slopes is not None:
-        heads = [h for h in heads if h - head_offset < len(slopes)]
-    index = _pairs(None, heads)
+        every, ends = ([h for h in hs if h - head_offset < len(slopes)] for hs in (every, ends))
+    index = _pairs(None, (every, ends), constants)
     gen = torch.Generator().manual_seed(0)
     score = (torch.randn(index[0].shape, generator=gen) * 4).float()
+    extreme = torch.tensor(EXTREME_SCORES, dtype=torch.float32)
+    score[: len(score) // 2] = extreme.repeat(len(score) // (2 * len(extreme)) + 1)[: len(score) // 2]
     expected = score.double()
     if kind != "identity" and slopes is not None:
         slope = torch.tensor(slopes, dtype=torch.float64)[index[1] - head_offset]
@@ -121,7 +156,8 @@ def check_score(hook: Callable[..., Any], kind: str, slopes: Optional[Sequence[f
             return f"raises {got} when called with {how}"
         if not got.dtype.is_floating_point:
             return f"returns {got.dtype}, not a score, when called with {how}"
-        bad = ~((got.double() - expected).abs() <= 1e-5 * scale)
+        # what the kernel's own float32 sum gives: a finite score plus a bias rounds, it does not overflow
+        bad = ~((got.double() - expected.float().double()).abs() <= 1e-5 * scale)
         if bool(bad.any()):
             at = int(bad.nonzero()[0, 0])
             return (f"behaves differently when called than when traced: called with {how}, at "
@@ -153,6 +189,9 @@ def as_torch_calls(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
     wrapped.__wrapped__ = hook  # type: ignore[attr-defined]
     return wrapped
 
+
+TORCH_CALL_CODES = frozenset(as_torch_calls(lambda *a: a[0], kind).__code__ for kind in ("mask_mod", "score_mod"))
+"""The code objects of `as_torch_calls`'s wrappers: what tells one of them from a function that only says so."""
 
 _SMOKE: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
 
@@ -197,4 +236,4 @@ def _smoke(hook: Callable[..., Any], kind: str) -> str:
     return f"raises {got} when called with {how}" if isinstance(got, str) else ""
 
 
-__all__ = ["as_torch_calls", "check_mask", "check_score", "range_problem", "torch_call_problem"]
+__all__ = ["TORCH_CALL_CODES", "as_torch_calls", "check_mask", "check_score", "range_problem", "torch_call_problem"]

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 import z3
 
+from .floats import SAFE_MAGNITUDE
 from .ops import (FUNCTIONS, INT64, MAX_TABLE, METHODS, Captured, Meta, Unsupported, const, convert, element,
                        expr, num)
 
@@ -48,7 +49,17 @@ def _from_torch(t: torch.Tensor) -> Any:
 _NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32)
 
 
-def _node_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
+class _Dtypes(dict):
+    """Each node's dtype from one eager run (``dict``), and ``common``: the dtype torch computes an operation
+    in, after promoting its operands (`torch.result_type`), where that is not the result's own (comparisons)
+    or where a Python number or a 0-d tensor meets a tensor of a narrower integer dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.common: dict[fx.Node, torch.dtype] = {}
+
+
+def node_dtypes(graph: fx.GraphModule) -> Optional[_Dtypes]:
     """Each node's dtype from one eager run at index 0 (a score of 0.0), as torch promotes; None if it fails.
     Kept on the graph: a score hook is encoded once per head."""
     if "_primus_ext_dtypes" not in graph.__dict__:
@@ -56,10 +67,11 @@ def _node_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
     return graph.__dict__["_primus_ext_dtypes"]
 
 
-def _run_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
-    """One eager run of the graph's nodes on 0-d values (no fx Interpreter: it costs more than the run)."""
+def _run_dtypes(graph: fx.GraphModule) -> Optional[_Dtypes]:
+    """One eager run of the graph's nodes on 0-d values, as torch's vmap calls a hook (no fx Interpreter: it
+    costs more than the run)."""
     env: dict[fx.Node, Any] = {}
-    out: dict[fx.Node, torch.dtype] = {}
+    out = _Dtypes()
     try:
         with torch.no_grad():
             for node in graph.graph.nodes:
@@ -72,6 +84,9 @@ def _run_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
                     kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
                     value = (node.target(*args, **kwargs) if node.op == "call_function"
                              else getattr(args[0], node.target)(*args[1:], **kwargs))
+                    common = _common_dtype(node, args)
+                    if common is not None:
+                        out.common[node] = common
                 else:
                     continue
                 env[node] = value
@@ -80,6 +95,50 @@ def _run_dtypes(graph: fx.GraphModule) -> Optional[dict[fx.Node, torch.dtype]]:
     except Exception:  # noqa: BLE001 - no dtypes: narrow integer tensors are then not proven
         return None
     return out
+
+
+_BINARY = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.truediv,
+                     operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.and_,
+                     operator.or_, operator.xor, torch.add, torch.sub, torch.mul, torch.div, torch.true_divide,
+                     torch.floor_divide, torch.remainder, torch.fmod, torch.lt, torch.le, torch.gt, torch.ge,
+                     torch.eq, torch.ne, torch.minimum, torch.maximum, torch.bitwise_and, torch.bitwise_or,
+                     torch.bitwise_xor, "add", "sub", "mul", "__add__", "__sub__", "__mul__", "__radd__", "__rsub__",
+                     "__rmul__", "div", "floor_divide", "remainder", "fmod", "lt", "le", "gt", "ge", "eq", "ne",
+                     "minimum", "maximum"})
+"""Operations whose two operands torch promotes to one dtype before computing (`_promoted_operands`)."""
+
+
+def _promoted_operands(node: fx.Node) -> tuple[int, ...]:
+    """Positions in ``node.args`` of the operands torch promotes together (``where``: both branches)."""
+    if node.target in (torch.where,):
+        return (1, 2)
+    if node.target == "where" and node.op == "call_method":
+        return (0, 2)
+    if node.target in _BINARY and len(node.args) >= 2:
+        return (0, 1)
+    return ()
+
+
+def _common_dtype(node: fx.Node, args: Any) -> Optional[torch.dtype]:
+    positions = _promoted_operands(node)
+    if not positions or any(p >= len(args) for p in positions):
+        return None
+    a, b = (args[p] for p in positions)
+    if not any(isinstance(x, torch.Tensor) for x in (a, b)):
+        return None
+    try:
+        return torch.result_type(a, b) if isinstance(a, torch.Tensor) else torch.result_type(b, a)
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _wrapped(value: int, dtype: torch.dtype) -> int:
+    """A Python int as torch converts it into an integer ``dtype`` before computing: modulo the width."""
+    if not -INT64 <= value < INT64:
+        raise Unsupported(f"uses the integer constant {value}, which no int64 holds")
+    if dtype == torch.int64:
+        return value
+    return int(torch.tensor(value, dtype=torch.int64).to(dtype))
 
 
 def _float64_scalars(args: Any) -> tuple:
@@ -105,7 +164,7 @@ class Encoder:
         self.graph, self.names = graph, names
         self.obligations: list[tuple[z3.BoolRef, str]] = []
         self.ops: set[str] = set()
-        self.dtypes = _node_dtypes(graph)
+        self.dtypes = node_dtypes(graph)
 
     def run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         try:
@@ -118,9 +177,12 @@ class Encoder:
     def _run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         env: dict[fx.Node, Any] = {}
         known: dict[fx.Node, Any] = {}  # nodes whose inputs are all fixed (a head proven one by one)
+        scored: set[fx.Node] = set()  # nodes the score enters (their float32 path is `floats.score_path`'s)
         for node in self.graph.graph.nodes:
             if node.op == "output":
                 return expr(fx.node.map_arg(node.args[0], env.__getitem__))
+            if (node.op == "placeholder" and node.target == "score") or any(n in scored for n in node.all_input_nodes):
+                scored.add(node)
             value = self._fixed(node, known, inputs)
             if value is not _UNKNOWN:
                 known[node] = value
@@ -130,6 +192,10 @@ class Encoder:
             env[node] = value = self._node(node, env, inputs)
             if isinstance(value, z3.ArithRef) and z3.is_int(value):
                 self._width(node, value)
+            elif isinstance(value, z3.ArithRef) and z3.is_real(value) and node not in scored and node.op != "placeholder":
+                # a step of what a score hook adds, computed in floating point by torch: far from overflow
+                self.obligations.append((z3.And(value > -SAFE_MAGNITUDE, value < SAFE_MAGNITUDE),
+                                         f"computes floating values beyond {SAFE_MAGNITUDE:.3g}, near float32's overflow"))
         raise Unsupported("returns nothing")
 
     def _fixed(self, node: fx.Node, known: dict[fx.Node, Any], inputs: dict[str, Any]) -> Any:
@@ -181,6 +247,7 @@ class Encoder:
             return Captured(tensor, self.names.get(id(tensor), "a captured tensor"))
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        args = self._promoted(node, args)
         if self.dtypes is not None and self.dtypes.get(node) == torch.float64:
             args, kwargs = _float64_scalars(args), {k: _float64_scalars((v,))[0] for k, v in kwargs.items()}
         if node.op == "call_function":
@@ -203,6 +270,32 @@ class Encoder:
         if fn is None:
             raise Unsupported(f"uses {label.lstrip('.')}, which the prover has no exact meaning for")
         return fn(*args, **kwargs)
+
+    def _promoted(self, node: fx.Node, args: tuple) -> tuple:
+        """``args`` as torch computes ``node`` with them: in an integer dtype (`_Dtypes.common`), a Python
+        number is converted with wrap-around, and another node's value must fit (an obligation)."""
+        common = None if self.dtypes is None else self.dtypes.common.get(node)
+        if common is None or common.is_floating_point or common.is_complex or common == torch.bool:
+            return args
+        info = torch.iinfo(common)
+        out = list(args)
+        for p in _promoted_operands(node):
+            value, source = out[p], node.args[p]
+            if type(value) is int:
+                out[p] = _wrapped(value, common)
+            elif type(value) is bool or not isinstance(source, fx.Node):
+                continue
+            elif self.dtypes.get(source) not in (None, common, torch.bool):
+                v = value.tensor if isinstance(value, Captured) else value
+                x = num(v) if not isinstance(v, torch.Tensor) else None
+                if x is not None and z3.is_int(x) and not z3.is_int_value(z3.simplify(x)):
+                    self.obligations.append((z3.And(x >= info.min, x <= info.max),
+                                             f"converts values to {common}, which wraps some of them"))
+                elif x is not None and z3.is_int(x):
+                    k = z3.simplify(x).as_long()
+                    if not info.min <= k <= info.max:
+                        out[p] = _wrapped(k, common)
+        return tuple(out)
 
     def _converted(self, node: fx.Node, args: Any) -> z3.ExprRef:
         out = None if self.dtypes is None else self.dtypes.get(node)
@@ -239,4 +332,4 @@ class Encoder:
         return result
 
 
-__all__ = ["Encoder"]
+__all__ = ["Encoder", "node_dtypes"]

@@ -282,7 +282,9 @@ def _cached(hook: Any, kind: str, num_heads: Optional[int], head_offset: int,
         per_object[key] = found
         return found
     PROOFS[kind] += 1
-    proof = _cross_checked(hook, kind, prove(trace_hook(hook, kind), num_heads, head_offset), num_heads, head_offset)
+    trace = trace_hook(hook, kind)
+    proof = _cross_checked(hook, kind, prove(trace, num_heads, head_offset), num_heads, head_offset,
+                           graph_constants(trace))
     per_object[key] = proof
     if fingerprint is not None:
         if len(_BY_FINGERPRINT) >= _FINGERPRINTS_MAX:
@@ -291,13 +293,38 @@ def _cached(hook: Any, kind: str, num_heads: Optional[int], head_offset: int,
     return proof
 
 
-def _cross_checked(hook: Any, kind: str, proof: Any, num_heads: Optional[int], head_offset: int) -> Any:
+def graph_constants(trace: HookTrace) -> tuple[int, ...]:
+    """The integer constants of a traced hook and the lengths of the tensors it reads: where its arithmetic may
+    begin to wrap, a comparison to flip or an index to leave a table (points for the cross-check)."""
+    if trace.graph is None:
+        return ()
+    found: set[int] = set()
+
+    def visit(value: Any) -> None:
+        if type(value) is int:
+            found.add(value)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                visit(v)
+
+    for node in trace.graph.graph.nodes:
+        if node.op == "get_attr":
+            table = getattr(trace.graph, node.target)
+            if isinstance(table, torch.Tensor) and table.dim() == 1:
+                found.add(table.numel())
+        visit(node.args)
+        visit(tuple(node.kwargs.values()))
+    return tuple(sorted(found))
+
+
+def _cross_checked(hook: Any, kind: str, proof: Any, num_heads: Optional[int], head_offset: int,
+                   constants: tuple[int, ...] = ()) -> Any:
     """``proof`` unless the hook, called as torch calls it, disagrees with it (`hook_crosscheck`)."""
     if kind == "mask_mod" and proof.pattern is not None:
-        why = crosscheck.check_mask(hook, proof.pattern, num_heads, head_offset)
+        why = crosscheck.check_mask(hook, proof.pattern, num_heads, head_offset, constants)
         return dataclasses.replace(proof, pattern=None, reason=why) if why else proof
     if kind == "score_mod" and proof.kind in ("identity", ALIBI, SYMMETRIC):
-        why = crosscheck.check_score(hook, proof.kind, proof.alibi_slopes, num_heads, head_offset)
+        why = crosscheck.check_score(hook, proof.kind, proof.alibi_slopes, num_heads, head_offset, constants)
         return dataclasses.replace(proof, kind="other", alibi_slopes=None, reason=why) if why else proof
     return proof
 

@@ -13,7 +13,8 @@ from .ops import INDEX_BOUND, Unsupported, num
 from .solver import broken_obligation, head_domain, solve, where_text
 from .subset import Outside
 from .trace import Assumption, HookTrace
-from .encoder import Encoder
+from .encoder import Encoder, node_dtypes
+from .floats import score_path
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ def prove_score_trace(trace: HookTrace, num_heads: Optional[int], head_offset: i
         return result("other", trace.problem)
     if trace.dynamic:
         return result("other", "reads " + "; ".join(trace.dynamic))
+    path = score_path(trace.graph, node_dtypes(trace.graph))
+    if path.problem:
+        return result("other", path.problem)
     score = z3.Real("score")
     b, h, q, kv = z3.Ints("b h q_idx kv_idx")
     names = {"score": score, "b": b, "h": h, "q": q, "kv": kv}
@@ -112,6 +116,10 @@ def prove_score_trace(trace: HookTrace, num_heads: Optional[int], head_offset: i
                 return result("other", f"at {where} it gives {got}, not {form}: it is neither the "
                                        "identity nor ALiBi for every position and score")
     identity = all(slope == 0 for slope in slopes)
+    if identity and path.float_adds:
+        return result("other", "adds a floating value that is 0 over the reals but is computed in float32, whose "
+                               "rounding can leave it nonzero; the identity is proven only for a hook that adds "
+                               "nothing (or an integer)")
     if identity:
         return result("identity", "proven to return the score unchanged")
     values = tuple(float(s) for s in slopes) * (int(num_heads or 1) if len(slopes) == 1 else 1)

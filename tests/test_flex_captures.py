@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from primus_ext.attention import masks
 from primus_ext.backends.flex import FlexBackend
 from primus_ext.backends.flex_cache import BlockMaskCache
 from primus_ext.backends.flex_masks import captured_state, learned_tensors, same_state
@@ -133,3 +134,52 @@ def via_partial(score, b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("hook", [via_module, via_instance, via_partial], ids=lambda f: f.__name__)
 def test_a_learned_table_behind_an_object_is_found(hook):
     assert learned_tensors(hook) == 1
+
+
+# -- what a hook is, not what it is named (issue: a `functools.wraps` wrapper of a library mask inherited
+# primus_ext's __module__, the cache skipped its globals, and a changed global reused the old BlockMask)
+WIDTH = 4
+
+
+@functools.wraps(masks.causal())
+def wrapped_band(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= WIDTH)
+
+
+def test_a_hook_wrapped_like_a_library_mask_is_walked_by_its_own_globals():
+    assert wrapped_band.__module__ == "primus_ext.attention.masks"  # what functools.wraps copied
+    module = sys.modules[__name__]
+    cache, got, fresh = _masks(wrapped_band, lambda: setattr(module, "WIDTH", 20))
+    try:
+        assert cache.builds == 2
+        assert torch.equal(got.to_dense(), fresh.to_dense())
+    finally:
+        module.WIDTH = 4
+
+
+def test_a_function_named_like_a_torch_call_wrapper_is_not_unwrapped():
+    """The flex backend runs the user's hook behind `as_torch_calls`'s own wrappers (known by code object); a
+    function that merely says so by name and ``__wrapped__`` runs as itself."""
+    from primus_ext.backends.flex_masks import user_hook
+    from primus_ext.hooks.crosscheck import as_torch_calls
+
+    def impostor(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    impostor.__qualname__ = "as_torch_calls.<locals>.mask_mod"
+    impostor.__wrapped__ = wrapped_band
+    assert user_hook(impostor, "mask_mod") is impostor
+    assert user_hook(as_torch_calls(wrapped_band, "mask_mod"), "mask_mod") is wrapped_band
+
+
+def test_a_class_or_object_saying_it_is_torchs_is_not_trusted_as_code():
+    from primus_ext.hooks.trace import _is_code
+
+    class Pretends:
+        __module__ = "torch.nn"
+
+        def __call__(self, x):
+            return x
+
+    assert not _is_code(Pretends())
+    assert _is_code(torch.ops.aten.add.Tensor) and _is_code(torch.where)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dis
 import functools
 import inspect
+import sys
 import types
 import weakref
 from typing import Any, Callable, Optional
@@ -29,6 +30,7 @@ from torch.nn.attention.flex_attention import and_masks
 
 from ..attention.heads import unshifted
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
+from ..hooks.crosscheck import TORCH_CALL_CODES
 from ..hooks.trace import SNAPSHOT_MAX, same_values
 from .check_op import tensor_version
 
@@ -77,8 +79,8 @@ def reads_argument(hook: Callable, index: int) -> bool:
 
 
 def _is_torch_call_wrapper(fn: Any) -> bool:
-    code = getattr(fn, "__code__", None)
-    return hasattr(fn, "__wrapped__") and code is not None and fn.__qualname__.startswith("as_torch_calls.")
+    """One of `as_torch_calls`'s own wrappers, known by its code object (a name or ``__wrapped__`` proves nothing)."""
+    return isinstance(fn, types.FunctionType) and fn.__code__ in TORCH_CALL_CODES
 
 
 # ------------------------------------------------------------------------------------ patterns
@@ -233,6 +235,26 @@ def _skipped(module: str) -> bool:
     return any(module == m or module.startswith(m + ".") for m in _SKIP_MODULES)
 
 
+def _home(obj: Any) -> str:
+    """The module ``obj`` really belongs to, whatever its ``__module__`` says (``functools.wraps`` copies a
+    wrapped function's, and a class body may set its own): a function's globals, a module's entry in
+    ``sys.modules``, a class found under its name in the module it names.  Empty when nothing vouches for it,
+    so its state is walked."""
+    if isinstance(obj, types.FunctionType):
+        name = obj.__globals__.get("__name__")
+        return name if isinstance(name, str) and sys.modules.get(name) is not None and \
+            getattr(sys.modules[name], "__dict__", None) is obj.__globals__ else ""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__ if sys.modules.get(obj.__name__) is obj else ""
+    if isinstance(obj, type):
+        module = sys.modules.get(obj.__module__ or "")
+        found: Any = module
+        for part in (obj.__qualname__ or "").split("."):
+            found = getattr(found, part, None)
+        return obj.__module__ if found is obj else ""
+    return ""
+
+
 def _tensor_stamp(t: Tensor, snapshots: bool) -> tuple:
     version = tensor_version(t)
     if version is None:
@@ -272,11 +294,11 @@ def captured_state(*hooks: Optional[Callable], snapshots: bool = True) -> tuple:
             stamps.append(("container", dict, len(obj), tuple(map(repr, obj))))
             stack.extend((item, names) for item in obj.values())
         elif isinstance(obj, types.ModuleType):
-            if not _skipped(obj.__name__):
+            if not _skipped(_home(obj)):
                 stack.extend((getattr(obj, n), names) for n in sorted(names) if hasattr(obj, n))
         elif isinstance(obj, type):  # ``cfg.W`` of a class, as of a module: the attributes the code names
             stamps.append(("class", id(obj)))
-            if not _skipped(obj.__module__ or ""):
+            if not _skipped(_home(obj)):
                 stack.extend((getattr(obj, n), names) for n in sorted(names) if hasattr(obj, n))
         elif isinstance(obj, types.FunctionType):
             code = obj.__code__
@@ -289,7 +311,7 @@ def captured_state(*hooks: Optional[Callable], snapshots: bool = True) -> tuple:
                     continue
             stack.extend((d, own) for d in obj.__defaults__ or ())
             stack.extend((d, own) for d in (obj.__kwdefaults__ or {}).values())
-            if not _skipped(obj.__module__ or ""):
+            if not _skipped(_home(obj)):
                 glob = obj.__globals__
                 stack.extend((glob[n], own) for n in sorted(own) if n in glob)
         elif isinstance(obj, functools.partial):

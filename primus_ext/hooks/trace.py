@@ -74,9 +74,10 @@ def _immutable(value: Any) -> bool:
 
 
 def _is_code(value: Any) -> bool:
-    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                              types.ModuleType, type, torch._ops.OpOverloadPacket)) or callable(value) and (
-        getattr(value, "__module__", "") or "").startswith("torch")
+    """Code, known by its type (a ``__module__`` that says ``torch`` proves nothing: any object can say so)."""
+    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+                              type, torch._ops.OpOverloadPacket, torch._ops.OpOverload,
+                              torch._ops.HigherOrderOperator))
 
 
 _LOADS = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "deref", "LOAD_CLASSDEREF": "deref",

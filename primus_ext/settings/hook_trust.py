@@ -49,8 +49,8 @@ def untrusted(obj: Any) -> Optional[str]:
             if what is not None:
                 return f"{name}(...) over {what}"
         return None
-    if isinstance(obj, types.FunctionType):
-        module = getattr(obj, "__module__", None)
+    if isinstance(obj, types.FunctionType):  # its globals say where its code lives; ``functools.wraps`` copies
+        module = obj.__globals__.get("__name__")  # the wrapped function's __module__ onto a wrapper
         return f"a function of the standard library module `{module}`" if is_stdlib(module) else None
     if isinstance(obj, type):
         return f"the class `{obj.__module__}.{obj.__qualname__}`"

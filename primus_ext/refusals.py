@@ -208,6 +208,13 @@ MIXED_RANKS = rule("B34.mixed-ranks", ("q", "k", "v"), "q, k and v have differen
 QKV_SHAPES = rule("B34.qkv-shapes", ("q", "k", "v"),
                   "shapes q {q}, k {k}, v {v} do not fit: q and k need one head dim, k and v one shape up to the "
                   "head dim.", "pass k and v of one shape (up to v's head dim), and q with k's head dim.")
+HEAD_DIM = rule("B34.head-dim", ("q", "k", "v"),
+                "q, k and v need head dims of at least 1; got q {q}, k {k}, v {v}.",
+                "pass q, k and v with the layer's head dims (kv_channels).")
+PLANNED_DIMS = rule("B34.head-dims", ("kv_channels", "q", "v"),
+                    "the layer was planned for head dim {head_dim} (q, k) and {head_dim_v} (v); the call's are "
+                    "{got} and {got_v}. The kernel routes, sink and hook checks were made for the planned ones.",
+                    "pass q, k and v of the model's head dims, or build the layer for these (kv_channels).")
 BIAS_TYPE = rule("B34.bias-type", ("bias",), "the bias must be a floating tensor on {device}, got {got}.",
                  "pass the bias as a floating tensor on q's device, or leave it None.")
 BIAS_KERNEL = rule("B34.bias-kernel", ("bias",),

@@ -203,6 +203,8 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.mixed-devices": lambda: adapter(settings())(qkv()[0].to("meta"), *qkv()[1:]),
     "B34.mixed-ranks": lambda: adapter(settings())(qkv()[0][0], *qkv()[1:]),
     "B34.qkv-shapes": lambda: adapter(settings())(*qkv()[:2], qkv(s=8)[2]),
+    "B34.head-dim": lambda: adapter(settings())(*qkv(d=0)),
+    "B34.head-dims": lambda: adapter(settings())(*qkv()[:2], qkv(d=16)[2]),
     "B34.bias-type": lambda: adapter(settings())(*qkv(), bias=torch.zeros(16, 16, dtype=torch.int32)),
     "B34.bias-kernel": lambda: adapter(turbo())(*qkv(), causal=True, bias=torch.zeros(2, 4, 16, 16,
                                                                                        dtype=torch.float64)),

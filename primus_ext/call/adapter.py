@@ -22,12 +22,12 @@ from torch import Tensor
 from ..backends import AttentionBackend, make_backend
 from ..backends.base import CallArgs, Output, fp32_sink
 from ..plan.plan import AttentionPlan
-from ..refusals import (ALIBI_GRAD, ALIBI_TWICE, ATTN_PROBS, DENSE_RANK, MASK_LENGTH, MISSING_SINK,
-                        PACKED_EXTRAS, PACKED_RANK, UNEQUAL_LENGTHS, UNPLANNED_SINK, refuse, refuse_naming)
+from ..refusals import (ALIBI_GRAD, ALIBI_TWICE, ATTN_PROBS, MASK_LENGTH, MISSING_SINK, PACKED_EXTRAS,
+                        UNEQUAL_LENGTHS, UNPLANNED_SINK, refuse, refuse_naming)
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from .agreement import CallAgreement
-from .checks import (check_alibi, check_bias, check_dropout, check_heads, check_kernel_alibi, check_packed,
-                     check_packing, check_qkv, check_scale, check_sink)
+from .checks import (check_alibi, check_bias, check_dropout, check_head_dims, check_heads, check_kernel_alibi,
+                     check_packed, check_packing, check_qkv, check_scale, check_sink, empty_result, no_queries)
 from .ops import register_target, run_call
 from .prepared import MISS, Prepared, PreparedCalls
 from .target import PlanTarget
@@ -109,6 +109,8 @@ class TurboFlexAttention:
     def _run(self, raw: CallArgs, return_attn_probs: Any, key: Optional[tuple], packed: bool = False) -> Output:
         """Check ``raw`` (the arguments as passed), run it, and prepare it for equal calls."""
         a, flash = self._checked(raw, return_attn_probs, packed)
+        if no_queries(a.q, packed):  # nothing to compute: what the reference gives, on every backend
+            return empty_result(a.q, a.k, a.v, a.sink, packed, a.return_lse)
         target = self._target
         call = target.kernel_call(a, flash)
         target.check(a, call)  # its kernel route on the plan's arch (B33, B34)
@@ -130,10 +132,9 @@ class TurboFlexAttention:
         if return_attn_probs:
             raise refuse(ATTN_PROBS)
         plan, q, k = self.plan, raw.q, raw.k
-        check_qkv(q, k, raw.v)
-        if q.dim() != (3 if packed else 4):  # before the heads: a 2-D call has no head axis to count
-            raise refuse(PACKED_RANK if packed else DENSE_RANK, rank=q.dim())
+        check_qkv(q, k, raw.v, (3,) if packed else (4,), packed)
         check_heads(q, k, plan.num_heads, plan.num_kv_heads)
+        check_head_dims(q, raw.v, plan.head_dim, plan.head_dim_v)
         if not torch.compiler.is_compiling():  # a compiled call's op checks them when the graph runs
             self._target.check_assumptions()
         scale = check_scale(raw.scale)

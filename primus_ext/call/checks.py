@@ -36,8 +36,9 @@ def check_heads(q: Tensor, k: Tensor, heads: int, kv_heads: int) -> None:
         raise refuse(R.HEADS, q_heads=q.shape[-2], kv_heads=k.shape[-2], heads=heads, planned_kv=kv_heads)
 
 
-def check_qkv(q: Any, k: Any, v: Any) -> None:
-    """q, k, v are floating tensors of one dtype, one device and one rank."""
+def check_qkv(q: Any, k: Any, v: Any, ranks: tuple[int, ...] = (3, 4), packed: bool = False) -> None:
+    """q, k, v are floating tensors of one dtype, one device and one rank (one of ``ranks``: thd or bshd), of
+    shapes that fit and head dims of at least 1."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise refuse(R.QKV_TYPE, name=name, kind=type(t).__name__)
@@ -49,8 +50,36 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
         raise refuse(R.MIXED_DEVICES, q=q.device, k=k.device, v=v.device)
     if not (q.dim() == k.dim() == v.dim()):
         raise refuse(R.MIXED_RANKS, q=q.dim(), k=k.dim(), v=v.dim())
+    if q.dim() not in ranks:  # before any shape is read: a 0-d or 2-D call has no head axis
+        raise refuse(R.PACKED_RANK if packed else R.DENSE_RANK, rank=q.dim())
     if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1]:
         raise refuse(R.QKV_SHAPES, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape))
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise refuse(R.HEAD_DIM, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape))
+
+
+def check_head_dims(q: Tensor, v: Tensor, head_dim: int, head_dim_v: int) -> None:
+    """The call's head dims are those the layer was planned for (its routes, sinks and hooks were checked there)."""
+    if q.shape[-1] != head_dim or v.shape[-1] != head_dim_v:
+        raise refuse(R.PLANNED_DIMS, head_dim=head_dim, head_dim_v=head_dim_v, got=q.shape[-1], got_v=v.shape[-1])
+
+
+def no_queries(q: Tensor, packed: bool) -> bool:
+    """A call with nothing to compute: no batch row, or no query position (no token, packed)."""
+    return q.shape[0] == 0 or (not packed and q.shape[1] == 0)
+
+
+def empty_result(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], packed: bool, return_lse: bool) -> Any:
+    """What the reference backend returns for a call without queries: an empty output (``[.., Dv]``) and lse,
+    still part of the autograd graph of q, k, v and the sink (their gradients are zeros), with no kernel run."""
+    shape = (*q.shape[:-1], v.shape[-1])
+    out = q.new_zeros(shape) + (q.sum() + k.sum() + v.sum()).to(q.dtype) * 0
+    if sink is not None:
+        out = out + sink.sum().to(q.dtype) * 0
+    if not return_lse:
+        return out
+    lse_shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+    return out, q.new_zeros(lse_shape, dtype=torch.float32)
 
 
 def check_bias(bias: Any, q: Tensor, k: Tensor, *, kernel_shape: bool) -> None:

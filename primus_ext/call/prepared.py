@@ -95,7 +95,7 @@ class Prepared:
         if same is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
             return MISS
         tokens_q, tokens_kv = q.shape[0], k.shape[0]
-        if tokens_kv != v.shape[0] or not _boundaries_like(cu_q, self.device):
+        if tokens_q == 0 or tokens_kv != v.shape[0] or not _boundaries_like(cu_q, self.device):
             return MISS
         if same:
             if tokens_kv != tokens_q:  # one boundary tensor cannot describe two token counts

@@ -20,8 +20,8 @@ from ..backends.layout import kernel_views
 from ..backends.turbo import load_ops
 from ..call.adapter import TurboFlexAttention
 from ..call.direct import DirectTarget
-from ..call.checks import (assert_on_device, check_heads, check_packed, check_packing, check_qkv,
-                           check_same_boundaries)
+from ..call.checks import (assert_on_device, check_head_dims, check_heads, check_packed, check_packing, check_qkv,
+                           check_same_boundaries, empty_result, no_queries)
 from ..call.ops import register_target, run_call
 from ..call.selftest import refuse_failures, self_test, selftest_enabled
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
@@ -172,6 +172,7 @@ class TurboAttentionCore:
         self._check_call(attn_mask_type, attention_bias)
         check_qkv(query, key, value)
         check_heads(query, key, self.facts.num_heads, self.facts.kv_heads)
+        check_head_dims(query, value, self.plan.head_dim, self.plan.head_dim_v)
         fmt = qkv_format(packed_seq_params, self.default_qkv_format)
         packed = self._packing(packed_seq_params, fmt)
         check_packing(self.plan.packed, packed is not None, self.plan.eod_documents)
@@ -205,7 +206,7 @@ class TurboAttentionCore:
             if self.storage != "as-given":  # as upstream Primus does; megatron-core's value is a split view
                 q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
             out_thd = self._packed(q_thd, k_thd, v_thd, packed, dropout_p, causal, window, sink)
-            out = out_thd.reshape(out_thd.shape[0], -1)
+            out = out_thd.flatten(1)  # [T, H * Dv], also for no token
             return out.unsqueeze(1) if squeeze else out
         q_bshd, k_bshd, v_bshd = kernel_views(query, key, value, self.storage, fmt)  # as the self-test feeds them
         if self.adapter is not None:
@@ -215,11 +216,12 @@ class TurboAttentionCore:
             a = CallArgs(q_bshd, k_bshd, v_bshd, None, None, q_bshd.shape[1], k_bshd.shape[1], fp32_sink(sink), None,
                          None, causal, window, plan.scale, dropout_p, plan.deterministic)
             self.direct.check(a)
-            out_bshd = run_call(self.handle, a)
+            out_bshd = empty_result(q_bshd, k_bshd, v_bshd, a.sink, False, False) if no_queries(q_bshd, False) \
+                else run_call(self.handle, a)
         out = out_bshd.transpose(0, 1) if fmt == "sbhd" else out_bshd  # Megatron's own layout again
         if self.cp is not None:
             out = self.cp.gather(out, fmt)
-        return out.reshape(out.shape[0], out.shape[1], -1)
+        return out.flatten(2)  # [S, B, H * Dv], also for an empty batch or sequence
 
     def _check_lengths(self, q_len: int, kv_len: int) -> None:
         if q_len != kv_len:
@@ -262,7 +264,7 @@ class TurboAttentionCore:
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=q_len,
                                  max_seqlen_kv=kv_len)
         out_thd = self._packed(q_thd, k_thd, v_thd, params, dropout_p, self.plan.causal, self.plan.window, sink)
-        out = out_thd.reshape(batch, q_len, -1)
+        out = out_thd.flatten(1).unflatten(0, (batch, q_len))
         return out.transpose(0, 1) if fmt == "sbhd" else out  # Megatron's own layout again
 
     def _packed(self, q_thd: Tensor, k_thd: Tensor, v_thd: Tensor, params: Any, dropout_p: float, causal: bool,
@@ -286,6 +288,8 @@ class TurboAttentionCore:
         a = CallArgs(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, None, causal, window,
                      self.plan.scale, dropout_p, self.plan.deterministic)
         self.direct.check(a)
+        if no_queries(q_thd, True):
+            return empty_result(q_thd, k_thd, v_thd, a.sink, True, False)
         return run_call(self.handle, a)
 
 

@@ -77,3 +77,56 @@ def huge_bias(score, b, h, q_idx, kv_idx):
     """A bias ALiBi-shaped over the reals whose float32 steps overflow (4096**12 is past float32)."""
     far = (kv_idx - q_idx) * 4096.0 * 4096.0 * 4096.0 * 4096.0 * 4096.0 * 4096.0 * 4096.0 * 4096.0 * 4096.0 * 4096.0
     return score + far / 4096.0 / 4096.0 / 4096.0 / 4096.0 / 4096.0 / 4096.0 / 4096.0 / 4096.0 / 4096.0 / 4096.0 * 0.5
+
+
+# -- found by a hostile review of the proofs' arithmetic (each was proven, and torch computes otherwise)
+_SLOPES = [2.0 ** -(i % 8 + 1) for i in range(64)]
+SL32, SL16 = torch.tensor(_SLOPES), torch.tensor(_SLOPES, dtype=torch.float16)
+FAR = 3 * 2 ** 37 + 12345
+LOW, HIGH16, HIGH17 = torch.tensor(FAR), torch.tensor(FAR + 2 ** 16), torch.tensor(FAR + 2 ** 17)
+PER_HEAD = torch.tensor([2.0 ** -(1 + i % 8) for i in range(64)])
+NEG = torch.tensor([-96], dtype=torch.int8)
+"""int8(32 * 5) is -96: equal in eager 0-d promotion (int8 wins), not under vmap (int64)."""
+MILLION = torch.tensor(10 ** 6)
+ONE_ZERO = torch.tensor([0])
+DISTANCE = torch.tensor(12345)
+
+
+def float16_slope_at_one_head(score, b, h, q_idx, kv_idx):
+    """Head 32's bias in float16: inf at distance 200000, 2048 instead of 2048.5 at 4097."""
+    return score + torch.where(h == 32, SL16[h] * (kv_idx - q_idx), SL32[h] * (kv_idx - q_idx))
+
+
+def float64_cancellation(score, b, h, q_idx, kv_idx):
+    """``m`` over the reals; in float64, (m + 2**62) rounds to multiples of 1024 and the difference is off."""
+    m = torch.clamp(kv_idx, LOW, HIGH16) - LOW
+    wobble = (m + 2 ** 62).double() - (m - m + 2 ** 62).double()
+    return score + (((kv_idx - m) - q_idx).double() + wobble)
+
+
+def float32_cancellation(score, b, h, q_idx, kv_idx):
+    """The same in float32, by the promotion of an int64 times a Python float."""
+    m = torch.clamp(kv_idx, LOW, HIGH17) - LOW
+    wobble = (m + 2 ** 40) * 1.0 - (m - m + 2 ** 40) * 1.0
+    return score + (((kv_idx - m) - q_idx) * 1.0 + wobble)
+
+
+def head_step_promoted_as_vmap(score, b, h, q_idx, kv_idx):
+    """A step fixed by the head (``h * 5 == NEG``) that eager 0-d torch computes in int8 and vmap in int64."""
+    d = kv_idx - q_idx
+    s_far = torch.where((h * 5 == NEG)[0], PER_HEAD[h] * 4, PER_HEAD[h])
+    s_near = torch.where(h == 32, PER_HEAD[h] * 4, PER_HEAD[h])
+    return score + torch.where(torch.abs(d) > MILLION, s_far * d, s_near * d)
+
+
+def raises_only_in_eager(b, h, q_idx, kv_idx):
+    """A dead line that raises on eager 0-d values (not under vmap) hid the uint8 wrap of ``u`` (250 + 10 is 4)."""
+    z8 = torch.zeros_like(ONE_ZERO + q_idx * 0, dtype=torch.int8)
+    unused = torch.where(q_idx >= 0, torch.clamp(q_idx, z8, z8 + 100), 300)  # noqa: F841
+    u = torch.full_like(q_idx, 250, dtype=torch.uint8) + 10
+    return (kv_idx <= q_idx) | ((u == 4) & (b >= 2))
+
+
+def zero_d_constant_meets_a_batched_table(b, h, q_idx, kv_idx):
+    """Under vmap FLAG16[h] is a batched uint8 value, which a 0-d int64 tensor's 260 meets in uint8 (4)."""
+    return (kv_idx <= q_idx) | (FLAG16[h] == torch.tensor(260))

@@ -29,7 +29,7 @@ def _positions(pattern: Optional[Pattern], constants: Sequence[int] = ()) -> tup
     """Query rows, and offsets ``q_idx - kv_idx`` around every feature of ``pattern`` (or a plain grid) and
     every integer constant of the hook (where its arithmetic may begin to wrap or a comparison to flip)."""
     rows = set(_POWERS)
-    offsets = {0, 1, -1, 2, -2}
+    offsets = {0, 1, -1, 2, -2} | {s * (1 << e) for e in FAR for s in (1, -1)}
     for c in constants:
         if abs(c) < INDEX_BOUND:
             rows |= {abs(c) - 1, abs(c), abs(c) + 1}
@@ -46,6 +46,10 @@ def _positions(pattern: Optional[Pattern], constants: Sequence[int] = ()) -> tup
     return sorted(x for x in rows if 0 <= x < INDEX_BOUND), sorted(offsets)
 
 
+FAR = (4, 8, 12, 16, 20, 24, 31, 32)
+"""Offsets ``2**e`` either side of the diagonal at which every head is called too (not only the end heads)."""
+BATCHES = (0, 1, 2, 7)
+"""Batch indices the hook is called at (a batch index is a value a hook may compare with, as any index)."""
 MAX_HEADS = 256
 """Heads the cross-check calls a hook at, all of the rank's up to this many (a per-head table may differ at any)."""
 
@@ -72,15 +76,15 @@ def _grid(rows: torch.Tensor, offsets: torch.Tensor, full: bool) -> tuple[torch.
 
 def _pairs(pattern: Optional[Pattern], heads: tuple[list[int], list[int]],
            constants: Sequence[int] = ()) -> list[torch.Tensor]:
-    """Flat ``b, h, q_idx, kv_idx`` vectors: each chosen row with the keys at each chosen offset, for batch
-    indices 0 and 1 and every head; at the end heads also with the keys at every chosen row."""
+    """Flat ``b, h, q_idx, kv_idx`` vectors: each chosen row with the keys at each chosen offset, for the batch
+    indices `BATCHES` and every head; at the end heads also with the keys at every chosen row."""
     rows_list, offsets_list = _positions(pattern, constants)
     rows, offsets = torch.tensor(rows_list, dtype=torch.int64), torch.tensor(offsets_list, dtype=torch.int64)
     every, ends = heads
     parts = []
     for chosen, full in ((every, False), (ends, True)):
         q, kv = _grid(rows, offsets, full)
-        planes = torch.tensor([(b, h) for b in (0, 1) for h in chosen], dtype=torch.int64).view(-1, 2)
+        planes = torch.tensor([(b, h) for b in BATCHES for h in chosen], dtype=torch.int64).view(-1, 2)
         n = len(q)
         parts.append([planes[:, 0].repeat_interleave(n), planes[:, 1].repeat_interleave(n), q.repeat(len(planes)),
                       kv.repeat(len(planes))])

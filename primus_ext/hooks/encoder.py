@@ -60,40 +60,53 @@ class _Dtypes(dict):
 
 
 def node_dtypes(graph: fx.GraphModule) -> Optional[_Dtypes]:
-    """Each node's dtype from one eager run at index 0 (a score of 0.0), as torch promotes; None if it fails.
+    """Each node's dtype from one run as torch calls a hook (index 0, a score of 0.0); None if it fails.
     Kept on the graph: a score hook is encoded once per head."""
     if "_primus_ext_dtypes" not in graph.__dict__:
         graph.__dict__["_primus_ext_dtypes"] = _run_dtypes(graph)
     return graph.__dict__["_primus_ext_dtypes"]
 
 
+def _call(node: fx.Node, args: Any, kwargs: Any) -> Any:
+    return node.target(*args, **kwargs) if node.op == "call_function" else getattr(args[0], node.target)(
+        *args[1:], **kwargs)
+
+
 def _run_dtypes(graph: fx.GraphModule) -> Optional[_Dtypes]:
-    """One eager run of the graph's nodes on 0-d values, as torch's vmap calls a hook (no fx Interpreter: it
-    costs more than the run)."""
-    env: dict[fx.Node, Any] = {}
+    """One run of the graph's nodes under ``torch.vmap`` over its indices (and score), as create_block_mask and
+    flex_attention call a hook: there a value of the indices is a batched tensor, which torch promotes as a
+    dimensioned one (a 0-d captured tensor, or a Python number, then takes its dtype, as in eager code it would
+    not).  No fx Interpreter: it costs more than the run."""
+    nodes = list(graph.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     out = _Dtypes()
+
+    def run(*values: Any) -> Any:
+        env: dict[fx.Node, Any] = dict(zip(placeholders, values))
+        for node in nodes:
+            if node.op == "get_attr":
+                value: Any = getattr(graph, node.target)
+            elif node.op in ("call_function", "call_method"):
+                args = fx.node.map_arg(node.args, env.__getitem__)
+                value = _call(node, args, fx.node.map_arg(node.kwargs, env.__getitem__))
+                common = _common_dtype(node, args)
+                if common is not None:
+                    out.common[node] = common
+            else:
+                continue
+            env[node] = value
+            if isinstance(value, torch.Tensor):
+                out[node] = value.dtype
+        return values[0]
+
     try:
         with torch.no_grad():
-            for node in graph.graph.nodes:
-                if node.op == "placeholder":
-                    value: Any = torch.zeros((), dtype=torch.float32 if node.target == "score" else torch.int64)
-                elif node.op == "get_attr":
-                    value = getattr(graph, node.target)
-                elif node.op in ("call_function", "call_method"):
-                    args = fx.node.map_arg(node.args, env.__getitem__)
-                    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-                    value = (node.target(*args, **kwargs) if node.op == "call_function"
-                             else getattr(args[0], node.target)(*args[1:], **kwargs))
-                    common = _common_dtype(node, args)
-                    if common is not None:
-                        out.common[node] = common
-                else:
-                    continue
-                env[node] = value
-                if isinstance(value, torch.Tensor):
-                    out[node] = value.dtype
-    except Exception:  # noqa: BLE001 - no dtypes: narrow integer tensors are then not proven
+            torch.vmap(run)(*(torch.zeros(1, dtype=torch.float32 if p.target == "score" else torch.int64)
+                              for p in placeholders))
+    except Exception:  # noqa: BLE001 - no dtypes: the hook is then not proven
         return None
+    for p in placeholders:
+        out[p] = torch.float32 if p.target == "score" else torch.int64
     return out
 
 
@@ -120,6 +133,8 @@ def _promoted_operands(node: fx.Node) -> tuple[int, ...]:
 
 
 def _common_dtype(node: fx.Node, args: Any) -> Optional[torch.dtype]:
+    """The dtype torch computes ``node`` in, from its operands as they are there: read off a sum of zeros of
+    their kinds, since `torch.result_type` under vmap sees the logical shapes, not the ones torch promotes."""
     positions = _promoted_operands(node)
     if not positions or any(p >= len(args) for p in positions):
         return None
@@ -127,7 +142,8 @@ def _common_dtype(node: fx.Node, args: Any) -> Optional[torch.dtype]:
     if not any(isinstance(x, torch.Tensor) for x in (a, b)):
         return None
     try:
-        return torch.result_type(a, b) if isinstance(a, torch.Tensor) else torch.result_type(b, a)
+        return ((torch.zeros_like(a) if isinstance(a, torch.Tensor) else a)
+                + (torch.zeros_like(b) if isinstance(b, torch.Tensor) else b)).dtype
     except (TypeError, RuntimeError):
         return None
 
@@ -165,6 +181,7 @@ class Encoder:
         self.obligations: list[tuple[z3.BoolRef, str]] = []
         self.ops: set[str] = set()
         self.dtypes = node_dtypes(graph)
+        self._batched: set[fx.Node] = set()  # fixed nodes whose value comes from the indices (batched under vmap)
 
     def run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         try:
@@ -184,6 +201,8 @@ class Encoder:
             if (node.op == "placeholder" and node.target == "score") or any(n in scored for n in node.all_input_nodes):
                 scored.add(node)
             value = self._fixed(node, known, inputs)
+            if node.op == "placeholder" and value is not _UNKNOWN:
+                self._batched.add(node)
             if value is not _UNKNOWN:
                 known[node] = value
                 if node.op != "get_attr":
@@ -200,7 +219,8 @@ class Encoder:
 
     def _fixed(self, node: fx.Node, known: dict[fx.Node, Any], inputs: dict[str, Any]) -> Any:
         """The node's value computed by torch itself when every input is fixed (e.g. ``exp2`` of a slope
-        from the head index): torch's own dtype and rounding, which no encoding has to match."""
+        from the head index): torch's own dtype and rounding, which no encoding has to match.  Computed under
+        ``torch.vmap`` over the inputs that come from the indices, as torch calls the hook."""
         if node.op == "placeholder":
             v = inputs.get(node.target)
             if isinstance(v, z3.ExprRef) and z3.is_int_value(v):
@@ -213,16 +233,20 @@ class Encoder:
         inputs_fixed = all(n in known for n in node.all_input_nodes)
         if not inputs_fixed or not node.all_input_nodes:
             return _UNKNOWN
-        args = fx.node.map_arg(node.args, known.__getitem__)
-        kwargs = fx.node.map_arg(node.kwargs, known.__getitem__)
+        batched = [n for n in node.all_input_nodes if n in self._batched]
+
+        def run(*values: Any) -> Any:
+            env = {**known, **dict(zip(batched, values))}
+            return _call(node, fx.node.map_arg(node.args, env.__getitem__),
+                         fx.node.map_arg(node.kwargs, env.__getitem__))
+
         try:
             with torch.no_grad():
-                if node.op == "call_function":
-                    out = node.target(*args, **kwargs)
-                else:
-                    out = getattr(args[0], node.target)(*args[1:], **kwargs)
+                out = torch.vmap(run)(*(known[n].unsqueeze(0) for n in batched))[0] if batched else run()
         except Exception:  # noqa: BLE001 - encoded symbolically instead
             return _UNKNOWN
+        if isinstance(out, torch.Tensor) and batched:
+            self._batched.add(node)
         return out if isinstance(out, torch.Tensor) else _UNKNOWN
 
     def _width(self, node: fx.Node, value: z3.ArithRef) -> None:
@@ -283,18 +307,23 @@ class Encoder:
             value, source = out[p], node.args[p]
             if type(value) is int:
                 out[p] = _wrapped(value, common)
-            elif type(value) is bool or not isinstance(source, fx.Node):
                 continue
-            elif self.dtypes.get(source) not in (None, common, torch.bool):
-                v = value.tensor if isinstance(value, Captured) else value
-                x = num(v) if not isinstance(v, torch.Tensor) else None
-                if x is not None and z3.is_int(x) and not z3.is_int_value(z3.simplify(x)):
-                    self.obligations.append((z3.And(x >= info.min, x <= info.max),
-                                             f"converts values to {common}, which wraps some of them"))
-                elif x is not None and z3.is_int(x):
-                    k = z3.simplify(x).as_long()
-                    if not info.min <= k <= info.max:
-                        out[p] = _wrapped(k, common)
+            if type(value) is bool or not isinstance(source, fx.Node) or self.dtypes.get(source) in (
+                    None, common, torch.bool):
+                continue
+            if isinstance(value, Captured):
+                if value.tensor.numel() == 1 and not value.tensor.dtype.is_floating_point:
+                    out[p] = _wrapped(int(value.tensor.reshape(())), common)  # a 0-d table meeting a batched value
+                continue
+            x = num(value)
+            if not z3.is_int(x):
+                continue
+            fixed = z3.simplify(x)
+            if z3.is_int_value(fixed):
+                out[p] = _wrapped(fixed.as_long(), common)
+            else:
+                self.obligations.append((z3.And(x >= info.min, x <= info.max),
+                                         f"converts values to {common}, which wraps some of them"))
         return tuple(out)
 
     def _converted(self, node: fx.Node, args: Any) -> z3.ExprRef:

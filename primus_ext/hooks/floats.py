@@ -14,8 +14,10 @@ result is exact in float32 for every finite score, given what it adds: an allow-
 
 Anything else applied to the score (a product, a quotient, a second addition, a comparison) is not
 proven, whatever the reals say.  The identity adds nothing or an integer value (exactly 0 when the
-reals say so); the value an ALiBi hook adds is a function of the indices, each of whose float32
-steps must stay far from overflow (`SAFE_MAGNITUDE`, an obligation the encoder adds).
+reals say so); the value an ALiBi hook adds is a function of the indices whose floating steps keep
+their rounding relative to their result, as the kernels' ``slope * (kv - q)`` does: integers scaled,
+never a sum or difference of floating values (which can cancel), never float16 or bfloat16
+(`_bias_step`), and each step far from overflow (`SAFE_MAGNITUDE`, an obligation the encoder adds).
 """
 
 from __future__ import annotations
@@ -58,16 +60,24 @@ def score_path(graph: fx.GraphModule, dtypes: Optional[dict]) -> ScorePath:
     if dtypes is None:
         return ScorePath("its dtypes could not be read from one run, so its float32 arithmetic cannot be checked")
     depends: dict[fx.Node, int] = {}  # node -> additions on its path from the score
+    indexed: set[fx.Node] = set()  # nodes whose value comes from the indices (what a hook adds to the score)
     floating = False
     for node in graph.graph.nodes:
         if node.op == "placeholder":
             if node.target == "score":
                 depends[node] = 0
+            else:
+                indexed.add(node)
             continue
         inputs = [n for n in node.all_input_nodes if n in depends]
         if node.op == "output":
             break
         if not inputs or _metadata_only(node, depends):
+            if any(n in indexed for n in node.all_input_nodes):
+                indexed.add(node)
+                why = _bias_step(node, dtypes)
+                if why:
+                    return ScorePath(why)
             continue
         why = f"computes with the score by {_label(node)}"
         if node.op == "call_method" and node.target in _PASS_METHODS and node.args and node.args[0] in depends \
@@ -126,6 +136,27 @@ def _added(node: fx.Node, depends: dict) -> Optional[tuple[fx.Node, Any]]:
     if node.target in _SUBS and a in depends and b not in depends:
         return a, b
     return None
+
+
+_NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def _bias_step(node: fx.Node, dtypes: dict) -> str:
+    """Why one floating step of what a hook adds to the score is not proven (empty: it is): in float16 or
+    bfloat16 it rounds far more than the kernels' float32 bias; a sum or difference of floating values of the
+    indices can cancel, leaving a rounding error as large as its operands (``d * 1.0 + 2**40 - 2**40``).  A
+    product, quotient, cast, selection or absolute value keeps its error relative to its result, as the
+    kernels' own ``slope * (kv - q)`` does."""
+    dtype = dtypes.get(node)
+    if dtype is None or not dtype.is_floating_point:
+        return ""
+    if dtype in _NARROW_FLOATS:
+        return (f"computes a value of the indices in {dtype} by {_label(node)}, which rounds it more than the "
+                "kernels' float32 bias does")
+    if node.target in _ADDS or node.target in _SUBS or node.target in ("__rsub__", torch.rsub):
+        return (f"adds or subtracts floating values of the indices by {_label(node)}, whose float32 rounding can "
+                "cancel; compute the distance in integers and scale it once (slope * (kv_idx - q_idx))")
+    return ""
 
 
 def _floating(value: Any, dtypes: dict) -> bool:

@@ -100,6 +100,9 @@ class _MaskProver:
         if trace.dynamic:
             return self.result(None, "reads " + "; ".join(trace.dynamic))
         encoder = Encoder(trace.graph, trace.tensor_names)
+        if encoder.dtypes is None:  # torch's promotion of its values is then unknown: no integer width is checked
+            return self.result(None, "cannot be run once as torch calls it (vmap over 0-d indices) to read the dtypes "
+                                     "torch computes its values in")
         try:
             mask = boolean(encoder.run({"b": self.b, "h": self.h, "q_idx": self.q, "kv_idx": self.kv}))
         except Unsupported as exc:
@@ -312,6 +315,8 @@ def graph_constants(trace: HookTrace) -> tuple[int, ...]:
             table = getattr(trace.graph, node.target)
             if isinstance(table, torch.Tensor) and table.dim() == 1:
                 found.add(table.numel())
+            if isinstance(table, torch.Tensor) and table.numel() == 1 and not table.dtype.is_floating_point:
+                found.add(int(table.reshape(())))  # a constant held in a tensor
         visit(node.args)
         visit(tuple(node.kwargs.values()))
     return tuple(sorted(found))

@@ -30,10 +30,12 @@ from ..call.agreement import DROP_IN, PLAN
 from ..backends.context_parallel import describe_comm
 from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
 from ..megatron.facts import layer_facts
+from ..megatron.validate import transformer_config_problems
 from ..plan import build_plan
 from ..plan.build import layer_window
 from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
+from ..settings.model_keys import model_key_problems
 from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
 from ..testing import fake_primus_turbo
 from .check_primus import primus_merged, primus_refusal, primus_run_settings
@@ -56,22 +58,12 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def _model_problems(config: Mapping[str, Any]) -> list[str]:
-    """What is missing or malformed among the model-shape keys the plans need."""
-    problems = []
-
-    def positive(key: str) -> bool:
-        value = config.get(key)
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-    if not positive("num_attention_heads"):
-        problems.append("num_attention_heads must be a positive integer")
-    if not positive("kv_channels") and not positive("hidden_size"):
-        problems.append("kv_channels or hidden_size must be a positive integer (the head dim comes from one)")
-    for key in ("num_layers", "num_query_groups", "seq_length", "tensor_model_parallel_size",
-                "context_parallel_size"):
-        if config.get(key) is not None and not positive(key):
-            problems.append(f"{key} must be a positive integer, got {short_repr(config[key])}")
-    return problems
+    """What is missing or malformed among the model-shape keys the plans need (each key's typed reader), then
+    what megatron-core's own ``TransformerConfig`` refuses of them together."""
+    reasons = model_key_problems(config)
+    if not reasons:
+        reasons = transformer_config_problems(config)
+    return [reason.render() for reason in reasons]
 
 
 Outcome = Union[AttentionPlan, UnsupportedConfigError]

@@ -241,7 +241,7 @@ def spec_refs(key: str) -> str:
 
 
 # -------------------------------------------------------------------- validation
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     # short_repr: bounded, as the value may be an arbitrarily large YAML tree
     if isinstance(value, str):
         return f"the string {short_repr(value)}"
@@ -253,20 +253,20 @@ def _type_name(value: Any) -> str:
 def _check_bool(key: str, value: Any) -> Optional[Reason]:
     if isinstance(value, bool):
         return None
-    return Reason(settings=(key,), reason=f"{key} must be true or false, got {_type_name(value)}.",
+    return Reason(settings=(key,), reason=f"{key} must be true or false, got {type_name(value)}.",
                   alternative=f"write '{key}: true' or '{key}: false' (a YAML boolean, unquoted).")
 
 
 def _check_optional_bool(key: str, value: Any) -> Optional[Reason]:
     if value is None or isinstance(value, bool):
         return None
-    return Reason(settings=(key,), reason=f"{key} must be true, false or null, got {_type_name(value)}.",
+    return Reason(settings=(key,), reason=f"{key} must be true, false or null, got {type_name(value)}.",
                   alternative=f"write '{key}: true' (packed THD batches only), 'false' (dense only) or leave it out.")
 
 
 def _check_window(key: str, value: Any) -> Optional[Reason]:
     if isinstance(value, bool) or not isinstance(value, int):
-        return Reason(settings=(key,), reason=f"{key} must be an integer, got {_type_name(value)}.",
+        return Reason(settings=(key,), reason=f"{key} must be an integer, got {type_name(value)}.",
                       alternative=f"write '{key}: 0' for no window or a window width such as 128.")
     if value < 0:
         return Reason(settings=(key,), reason=f"{key} must be >= 0, got {value}.",
@@ -281,7 +281,7 @@ def _choice(choices: tuple[str, ...], advice: str) -> Callable[[str, Any], Optio
         if isinstance(value, str) and value in choices:
             return None
         return Reason(settings=(key,), reason=f"{key} must be one of {', '.join(choices)}; "
-                                              f"got {_type_name(value)}.",
+                                              f"got {type_name(value)}.",
                       alternative=advice.format(key=key))
     return check
 
@@ -296,14 +296,14 @@ _check_call_flags = _choice(CALL_FLAG_CHOICES, "write '{key}: plan' (calls run t
 def _check_optional_count(key: str, value: Any) -> Optional[Reason]:
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return None
-    return Reason(settings=(key,), reason=f"{key} must be null or a positive integer, got {_type_name(value)}.",
+    return Reason(settings=(key,), reason=f"{key} must be null or a positive integer, got {type_name(value)}.",
                   alternative=f"write '{key}: null' (one boundary per token), or a bound such as 64.")
 
 
 def _check_selftest(key: str, value: Any) -> Optional[Reason]:
     if value in ("auto", "true", "false", True, False):
         return None
-    return Reason(settings=(key,), reason=f"{key} must be auto, true or false; got {_type_name(value)}.",
+    return Reason(settings=(key,), reason=f"{key} must be auto, true or false; got {type_name(value)}.",
                   alternative=f"write '{key}: auto' (on when a GPU is present).")
 
 
@@ -311,7 +311,7 @@ def _check_hook(key: str, value: Any) -> Optional[Reason]:
     if value is None or (isinstance(value, str) and HOOK_PATTERN.match(value)):
         return None
     return Reason(settings=(key,), reason=f"{key} must be null or a 'package.module:attr' string, "
-                                          f"got {_type_name(value)}.",
+                                          f"got {type_name(value)}.",
                   alternative=f"for example {key}: \"primus_ext.attention.masks:prefix_lm\".")
 
 
@@ -320,7 +320,7 @@ def _check_kwargs(key: str, value: Any) -> Optional[Reason]:
         return None
     if not isinstance(value, Mapping):
         return Reason(settings=(key,), reason=f"{key} must be null or a mapping of keyword "
-                                              f"arguments, got {_type_name(value)}.",
+                                              f"arguments, got {type_name(value)}.",
                       alternative=f"for example {key}: {{prefix_length: 64}}.")
     bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
     if bad:

@@ -1,0 +1,63 @@
+"""What megatron-core refuses of a YAML's model keys, asked of megatron-core itself (`primus-ext check`).
+
+A model whose ``TransformerConfig`` megatron-core would not build (4 heads at
+``tensor_model_parallel_size: 3``) has no layers to plan; ``check`` must refuse it as the build would, not
+print head ranges that leave heads on no rank.  So the keys ``check`` reads that are ``TransformerConfig``
+fields become one, built by megatron-core with its own validation (``__post_init__``), and its refusal is
+ours, naming the keys.  Megatron-LM's own argument check that megatron-core leaves out (a hidden size the heads
+do not divide without ``kv_channels``, which megatron-core silently rounds down) is added here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import Reason
+
+FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+          "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+          "window_size", "window_attn_skip_freq", "softmax_type", "attention_dropout", "softmax_scale", "bf16",
+          "fp16", "cp_comm_type")
+"""The ``TransformerConfig`` fields a YAML's keys give one for one (the others keep megatron-core's defaults)."""
+
+_CHECKED = ("num_attention_heads", "num_query_groups", "tensor_model_parallel_size", "context_parallel_size",
+            "pipeline_model_parallel_size", "hidden_size", "kv_channels", "num_layers")
+
+
+def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
+    """megatron-core's refusal of these keys as a ``TransformerConfig`` (empty: it builds); the keys must have
+    passed their typed readers (`primus_ext.settings.model_keys`)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = {key: config[key] for key in FIELDS if config.get(key) is not None}
+    heads = values["num_attention_heads"]
+    values.setdefault("num_layers", 1)
+    if "hidden_size" not in values:
+        values["hidden_size"] = values["kv_channels"] * heads
+    elif "kv_channels" not in values and values["hidden_size"] % heads:
+        return [Reason(("hidden_size", "num_attention_heads", "kv_channels"),
+                       f"hidden_size {values['hidden_size']} is not a multiple of num_attention_heads {heads}, and "
+                       "kv_channels is not set: Megatron-LM refuses it (megatron-core would round the head dim "
+                       f"down to {values['hidden_size'] // heads}).",
+                       "set kv_channels to the head dim, or a hidden_size that the heads divide.")]
+    if "window_size" in values:
+        values["window_size"] = tuple(values["window_size"])
+    dtype = torch.bfloat16 if values.get("bf16") else torch.float16 if values.get("fp16") else torch.float32
+    values.update(params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            TransformerConfig(**values)
+    except (ValueError, AssertionError, TypeError) as exc:
+        named = tuple(k for k in _CHECKED if k in config and k in str(exc)) or tuple(
+            k for k in _CHECKED if k in config)
+        return [Reason(named, f"megatron-core's TransformerConfig refuses these model keys: {exc}",
+                       "choose values megatron-core builds (heads and query groups divisible by "
+                       "tensor_model_parallel_size, ...).", "megatron-config")]
+    return []
+
+
+__all__ = ["FIELDS", "transformer_config_problems"]

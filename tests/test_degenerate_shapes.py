@@ -200,3 +200,17 @@ def test_a_degenerate_megatron_call_is_our_error_or_empty(shape, path, sink):
             kind, got = _outcome(lambda: module(q, k, v, None, packed_seq_params=params))
     if kind == "ran":
         assert got.numel() == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex", "turbo"])
+@pytest.mark.parametrize("fact", [dict(num_heads=0), dict(num_kv_heads=0), dict(head_dim=0), dict(head_dim_v=0),
+                                  dict(seq_length=0)])
+def test_a_layer_of_no_head_or_head_dim_is_refused_at_build(backend, fact):
+    """Regression: reference and flex built a plan for 0 heads or head dim 0."""
+    from primus_ext.errors import UnsupportedConfigError
+    from primus_ext.plan import build_plan
+
+    with fake_primus_turbo(arch="gfx942"):
+        with pytest.raises(UnsupportedConfigError) as err:
+            build_plan(settings(turbo_flex_attention_backend=backend), facts(**fact))
+    assert "layer-shape" in err.value.codes

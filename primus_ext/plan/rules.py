@@ -85,9 +85,10 @@ class RuleInput:
             "window": self.window,
             "cp": self.facts.context_parallel_size,
             "head_dim": self.facts.head_dim,
-            "head_dim_v": self.facts.v_dim,
+            "head_dim_v": self.facts.head_dim_v if self.facts.head_dim_v is not None else self.facts.head_dim,
             "heads": self.facts.num_heads,
-            "kv_heads": self.facts.kv_heads,
+            "kv_heads": self.facts.num_kv_heads if self.facts.num_kv_heads is not None else self.facts.num_heads,
+            "seq_length": self.facts.seq_length,
             "dropout": self.facts.attention_dropout,
             "mask_type": self.facts.attn_mask_type,
             "cp_comm": self.facts.cp_comm_type,
@@ -201,10 +202,17 @@ RULES: Tuple[Rule, ...] = (
          "install Primus-Turbo (ROCm), or set turbo_flex_attention_backend: reference "
          "(exact torch math, any device) or auto.",
          lambda c: c.flex and c.backend == "turbo" and c.caps is None),
+    Rule("layer-shape", ("num_attention_heads", "num_query_groups", "kv_channels", "seq_length"),
+         "the layer has {heads} query heads, {kv_heads} key/value heads, head dims {head_dim} (q, k) and "
+         "{head_dim_v} (v) and seq_length {seq_length}: each must be at least 1 (seq_length may be unset).",
+         "build the layer from the model's own heads and kv_channels.",
+         lambda c: min(c.facts.num_heads, c.facts.head_dim, c.facts.v_dim) < 1 or any(
+             given is not None and given < 1 for given in (c.facts.num_kv_heads, c.facts.head_dim_v)) or (
+             c.facts.seq_length is not None and c.facts.seq_length < 1)),
     Rule("heads", ("num_attention_heads", "num_query_groups"),
          "query heads ({heads}) are not a multiple of key/value heads ({kv_heads}).",
          "choose num_query_groups dividing num_attention_heads.",
-         lambda c: c.facts.num_heads % c.facts.kv_heads != 0),
+         lambda c: c.facts.kv_heads > 0 and c.facts.num_heads % c.facts.kv_heads != 0),
     Rule("dropout", ("attention_dropout",),
          "attention_dropout={dropout} is outside [0, 1).", "use a probability in [0, 1).",
          lambda c: not 0.0 <= c.facts.attention_dropout < 1.0),

@@ -310,7 +310,7 @@ MAX_SEQLEN_TRACED = rule(
 MAX_SEQLEN_TENSOR = rule("B34.max-seqlen-tensor", ("{name}",),
                          "{name} must be a positive int, got a tensor of shape {shape} and dtype {dtype} on {device}.",
                          "pass an int (or a one-element integer tensor on the inputs' device), or leave it None.")
-MAX_SEQLEN = rule("B34.max-seqlen", ("{name}",), "{name} must be a positive int below 2**31, got {got!r}.",
+MAX_SEQLEN = rule("B34.max-seqlen", ("{name}",), "{name} must be a positive int below 2**31 (0 for a call of no token), got {got!r}.",
                   "pass the longest document's length, or leave it None.")
 SHARED_BOUNDARIES = rule(
     "B34.shared-boundaries", ("cu_seqlens_q", "{kv_name}"),

@@ -226,7 +226,7 @@ def _max_seqlen(name: str, value: Any, tokens: int, device: torch.device) -> Any
             raise refuse(R.MAX_SEQLEN_TENSOR, name=name, shape=tuple(value.shape), dtype=value.dtype,
                          device=value.device)
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+    if isinstance(value, bool) or not isinstance(value, int) or not (1 if tokens else 0) <= value <= INT32_MAX:
         raise refuse(R.MAX_SEQLEN, name=name, got=short_repr(value))
     return value
 

@@ -13,11 +13,12 @@ result is exact in float32 for every finite score, given what it adds: an allow-
   score.
 
 Anything else applied to the score (a product, a quotient, a second addition, a comparison) is not
-proven, whatever the reals say.  The identity adds nothing or an integer value (exactly 0 when the
-reals say so); the value an ALiBi hook adds is a function of the indices whose floating steps keep
-their rounding relative to their result, as the kernels' ``slope * (kv - q)`` does: integers scaled,
-never a sum or difference of floating values (which can cancel), never float16 or bfloat16
-(`_bias_step`), and each step far from overflow (`SAFE_MAGNITUDE`, an obligation the encoder adds).
+proven, whatever the reals say.  The value a hook adds is a function of the indices whose floating
+steps keep their rounding relative to their result, as the kernels' ``slope * (kv - q)`` does:
+integers scaled, never a sum or difference of floating values (which can cancel), never float16 or
+bfloat16 (`_bias_step`), and each step far from overflow (`SAFE_MAGNITUDE`, an obligation the
+encoder adds).  So a value that is 0 over the reals is exactly 0 in float32 too (a product of
+nonzero finite values is nonzero), and the identity adds nothing to the score.
 """
 
 from __future__ import annotations
@@ -43,11 +44,9 @@ _SUBS = frozenset({operator.sub, torch.sub, "sub", "__sub__"})
 
 @dataclass(frozen=True)
 class ScorePath:
-    """``problem``: why the score's float32 path is not proven (empty: it is); ``float_adds``: whether it adds a
-    floating value (then it is ALiBi's one rounding, never the identity)."""
+    """``problem``: why the score's float32 path is not proven (empty: it is)."""
 
     problem: str
-    float_adds: bool = False
 
 
 def _label(node: fx.Node) -> str:
@@ -61,7 +60,6 @@ def score_path(graph: fx.GraphModule, dtypes: Optional[dict]) -> ScorePath:
         return ScorePath("its dtypes could not be read from one run, so its float32 arithmetic cannot be checked")
     depends: dict[fx.Node, int] = {}  # node -> additions on its path from the score
     indexed: set[fx.Node] = set()  # nodes whose value comes from the indices (what a hook adds to the score)
-    floating = False
     for node in graph.graph.nodes:
         if node.op == "placeholder":
             if node.target == "score":
@@ -96,13 +94,12 @@ def score_path(graph: fx.GraphModule, dtypes: Optional[dict]) -> ScorePath:
         if added is None:
             return ScorePath(f"{why}, whose float32 rounding and overflow a proof over the reals does not model; "
                              "only the score plus a value of the indices (ALiBi) is proven")
-        score_side, other = added
+        score_side, _ = added
         if depends[score_side] or dtypes.get(node) not in _EXACT or node.kwargs.get("alpha", 1) != 1:
             return ScorePath(f"{why} a second time, or in a dtype narrower than float32: each rounds, and only "
                              "one addition to the score is what the kernels compute")
         depends[node] = 1
-        floating = floating or _floating(other, dtypes)
-    return ScorePath("", floating)
+    return ScorePath("")
 
 
 _META_ATTRS = frozenset({"device", "dtype", "shape", "ndim", "is_cuda"})
@@ -157,13 +154,6 @@ def _bias_step(node: fx.Node, dtypes: dict) -> str:
         return (f"adds or subtracts floating values of the indices by {_label(node)}, whose float32 rounding can "
                 "cancel; compute the distance in integers and scale it once (slope * (kv_idx - q_idx))")
     return ""
-
-
-def _floating(value: Any, dtypes: dict) -> bool:
-    if isinstance(value, fx.Node):
-        dtype = dtypes.get(value)
-        return dtype is None or dtype.is_floating_point
-    return not (type(value) is int or type(value) is bool)
 
 
 __all__ = ["SAFE_MAGNITUDE", "ScorePath", "score_path"]

@@ -40,10 +40,14 @@ class Tally:
         self.grads = 0
         self.first_problem = ""
         self.by_hook: Counter = Counter()
+        self.features: Counter = Counter()
+        """Cases per crossed feature (compiled, an arch of the fake, packed, no query, hooks, ...)."""
 
     def record(self, case, outcome: str, detail: str) -> None:
         assert outcome in self.OUTCOMES, outcome
         self.outcomes[outcome] += 1
+        for feature in features(case):
+            self.features[feature] += 1
         self.by_level[(case.level, outcome)] += 1
         if case.flex:
             for spec in (case.mask_hook, case.score_hook):
@@ -81,9 +85,36 @@ class Tally:
                      for name in hooks]
             for i in range(0, len(parts), 6):
                 out.append("    " + ", ".join(parts[i:i + 6]))
+        if self.features:
+            shares = ", ".join(f"{name} {n} ({100 * n / self.cases:.1f}%)" for name, n in sorted(self.features.items()))
+            out.append(f"  crossed features: {shares}")
         if self.first_problem:
             out.append(f"  first problem: {self.first_problem}")
         return out
+
+
+def features(case) -> list[str]:
+    """The features one case crosses, for the tally's shares (docs/reliability.md)."""
+    found = [f"level:{case.level}"]
+    if getattr(case, "compiled", None):
+        found.append(f"compiled:{case.compiled}")
+    if case.fake is not None and case.fake.get("arch"):
+        found.append(f"arch:{case.fake['arch']}")
+    call = case.call
+    if call.get("thd"):
+        found.append("packed")
+    if call.get("batch") == 0 or call.get("q_len") == 0:
+        found.append("no-query")
+    if case.flex:
+        found.append(f"backend:{case.resolved_backend}")
+        for spec in (case.mask_hook, case.score_hook):
+            if spec:
+                module, _, name = spec.partition(":")
+                found.append("hook:library" if module.startswith("primus_ext") else "hook:composed" if name in (
+                    "combined",) else "hook:user")
+    if case.grad:
+        found.append("gradients")
+    return found
 
 
 TALLY = Tally()

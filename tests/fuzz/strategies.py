@@ -75,6 +75,8 @@ class Case:
     """Layout (``thd``), shapes, dtype and the per-call arguments."""
     grad: bool
     seed: int
+    compiled: Optional[str] = None
+    """``torch.compile(fullgraph=True)`` backend the call runs under (``aot_eager``, ``inductor``), or None: eager."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -407,7 +409,23 @@ def turbo_build(draw, need: bool = False) -> Optional[dict]:
         "flex_deterministic": not draw(one_in(4)),
         "varlen_sink": not draw(one_in(4)),
         "flex": not draw(one_in(10)),
+        # the arch whose kernel dispatch (and upstream's per-arch defects) the fake models, presented as the
+        # device's: turbo_arch auto plans for it (B33)
+        "arch": draw(weighted((None, 6), ("gfx942", 2), ("gfx950", 2))),
     }
+
+
+def compiled(draw) -> Optional[str]:
+    """Eager, or under ``torch.compile(fullgraph=True)``: about one case in eight in the long profile (at least
+    2,000 of its 20,000), one in thirty in ci (each compile costs a fraction of a second)."""
+    from hypothesis import settings as hyp_settings
+
+    long = hyp_settings.get_current_profile_name() == "long"
+    return draw(_COMPILED_LONG if long else _COMPILED_CI)
+
+
+_COMPILED_LONG = weighted((None, 14), ("aot_eager", 2), ("inductor", 1))
+_COMPILED_CI = weighted((None, 58), ("aot_eager", 1), ("inductor", 1))
 
 
 def common_settings(draw, flex: bool, backend: str, q_len: int) -> dict:
@@ -469,7 +487,7 @@ def model_facts(draw, *, megatron: bool, q_len: int) -> dict:
         if draw(one_in(50)):
             layer["attention_dropout"] = draw(pick(*(1.0, -0.25)))
         # The training length, unknown, or another length (hook proofs assume none).
-        layer["seq_length"] = draw(pick(*(q_len, q_len, None, draw(ints(1, 40)))))
+        layer["seq_length"] = draw(pick(*(q_len, q_len, None, draw(ints(1, 40))))) or None  # 0: a call without queries
     return layer
 
 
@@ -487,9 +505,10 @@ def fewer_conflicts(draw, keys: dict, layer: dict) -> None:
 def adapter_cases(draw) -> Case:
     thd = draw(one_in(4))
     dtype = draw(pick(*("float32", "float32", "float64", "bfloat16")))
+    degenerate = draw(one_in(30))  # no query: batch 0, sequence 0, or no token (the reference's empty result)
     if thd:
-        docs_q = document_lengths(draw)
-        docs_kv = docs_q if not draw(one_in(5)) else draw(
+        docs_q = document_lengths(draw) if not degenerate else [0]
+        docs_kv = docs_q if not draw(one_in(5)) or degenerate else draw(
             st.lists(ints(0, 9), min_size=len(docs_q), max_size=len(docs_q)).filter(lambda x: sum(x) > 0))
         batch, q_len, kv_len = 1, sum(docs_q), sum(docs_kv)
     else:
@@ -497,6 +516,8 @@ def adapter_cases(draw) -> Case:
         batch = draw(ints(1, 4))
         q_len = draw(ints(1, 24))
         kv_len = q_len if not draw(one_in(4)) else draw(ints(1, 24))
+        if degenerate:
+            batch, q_len, kv_len = (0, q_len, kv_len) if draw(st.booleans()) else (batch, 0, 0)
     fake = turbo_build(draw)
     backend = draw(weighted(("reference", 5), ("turbo", 5), ("auto", 3), ("flex", 2)))
     keys = common_settings(draw, True, backend, q_len)
@@ -548,7 +569,7 @@ def adapter_cases(draw) -> Case:
     if gain is not None:
         call["gain"], call["scale"] = gain, scale
     return Case("adapter", True, backend, fake, keys, layer, call, draw(one_in(4)),
-                draw(ints(0, 2 ** 16)))
+                draw(ints(0, 2 ** 16)), compiled(draw))
 
 
 # ----------------------------------------------------------------------------- megatron level
@@ -558,14 +579,19 @@ def megatron_cases(draw) -> Case:
     thd = draw(one_in(3))
     dtype = draw(pick(*("float32", "float32", "float64", "bfloat16")))
     equal_declared = draw(one_in(6))  # B36: documents declared of one length, kept (mostly) or broken
+    degenerate = draw(one_in(30))
     if thd:
         docs = document_lengths(draw)
         if equal_declared and not draw(one_in(3)):
             docs = [max(max(docs), 1)] * len(docs)
+        if degenerate:
+            docs = [0]
         batch, q_len = 1, sum(docs)
     else:
         docs = None
         batch, q_len = draw(ints(1, 4)), draw(ints(1, 20))
+        if degenerate:
+            batch, q_len = (0, q_len) if draw(st.booleans()) else (batch, 0)
     fake = turbo_build(draw, need=not flex and not draw(one_in(15)))
     backend = draw(weighted(("turbo", 5), ("reference", 3), ("auto", 3), ("flex", 2)))
     keys = common_settings(draw, flex, backend, q_len)
@@ -604,7 +630,7 @@ def megatron_cases(draw) -> Case:
     if gain is not None:
         call["gain"], layer["softmax_scale"] = gain, scale
     return Case("megatron", flex, backend, fake, keys, layer, call, draw(one_in(3)),
-                draw(ints(0, 2 ** 16)))
+                draw(ints(0, 2 ** 16)), compiled(draw))
 
 
 __all__ = ["Case", "DTYPES", "LIB", "USER", "adapter_cases", "bounds_of", "megatron_cases"]

@@ -62,6 +62,15 @@ class Tally:
         elif outcome in ("mismatched", "foreign") and not self.first_problem:
             self.first_problem = detail
 
+    def record_multiprocess(self, world: str, outcome: str, detail: str) -> None:
+        """One case of the multi-process profile (``tp2`` / ``cp2``), agreed over its ranks."""
+        assert outcome in self.OUTCOMES, outcome
+        self.outcomes[outcome] += 1
+        self.by_level[("multi-process", outcome)] += 1
+        self.features[f"multi-process:{world}"] += 1
+        if outcome == "refused":
+            self.refusals[detail] += 1
+
     @property
     def cases(self) -> int:
         return sum(self.outcomes.values())
@@ -71,7 +80,7 @@ class Tally:
         out = [f"cases={self.cases} refused={o['refused']} matched={o['matched']} "
                f"mismatched={o['mismatched']} foreign_exceptions={o['foreign']} "
                f"(gradients checked in {self.grads} matched cases)"]
-        for level in ("adapter", "megatron"):
+        for level in ("adapter", "megatron", "multi-process"):
             parts = " ".join(f"{k}={self.by_level[(level, k)]}" for k in self.OUTCOMES)
             out.append(f"  {level:8s} {parts}")
         top = ", ".join(f"{key or '?'}: {n}" for key, n in self.refusals.most_common(12))

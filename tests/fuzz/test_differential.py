@@ -205,13 +205,22 @@ HOOK_RULES = frozenset({"B31", "B31-score", "softcap", "B35"})
 
 def resolved_backend(case: Case) -> str:
     """What ``auto`` resolves to in the fuzzer's world (no GPU): turbo where it imports, except a hook layer whose
-    hooks Primus-Turbo does not compute (one of its hook rules would refuse it there), which runs on reference
-    (docs/mask_hooks.md, the three classes; on a GPU it would be flex)."""
+    hooks Primus-Turbo does not compute (one of its hook rules would refuse it there), which runs on reference,
+    or on flex where the fake presents a GPU arch to a layer planned for it (docs/mask_hooks.md, the three
+    classes)."""
     backend = case.resolved_backend
     if not (case.flex and case.backend == "auto" and backend == "turbo" and (case.mask_hook or case.score_hook)):
         return backend
     on_turbo = expect_build(dataclasses.replace(case, backend="turbo"))
-    return "reference" if on_turbo.must & HOOK_RULES else backend
+    if not on_turbo.must & HOOK_RULES:
+        return backend
+    # planned for a GPU (the fake presents an arch; an adapter-level layer is not built to run in this process,
+    # as `check --arch` plans): torch's FlexAttention, unless the hook is dynamic or flex lacks what the layer needs
+    specs = [spec for spec in (case_mask_spec(case), case_score_spec(case)) if spec is not None]
+    if case.level == "adapter" and case.fake.get("arch") and all(spec.dynamic is False for spec in specs) and not (
+            case.layer["attention_dropout"] > 0.0 or case.settings["deterministic_mode"]):
+        return "flex"
+    return "reference"
 
 
 def expect_build(case: Case) -> BuildExpectation:

@@ -50,9 +50,9 @@ _NARROW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torc
 
 
 class _Dtypes(dict):
-    """Each node's dtype from one eager run (``dict``), and ``common``: the dtype torch computes an operation
-    in, after promoting its operands (`torch.result_type`), where that is not the result's own (comparisons)
-    or where a Python number or a 0-d tensor meets a tensor of a narrower integer dtype."""
+    """Each node's dtype from one run as torch calls the hook (``dict``), and ``common``: the dtype torch computes
+    an operation in after promoting its operands, which is not the result's own for a comparison, and which is
+    a narrow integer's where a Python number or a 0-d tensor meets a narrow integer value."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -90,17 +90,24 @@ def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]
         raise refusal() from None
 
 
-def check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, refusal: Callable[[], PrimusExtError]) -> None:
+def check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, refusal: Callable[[], PrimusExtError],
+                          why: str = "primus_ext: cu_seqlens_q and cu_seqlens_kv differ") -> None:
     """Refuse a packed call whose q and kv documents differ where the path aligns masks other
     than the caller asked for (bottom-right vs top-left inside each document).
 
     One tensor for both sides (Megatron's case) is never read; two distinct tensors are
-    compared on the host, or on device inside a compiled graph.
+    compared on the host, or on device inside a compiled graph (where their storage is no value
+    Dynamo can compare: two views of one memory are compared by value there too), failing there
+    with ``why`` (one text per call site: it keys the refusal the graph raises).
     """
-    if same_tensor(cu_q, cu_kv):
+    if cu_q is cu_kv:
         return
-    if torch.compiler.is_compiling() and cu_q.shape == cu_kv.shape:
-        assert_on_device((cu_q == cu_kv.to(cu_q.device)).all(), str(refusal()), refusal)
+    if torch.compiler.is_compiling():
+        if cu_q.shape != cu_kv.shape:
+            raise refusal()
+        assert_on_device((cu_q == cu_kv.to(cu_q.device)).all(), why, refusal)  # refusal() raises while traced
+        return
+    if same_tensor(cu_q, cu_kv):
         return
     if cu_q.shape != cu_kv.shape or not torch.equal(cu_q, cu_kv.to(cu_q.device)):
         raise refusal()

@@ -9,6 +9,8 @@ flex adapter or the direct entries, chosen and checked at construction.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Optional, Tuple
 
 import torch
@@ -26,8 +28,9 @@ from ..call.ops import register_target, run_call
 from ..call.selftest import refuse_failures, self_test, selftest_enabled
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
-from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CU_DEVICE, MASK_TYPE, MASK_WITH_THD, MISSING_SINK,
-                        NO_PACKED_ENTRY, PADDED, PADDED_TYPE, THD_WITHOUT_BOUNDS, TOP_LEFT, WINDOW_ALIGNMENT, refuse)
+from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CALL_RULES, CU_DEVICE, MASK_TYPE, MASK_WITH_THD,
+                        MISSING_SINK, NO_PACKED_ENTRY, PADDED, PADDED_TYPE, THD_WITHOUT_BOUNDS, TOP_LEFT,
+                        WINDOW_ALIGNMENT, refuse)
 from ..settings import TurboAttentionSettings
 from .args import megatron_arg, settings_or_megatron_args, with_megatron_flags
 from .call_contract import MaskCheck, qkv_format
@@ -60,6 +63,9 @@ def tensor_parallel(config: Any, pg_collection: Any) -> Tuple[int, int]:
             "initialise megatron-core's parallel state with the config's tensor_model_parallel_size."),
             context="Megatron core attention")
     return size, rank
+
+
+_UNEQUAL_DOCUMENTS = "cu_seqlens_q != cu_seqlens_kv (documents of unequal q and kv lengths)"
 
 
 class TurboAttentionCore:
@@ -103,7 +109,7 @@ class TurboAttentionCore:
             refuse_failures(self_test([self.plan]), self.facts.layer_number)
         self.storage = self.plan.storage  # a constant per layer, as a compiled region needs
         # Whether unequal q and kv lengths (or documents) are refused: a constant, so no refusal is built per call.
-        self.unequal_refused = self._alignment_refusal("") is not None
+        self.unequal_refused = self._alignment_rule is not None
         # Context parallel: Ulysses around the per-rank attention, which gets this rank's heads
         # of the whole sequence (`primus_ext.megatron.context_parallel`); None at CP 1.
         self.cp: Optional[LayerContextParallel] = layer_context_parallel(
@@ -236,15 +242,21 @@ class TurboAttentionCore:
         aligns a non-causal window bottom-right; flash kernels align bottom-right and a mask_mod
         top-left, so only the path that computes the requested alignment runs.  The same holds per
         document for packed calls whose q and kv boundaries differ."""
+        found = self._alignment_rule
+        return None if found is None else refuse(CALL_RULES[found[0]], CONTEXT, unequal=unequal, **dict(found[1]))
+
+    @functools.cached_property
+    def _alignment_rule(self) -> Optional[tuple[str, tuple]]:
+        """``(code, values)`` of `_alignment_refusal`'s rule (plain constants, which a compiled graph can keep)."""
         if not self.plan.causal:
             if self.plan.flex and self.plan.mask_mod is None and self.plan.window != (-1, -1):
-                return refuse(WINDOW_ALIGNMENT, CONTEXT, window=self.plan.window, unequal=unequal)
+                return WINDOW_ALIGNMENT.code, (("window", tuple(self.plan.window)),)
             return None
         bottom_right = getattr(self.attn_mask_type, "name", str(self.attn_mask_type)) == "causal_bottom_right"
         if bottom_right and self.plan.flex:
-            return refuse(BOTTOM_RIGHT, CONTEXT, unequal=unequal)
+            return BOTTOM_RIGHT.code, ()
         if not bottom_right and not self.plan.flex:
-            return refuse(TOP_LEFT, CONTEXT, unequal=unequal)
+            return TOP_LEFT.code, ()
         return None
 
     def _documents_from_mask(self, query: Tensor, key: Tensor, value: Tensor, mask: Any, fmt: str,
@@ -274,8 +286,10 @@ class TurboAttentionCore:
             if isinstance(cu, Tensor) and cu.device != q_thd.device:  # before any comparison of the two
                 raise refuse(CU_DEVICE, CONTEXT, name=name, device=cu.device, inputs=q_thd.device)
         if self.unequal_refused and isinstance(cu_q, Tensor) and isinstance(cu_kv, Tensor):
-            check_same_boundaries(cu_q, cu_kv, lambda: self._alignment_refusal(
-                "cu_seqlens_q != cu_seqlens_kv (documents of unequal q and kv lengths)"))
+            code, values = self._alignment_rule
+            # plain constants in the refusal: a compiled graph keeps it, and raises it when the graph runs
+            check_same_boundaries(cu_q, cu_kv, lambda c=code, v=values + (("unequal", _UNEQUAL_DOCUMENTS),): refuse(
+                CALL_RULES[c], CONTEXT, **dict(v)), f"primus_ext: {_UNEQUAL_DOCUMENTS} ({code})")
         # Missing max_seqlen: the token count bounds it, with no host read of the boundaries.
         max_q = params.max_seqlen_q if params.max_seqlen_q is not None else q_thd.shape[0]
         max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else k_thd.shape[0]

@@ -276,3 +276,36 @@ def test_regression_untraceable_hook_on_a_megatron_flex_layer_is_the_expected_re
         run_case(dataclasses.replace(case, settings={**case.settings, "turbo_flex_attention_mask_mod_kwargs": {
             "width": width, "form": "math"}}), tally)
     assert tally.outcomes["mismatched"] == 0 and tally.refusals.get("B34.flex-trace", 0) >= 1, tally.refusals
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_regression_compiled_packed_call_with_a_cloned_kv_boundary_tensor(same):
+    """Megatron's packed call with ``cu_seqlens_kv`` a clone of ``cu_seqlens_q``, compiled: the check that the
+    q and kv documents agree compared the tensors' data pointers while Dynamo traced it (``Unsupported: Data
+    pointer comparison``, found by the long profile's compiled cases); under compile the two are compared by
+    value on the device, and differing documents are still refused."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_ext.megatron import PrimusTurboLocalAttention
+    from tests.megatron import gpt
+
+    with fake_primus_turbo():
+        # causal_bottom_right on the flex path: it aligns top-left, so q and kv documents must agree
+        module = PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.causal_bottom_right, "self",
+                                           settings=gpt.settings(use_turbo_flex_attention=True,
+                                                                 turbo_flex_attention_backend="turbo"))
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        cu_kv = cu.clone() if same else torch.tensor([0, 6, 12], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu_kv, max_seqlen_q=7,
+                                 max_seqlen_kv=7)
+        q, k, v = (torch.randn(12, n, 16) for n in (4, 2, 2))
+        torch._dynamo.reset()
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            if same:
+                torch.testing.assert_close(compiled(q, k, v, None, packed_seq_params=params),
+                                           module(q, k, v, None, packed_seq_params=params))
+            else:
+                with pytest.raises(UnsupportedInputError):
+                    compiled(q, k, v, None, packed_seq_params=params)

@@ -244,7 +244,7 @@ def build_plan(
         storage=_storage(ctx, arch, routes),
         dtype=facts.dtype,
         equal_documents=settings.packed_equal_documents,
-        bind_call=_call_binder(settings, facts, backend) if flex and mask_mod is None else None,
+        bind_call=_call_binder(settings, facts, backend, name) if flex and mask_mod is None else None,
         call_flags=settings.turbo_flex_attention_call_flags,
     )
     if flex:
@@ -292,11 +292,13 @@ def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:
     return "as-given"
 
 
-def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts,
-                 backend: Optional[AttentionBackend]) -> Callable[[bool, Tuple[int, int]], None]:
-    """`AttentionPlan.bind_call`: a call's own causal / window planned like the layer's, memoised."""
+def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts, backend: Optional[AttentionBackend],
+                 chosen: str) -> Callable[[bool, Tuple[int, int]], None]:
+    """`AttentionPlan.bind_call`: a call's own causal / window planned like the layer's, on the layer's backend
+    (``chosen``: ``auto`` is not chosen again for a call, which runs where the layer runs), memoised."""
     verdicts: dict[Tuple[bool, Tuple[int, int]], tuple] = {}
-    unwindowed = settings.replace(sink_sliding_window=0)  # the call's window is the only window
+    # the call's window is the only window
+    unwindowed = settings.replace(sink_sliding_window=0, turbo_flex_attention_backend=chosen)
 
     def bind(causal: bool, window: Tuple[int, int]) -> None:
         key = (causal, window)

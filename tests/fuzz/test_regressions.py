@@ -309,3 +309,22 @@ def test_regression_compiled_packed_call_with_a_cloned_kv_boundary_tensor(same):
             else:
                 with pytest.raises(UnsupportedInputError):
                     compiled(q, k, v, None, packed_seq_params=params)
+
+
+def test_regression_a_drop_in_call_is_planned_on_the_layers_backend_not_auto_again():
+    """An ``auto`` layer with an ALiBi hook that turbo does not run here (no mask: ALiBi right of the diagonal,
+    B35) runs on reference; a drop-in call asking for ``causal=True`` was planned by running ``auto`` again,
+    which chose turbo for it and refused the call with turbo's sink-shape rule (found by the long profile)."""
+    with fake_primus_turbo():
+        layer = adapter(settings(turbo_flex_attention_backend="auto", use_sink_attention=True,
+                                 turbo_flex_attention_score_mod="tests.fuzz.user_hooks:alibi",
+                                 turbo_flex_attention_call_flags="drop_in"),
+                        facts(num_heads=1, num_kv_heads=1, head_dim=6, causal=False, attn_mask_type="no_mask"))
+        assert layer.plan.backend == "reference"
+        q, k, v = qkv(b=1, s=4, hq=1, hkv=1, d=6)
+        sink = torch.zeros(1, dtype=torch.float64)
+        got = layer(q, k, v, causal=True, window_size=(-1, -1), sink=sink)
+    from tests.fuzz import user_hooks
+    want, _ = oracle.attention(q, k, v, oracle.flash_mask(4, 4, causal=True, window=(-1, -1), align="top_left"),
+                               sink=sink, score_fn=user_hooks.alibi)
+    torch.testing.assert_close(got, want, **TOL)

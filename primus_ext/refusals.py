@@ -96,6 +96,12 @@ HOOK_ASSUMPTION = rule(
     "proof does not either (B31).",
     "keep the values a hook reads constant, or set turbo_flex_attention_backend: reference, which evaluates the "
     "hook at every call.")
+HOOK_CHANGED = rule(
+    "B34.hook-changed", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+    "what the hook {hooks} reads changed between this call's forward and its backward: the backward evaluates the "
+    "hook again, so the gradient would be that of another attention than the forward computed.",
+    "change what a hook reads only after the backward of every call that used it (write the next micro-batch's "
+    "values into another tensor, or after the optimizer step).")
 MASK_LENGTH = rule(
     "B34.mask-length", ("turbo_flex_attention_mask_mod",),
     "the document mask covers {covered} tokens but the sequence has {length}.",

@@ -166,10 +166,24 @@ def _eod_tokens(eod_every: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
     return tokens
 
 
+def _hook_changed() -> None:
+    """A captured document-id tensor written between a call's forward and its backward on reference."""
+    from . import hook_state_hooks
+
+    saved = hook_state_hooks.DOC.clone()
+    try:
+        out = adapter(settings(turbo_flex_attention_mask_mod="tests.hook_state_hooks:documents"))(*qkv(grad=True))
+        hook_state_hooks.DOC.zero_()
+        out.sum().backward()
+    finally:
+        hook_state_hooks.DOC.copy_(saved)
+
+
 TRIGGERS: dict[str, Callable[[], Any]] = {
     # the flash-attn-compatible entries
     "B26": lambda: adapter(settings())(*qkv(), return_attn_probs=True),
     "B31.assumption": _hook_assumption,
+    "B34.hook-changed": _hook_changed,
     "B34.mask-length": lambda: adapter(settings(**DOCUMENTS))(*qkv(s=12)),
     "B34.unequal-lengths": lambda: adapter(turbo())(*qkv(skv=12), causal=True),
     "B34.unplanned-sink": lambda: adapter(settings())(*qkv(), sink=torch.zeros(4)),

@@ -368,12 +368,16 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def same_state(a: tuple, b: tuple) -> bool:
-    """Whether two `captured_state` results describe the same values (tensors: the same object, unchanged)."""
+def same_state(a: tuple, b: tuple, *, watched_only: bool = False) -> bool:
+    """Whether two `captured_state` results describe the same values (tensors: the same object, unchanged).
+    What cannot be watched (an object's attributes, an inference tensor) counts as changed, or with
+    ``watched_only`` as unchanged: only what can be watched is compared."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
         if x[0] in ("inference tensor", "volatile"):  # values that may have changed unseen
+            if watched_only and x == y:
+                continue
             return False
         if x[0] == "tensor" and y[0] == "tensor":
             live = x[1]()

@@ -7,7 +7,7 @@ plan's arch before it runs, and the kernel-level pair a compiled step's ops call
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from torch import Tensor
 
@@ -37,6 +37,12 @@ class DirectTarget:
 
     def check_in_graph(self, a: CallArgs) -> None:
         """Nothing more inside a compiled graph: the direct path has no hooks."""
+
+    def hook_state(self) -> None:
+        """The direct path evaluates no hook."""
+
+    def check_hook_state(self, state: Any) -> None:
+        """Nothing to check: no hook."""
 
     def pair(self, a: CallArgs) -> Optional[KernelPair]:
         # The direct path passes Megatron's own causal / window to the entry: the same here.

@@ -31,6 +31,7 @@ inputs) is not differentiable.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import weakref
@@ -61,6 +62,14 @@ class OpTarget(Protocol):
 
     def run(self, a: CallArgs) -> Any:
         """The call, eagerly, with the backend's own autograd."""
+        ...
+
+    def hook_state(self) -> Any:
+        """What the hooks the target evaluates read, at a forward (None: it evaluates none)."""
+        ...
+
+    def check_hook_state(self, state: Any) -> None:
+        """Refuse a backward whose hooks would read other values than the forward's ``state``."""
         ...
 
     def pair(self, a: CallArgs) -> Optional[KernelPair]:
@@ -113,10 +122,40 @@ def _contiguous(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+class _ForwardStates:
+    """What the hooks read at each compiled forward still awaiting its backward, by the forward's ``rng_state``
+    output, which the backward op receives as the same tensor (bounded: a forward never backed-up is dropped)."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._states: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+
+    def put(self, rng: Tensor, state: Optional[tuple]) -> None:
+        if state is None:
+            return
+        self._states[id(rng)] = (weakref.ref(rng), state)
+        while len(self._states) > self.LIMIT:
+            self._states.popitem(last=False)
+
+    def pop(self, rng: Tensor) -> Optional[tuple]:
+        found = self._states.pop(id(rng), None)
+        return found[1] if found is not None and found[0]() is rng else None
+
+
+FORWARD_STATES = _ForwardStates()
+
+
 def _run_forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
     """The forward ops' body: the kernel pair's forward, or the target's eager call."""
     target(handle).check(a)
     target(handle).check_in_graph(a)
+    out, lse, rng = _forward(handle, a, lse_shape)
+    FORWARD_STATES.put(rng, target(handle).hook_state())
+    return out, lse, rng
+
+
+def _forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
     pair = _pair(handle, a)
     if pair is not None:
         with torch.no_grad(), autograd_keys_lifted():  # a pair that evaluates a hook vmaps it, as below
@@ -135,6 +174,7 @@ def _run_backward(handle: int, a: CallArgs, grad_out: Tensor, out: Tensor, lse: 
                   rng_state: Tensor) -> tuple[Tensor, ...]:
     """The backward ops' body: ``(dq, dk, dv, dsink, dalibi[, dbias])`` from the kernel pair's
     backward, or by differentiating a recompute of the forward (dropout mask replayed)."""
+    target(handle).check_hook_state(FORWARD_STATES.pop(rng_state))  # before the hooks are evaluated again
     dense = a.cu_q is None
     like = [a.q, a.k, a.v, a.sink, a.alibi] + ([a.bias] if dense else [])
     pair = _pair(handle, a)

@@ -8,14 +8,17 @@ keeps, or as the kernel-level pair a compiled step's ops call.  What an op handl
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Optional
+
+import torch
 
 from .. import refusals as R
 from ..attention.library import library_pattern
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..backends.base import AttentionBackend, CallArgs, KernelCall, KernelPair, Output
 from ..backends.call_route import CallRoutes
-from ..backends.flex_masks import learned_tensors
+from ..backends.flex_masks import captured_state, learned_tensors, same_state, user_hook
 from ..plan.plan import AttentionPlan
 from .prepared import Runner
 
@@ -42,6 +45,12 @@ class PlanTarget:
         # A proof that used a module global or a captured tensor holds while they are unchanged; a
         # backend evaluating the hooks itself needs no check.
         self.assumptions = () if exact else tuple(plan.hook_assumptions)
+        # Hooks this backend evaluates, at the forward and again at the backward: what they read must not change
+        # in between (`hook_state`).
+        # The user's own hooks behind the plan's wrappers (whose own module state is the project's).
+        self._stateful = tuple(user_hook(h, kind) for h, kind in ((plan.mask_mod if self.hook_runs_itself else None,
+                                                                  "mask_mod"), (self.score_mod, "score_mod"))
+                               if h is not None)
 
     def kernel_call(self, a: CallArgs, flash: Optional[Pattern] = None) -> KernelCall:
         """What ``a`` computes: the plan's pattern (at the call's length) for a dense call on a hook
@@ -79,6 +88,17 @@ class PlanTarget:
                 hooks = " / ".join(h for h in (self.plan.mask_hook, self.plan.score_hook) if h)
                 raise R.refuse(R.HOOK_ASSUMPTION, hooks=hooks, what=assumption.what)
 
+    def hook_state(self) -> Optional[tuple]:
+        """What the hooks this backend evaluates read, now (`captured_state`); None when it evaluates none."""
+        return captured_state(*self._stateful) if self._stateful else None
+
+    def check_hook_state(self, state: Optional[tuple]) -> None:
+        """Refuse a backward whose hooks would read other values than its forward's (B34.hook-changed)."""
+        # what no stamp can watch (a dynamic hook's objects) is the documented limit: docs/mask_hooks.md
+        if state is not None and not same_state(state, captured_state(*self._stateful), watched_only=True):
+            hooks = " / ".join(h for h in (self.plan.mask_hook, self.plan.score_hook) if h)
+            raise R.refuse(R.HOOK_CHANGED, hooks=hooks)
+
     def check_in_graph(self, a: CallArgs) -> None:
         """What a compiled graph checks when it runs: the proofs' assumptions, and that no tensor the hooks
         capture wants a gradient, which an op cannot hand back (B34)."""
@@ -103,8 +123,28 @@ class PlanTarget:
 
     def runner(self, call: KernelCall, dense: bool) -> Runner:
         """``call`` with only its tensors to give (the adapter's eager call, and the prepared-call cache):
-        ``run(q, k, v, sink)``, packed ``run(q, k, v, cu_q, cu_kv, max_q, max_kv, sink)``."""
-        return self.backend.bind_dense(call) if dense else self.backend.bind_packed(call)
+        ``run(q, k, v, sink)``, packed ``run(q, k, v, cu_q, cu_kv, max_q, max_kv, sink)``.  Where the backend
+        evaluates hooks, its outputs' gradients first check that what they read is what the forward read."""
+        run = self.backend.bind_dense(call) if dense else self.backend.bind_packed(call)
+        return functools.partial(_guarded, run, self) if self._stateful else run
+
+
+def _guarded(run: Runner, target: PlanTarget, *args: Any) -> Output:
+    """``run(*args)``, with a gradient hook on each output that refuses the backward if what the hooks read
+    changed since this forward (the hook fires before the attention's own backward does)."""
+    result = run(*args)
+    outputs = result if isinstance(result, tuple) else (result,)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
+        state = target.hook_state()
+
+        def check(grad: torch.Tensor) -> torch.Tensor:
+            target.check_hook_state(state)
+            return grad
+
+        for t in outputs:
+            if t.requires_grad:
+                t.register_hook(check)
+    return result
 
 
 __all__ = ["PlanTarget"]

@@ -212,8 +212,9 @@ MIXED_DEVICES = rule("B34.mixed-devices", ("q", "k", "v"), "q, k and v are on di
 MIXED_RANKS = rule("B34.mixed-ranks", ("q", "k", "v"), "q, k and v have different ranks ({q}, {k}, {v}).",
                    "pass all three as bshd [B, S, H, D] (dense) or thd [T, H, D] (the varlen entry).")
 QKV_SHAPES = rule("B34.qkv-shapes", ("q", "k", "v"),
-                  "shapes q {q}, k {k}, v {v} do not fit: q and k need one head dim, k and v one shape up to the "
-                  "head dim.", "pass k and v of one shape (up to v's head dim), and q with k's head dim.")
+                  "shapes q {q}, k {k}, v {v} do not fit: q and k need one head dim and one batch size, k and v one "
+                  "shape up to the head dim.", "pass k and v of one shape (up to v's head dim), and q with k's head "
+                  "dim and batch size.")
 HEAD_DIM = rule("B34.head-dim", ("q", "k", "v"),
                 "q, k and v need head dims of at least 1; got q {q}, k {k}, v {v}.",
                 "pass q, k and v with the layer's head dims (kv_channels).")

@@ -92,3 +92,50 @@ def test_a_well_formed_yaml_still_runs(tmp_path, capsys):
     code, text = _check(tmp_path, capsys, {"window_size": [4, 0], "window_attn_skip_freq": 2,
                                            "tensor_model_parallel_size": 2, "attention_dropout": 0})
     assert code == 0, text
+
+
+REVIEW = {
+    "window bound 2**31": ({"window_size": [2 ** 31, 0]}, "window_size"),
+    "window bound 2**63": ({"window_size": [2 ** 63, 0]}, "window_size"),
+    "window bound 10**23": ({"window_size": [10 ** 23, 0]}, "window_size"),
+    "seq_length 10**23": ({"seq_length": 10 ** 23}, "seq_length"),
+    "bf16 and fp16": ({"bf16": True, "fp16": True}, "bf16"),
+    "sequence_parallel at TP 1": ({"sequence_parallel": True}, "sequence_parallel"),
+    "MLA without its head dims": ({"multi_latent_attention": True}, "qk_head_dim"),
+}
+"""Found by a hostile review: each exited 0 with a wrong plan, gave a traceback, or named other keys."""
+
+
+@pytest.mark.parametrize("case", list(REVIEW))
+def test_a_value_the_review_found_exits_2_naming_its_key(tmp_path, capsys, case):
+    keys, named = REVIEW[case]
+    code, text = _check(tmp_path, capsys, keys)
+    assert code == 2 and "Traceback" not in text, text
+    line = next(l for l in text.splitlines() if l.strip().startswith("- ["))
+    assert named in line.split("]")[0], line
+
+
+def test_a_huge_seq_len_option_is_ours(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert main(["check", str(path), "--seq-len", str(10 ** 23)]) == 2
+    assert "--seq-len" in capsys.readouterr().err
+
+
+def test_group_query_attention_off_plans_one_key_value_head_per_query_head(tmp_path, capsys):
+    """Megatron-LM passes num_query_groups on only with group_query_attention: a YAML keeping the number with
+    GQA off builds MHA there (check planned 2 groups, and refused 3 groups at TP 2 though Megatron builds it)."""
+    code, text = _check(tmp_path, capsys, {"group_query_attention": False, "num_query_groups": 2})
+    assert code == 0 and "4 query heads / 4 key-value groups" in text, text
+    code, text = _check(tmp_path, capsys, {"group_query_attention": False, "num_query_groups": 3,
+                                           "tensor_model_parallel_size": 2})
+    assert code == 0, text
+
+
+def test_multi_latent_attention_is_planned_with_its_own_head_dims(tmp_path, capsys):
+    from primus_ext.megatron.facts import layer_facts
+
+    config = {**BASE, "multi_latent_attention": True, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+              "v_head_dim": 128, "hidden_size": 512}
+    facts = layer_facts(config, 1)
+    assert (facts.head_dim, facts.v_dim) == (192, 128)

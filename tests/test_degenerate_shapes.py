@@ -214,3 +214,49 @@ def test_a_layer_of_no_head_or_head_dim_is_refused_at_build(backend, fact):
         with pytest.raises(UnsupportedConfigError) as err:
             build_plan(settings(turbo_flex_attention_backend=backend), facts(**fact))
     assert "layer-shape" in err.value.codes
+
+
+# -- found by a hostile review of the crossings
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_q_and_k_of_different_batch_sizes_are_our_error(backend):
+    """Regression: torch's RuntimeError from SDPA (reference, turbo) or a hook refusal naming hooks the layer
+    has not (flex)."""
+    with _installed(backend):
+        layer = _layer(backend, {})
+        q, = _tensors([(2, 16, 4, 8)], backend, grad=False)
+        k, v = _tensors([(3, 16, 2, 8), (3, 16, 2, 8)], backend, grad=False)
+        with pytest.raises(UnsupportedInputError) as err:
+            layer(q, k, v)
+    assert err.value.codes == ("B34.qkv-shapes",)
+
+
+@pytest.mark.parametrize("path", list(MEGATRON))
+def test_a_megatron_call_of_two_batch_sizes_or_3d_without_packing_is_our_error(path):
+    """Regression: the direct path read a 3-D query's strides as sbhd (ValueError), and q and k of two batch sizes
+    reached SDPA."""
+    bf16 = path in ("direct", "turbo")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    with fake_primus_turbo():
+        module = PrimusTurboLocalAttention(gpt.config(kv_channels=16, bf16=bf16, params_dtype=dtype), 1,
+                                           AttnMaskType.causal, "self", settings=gpt.settings(**MEGATRON[path]))
+        module.eval()
+        with torch.no_grad():
+            for shapes, code in ((((16, 4, 16), (16, 2, 16), (16, 2, 16)), "B34.dense-rank"),
+                                 (((16, 2, 4, 16), (16, 3, 2, 16), (16, 3, 2, 16)), "B34.qkv-shapes")):
+                q, k, v = (torch.randn(s, dtype=dtype) for s in shapes)
+                with pytest.raises(UnsupportedInputError) as err:
+                    module(q, k, v, None)
+                assert code in err.value.codes
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex", "turbo"])
+@pytest.mark.parametrize("window", [(2 ** 31, 0), (2 ** 63, 0), (2 ** 64, 0)])
+def test_a_layer_window_past_int32_is_refused_at_build(backend, window):
+    """Regression: (2**63, 0) built and every key was masked; 2**64 raised OverflowError at the call."""
+    from primus_ext.errors import UnsupportedConfigError
+    from primus_ext.plan import build_plan
+
+    with fake_primus_turbo():
+        with pytest.raises(UnsupportedConfigError) as err:
+            build_plan(settings(turbo_flex_attention_backend=backend), facts(window_size=window))
+    assert "window-bound" in err.value.codes

@@ -183,3 +183,40 @@ def test_a_class_or_object_saying_it_is_torchs_is_not_trusted_as_code():
 
     assert not _is_code(Pretends())
     assert _is_code(torch.ops.aten.add.Tensor) and _is_code(torch.where)
+
+
+BIG = torch.zeros(8192)
+
+
+def by_big_table(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx - q_idx < BIG[0])
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_a_large_captured_tensor_written_behind_its_version_counter_rebuilds(how):
+    """Regression: past the old 4096-element snapshot bound a write through .data or numpy was unseen and the
+    cache served the causal BlockMask for a now full mask (0.96 off on a block-sparse kernel)."""
+    saved = BIG.clone()
+    try:
+        new = BIG.clone()
+        new[0] = 100000.0
+        cache, got, fresh = _masks(by_big_table, lambda: WRITES[how](BIG, new))
+        assert cache.builds == 2
+        assert torch.equal(got.to_dense(), fresh.to_dense())
+    finally:
+        BIG.copy_(saved)
+
+
+def test_a_tensor_too_large_to_watch_is_volatile_and_no_proof_rests_on_it():
+    from primus_ext.hooks.proof import prove_mask
+    from primus_ext.hooks.trace import SNAPSHOT_MAX
+
+    huge = torch.zeros(SNAPSHOT_MAX + 1)
+
+    def reads_huge(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx - q_idx < huge[0])
+
+    assert ("volatile",) in captured_state(reads_huge)
+    assert not same_state(captured_state(reads_huge), captured_state(reads_huge))
+    proof = prove_mask(reads_huge, num_heads=4)
+    assert proof.pattern is None and "too large to watch" in proof.reason

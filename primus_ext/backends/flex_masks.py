@@ -275,6 +275,7 @@ def captured_state(*hooks: Optional[Callable], snapshots: bool = True) -> tuple:
     stamps: list[tuple] = []
     seen: set[int] = set()
     stack: list[tuple[Any, frozenset]] = [(h, frozenset()) for h in hooks if h is not None]
+    # (a tensor too large to compare by value is volatile too: a write behind its version counter goes unseen)
     while stack and len(seen) < _LIMIT:
         obj, names = stack.pop()
         if obj is None or isinstance(obj, _VALUES):  # by value, every time: equal values may be one object
@@ -286,6 +287,8 @@ def captured_state(*hooks: Optional[Callable], snapshots: bool = True) -> tuple:
         seen.add(id(obj))
         if isinstance(obj, Tensor):
             stamps.append(_tensor_stamp(obj, snapshots))
+            if snapshots and obj.numel() > SNAPSHOT_MAX:
+                stamps.append(("volatile",))
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stamps.append(("container", type(obj), len(obj)))
             stack.extend((item, names) for item in (sorted(obj, key=repr) if isinstance(obj, (set, frozenset))

@@ -132,7 +132,7 @@ class TurboFlexAttention:
         if return_attn_probs:
             raise refuse(ATTN_PROBS)
         plan, q, k = self.plan, raw.q, raw.k
-        check_qkv(q, k, raw.v, (3,) if packed else (4,), packed)
+        check_qkv(q, k, raw.v, (3,) if packed else (4,), packed, batch_dim=None if packed else 0)
         check_heads(q, k, plan.num_heads, plan.num_kv_heads)
         check_head_dims(q, raw.v, plan.head_dim, plan.head_dim_v)
         if not torch.compiler.is_compiling():  # a compiled call's op checks them when the graph runs

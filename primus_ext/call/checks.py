@@ -36,9 +36,10 @@ def check_heads(q: Tensor, k: Tensor, heads: int, kv_heads: int) -> None:
         raise refuse(R.HEADS, q_heads=q.shape[-2], kv_heads=k.shape[-2], heads=heads, planned_kv=kv_heads)
 
 
-def check_qkv(q: Any, k: Any, v: Any, ranks: tuple[int, ...] = (3, 4), packed: bool = False) -> None:
+def check_qkv(q: Any, k: Any, v: Any, ranks: tuple[int, ...] = (3, 4), packed: bool = False,
+              batch_dim: Optional[int] = None) -> None:
     """q, k, v are floating tensors of one dtype, one device and one rank (one of ``ranks``: thd or bshd), of
-    shapes that fit and head dims of at least 1."""
+    shapes that fit (one batch size at ``batch_dim``, where the layout has one) and head dims of at least 1."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise refuse(R.QKV_TYPE, name=name, kind=type(t).__name__)
@@ -52,7 +53,8 @@ def check_qkv(q: Any, k: Any, v: Any, ranks: tuple[int, ...] = (3, 4), packed: b
         raise refuse(R.MIXED_RANKS, q=q.dim(), k=k.dim(), v=v.dim())
     if q.dim() not in ranks:  # before any shape is read: a 0-d or 2-D call has no head axis
         raise refuse(R.PACKED_RANK if packed else R.DENSE_RANK, rank=q.dim())
-    if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1]:
+    if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1] or (
+            batch_dim is not None and q.shape[batch_dim] != k.shape[batch_dim]):
         raise refuse(R.QKV_SHAPES, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape))
     if q.shape[-1] == 0 or v.shape[-1] == 0:
         raise refuse(R.HEAD_DIM, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape))

@@ -217,7 +217,7 @@ def _refusal_text(refused: Sequence[tuple[int, UnsupportedConfigError]]) -> list
 # ---------------------------------------------------------------------------- command
 def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: bool) -> str:
     heads = config.get("num_attention_heads")
-    groups = config.get("num_query_groups") or heads
+    groups = heads if config.get("group_query_attention") is False else (config.get("num_query_groups") or heads)
     if overridden:
         seq = f"seq_length {seq_length} (--seq-len)"
     elif config.get("seq_length"):
@@ -318,8 +318,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
         print(fragment_note(path, settings), file=out)
         return 0
     if seq_len is not None:
-        if seq_len < 1:
-            raise PrimusExtError(f"--seq-len must be a positive integer, got {seq_len}")
+        if not 1 <= seq_len <= 2 ** 31 - 1:
+            raise PrimusExtError(f"--seq-len must be a positive integer below 2**31, got {seq_len}")
         config["seq_length"] = seq_len
     problems = _model_problems(config)
     if problems:

@@ -219,7 +219,10 @@ def _rebinding_check(globals_: dict[str, Any], name: str, value: Any) -> Callabl
 _MISSING = object()
 
 
-SNAPSHOT_MAX = 4096  # captured tensors up to this size are also compared by value
+SNAPSHOT_MAX = 1 << 20
+"""Captured tensors up to this many elements are also compared by value (a write through ``.data``, numpy or
+the storage bumps no version counter); a larger one cannot be watched, so no proof rests on it and flex
+rebuilds its BlockMask at every call."""
 
 
 def _tensor_check(tensor: torch.Tensor) -> Callable[[], bool]:
@@ -259,6 +262,11 @@ def _classify(trace: HookTrace, name: str, value: Any, where: str, rebind: Optio
             trace.assumptions.append(Assumption(f"{label} is the same object", rebind))
         return
     if isinstance(value, torch.Tensor):
+        if value.numel() > SNAPSHOT_MAX:
+            trace.reads.append(f"{label} (a tensor)")
+            trace.dynamic.append(f"{label}, a tensor of {value.numel()} elements, too large to watch for writes "
+                                 f"that bump no version counter (at most {SNAPSHOT_MAX})")
+            return
         trace.tensor_names.setdefault(id(value), name)
         check = _tensor_check(value)
         holds = check if rebind is None else (lambda c=check, r=rebind: r() and c())

@@ -181,6 +181,8 @@ class TurboAttentionCore:
         check_head_dims(query, value, self.plan.head_dim, self.plan.head_dim_v)
         fmt = qkv_format(packed_seq_params, self.default_qkv_format)
         packed = self._packing(packed_seq_params, fmt)
+        if packed is None:  # a dense call: sbhd (or bshd), with one batch size for q and k
+            check_qkv(query, key, value, (4,), batch_dim=1 if fmt == "sbhd" else 0)
         check_packing(self.plan.packed, packed is not None, self.plan.eod_documents)
         dropout_p = self.dropout if training else 0.0  # B30
         plan = self.plan

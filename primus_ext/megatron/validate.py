@@ -23,9 +23,6 @@ FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"
           "fp16", "cp_comm_type")
 """The ``TransformerConfig`` fields a YAML's keys give one for one (the others keep megatron-core's defaults)."""
 
-_CHECKED = ("num_attention_heads", "num_query_groups", "tensor_model_parallel_size", "context_parallel_size",
-            "pipeline_model_parallel_size", "hidden_size", "kv_channels", "num_layers")
-
 
 def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     """megatron-core's refusal of these keys as a ``TransformerConfig`` (empty: it builds); the keys must have
@@ -33,6 +30,8 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     values = {key: config[key] for key in FIELDS if config.get(key) is not None}
+    if config.get("group_query_attention") is False:  # Megatron-LM then passes no num_query_groups
+        values.pop("num_query_groups", None)
     heads = values["num_attention_heads"]
     values.setdefault("num_layers", 1)
     if "hidden_size" not in values:
@@ -52,8 +51,11 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
             warnings.simplefilter("ignore")
             TransformerConfig(**values)
     except (ValueError, AssertionError, TypeError) as exc:
-        named = tuple(k for k in _CHECKED if k in config and k in str(exc)) or tuple(
-            k for k in _CHECKED if k in config)
+        text = str(exc).lower()
+        # the keys megatron-core's message names ("sequence parallelism" names sequence_parallel), else every key
+        named = tuple(k for k in FIELDS if k in values and config.get(k) is not None and (
+            k in text or k.replace("_", " ").removesuffix(" size") in text)) or tuple(
+            k for k in FIELDS if config.get(k) is not None)
         return [Reason(named, f"megatron-core's TransformerConfig refuses these model keys: {exc}",
                        "choose values megatron-core builds (heads and query groups divisible by "
                        "tensor_model_parallel_size, ...).", "megatron-config")]

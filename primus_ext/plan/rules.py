@@ -209,6 +209,10 @@ RULES: Tuple[Rule, ...] = (
          lambda c: min(c.facts.num_heads, c.facts.head_dim, c.facts.v_dim) < 1 or any(
              given is not None and given < 1 for given in (c.facts.num_kv_heads, c.facts.head_dim_v)) or (
              c.facts.seq_length is not None and c.facts.seq_length < 1)),
+    Rule("window-bound", ("window_size", "sink_sliding_window"),
+         "the layer's window {window} has a bound past 2**31 - 1: the kernels take bounds as int32, and no sequence "
+         "is that long.", "use -1 for an unbounded side of the window.",
+         lambda c: c.window is not None and any(bound > 2 ** 31 - 1 or bound < -1 for bound in c.window)),
     Rule("heads", ("num_attention_heads", "num_query_groups"),
          "query heads ({heads}) are not a multiple of key/value heads ({kv_heads}).",
          "choose num_query_groups dividing num_attention_heads.",

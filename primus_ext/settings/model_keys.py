@@ -27,15 +27,21 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+INT32_MAX = 2 ** 31 - 1
+"""Lengths, window bounds and sizes past this fit no kernel argument (int32) and no machine."""
+
+
 def _positive(key: str, value: Any, config: Mapping[str, Any]) -> Optional[str]:
-    return None if _int(value) and value > 0 else f"{key} must be a positive integer (for example {key}: 8)"
+    if _int(value) and 0 < value <= INT32_MAX:
+        return None
+    return f"{key} must be a positive integer below 2**31 (for example {key}: 8)"
 
 
 def _window(key: str, value: Any, config: Mapping[str, Any]) -> Optional[str]:
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(_int(v) and v >= -1 for v in value):
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(_int(v) and -1 <= v <= INT32_MAX for v in value):
         return None
-    return (f"{key} must be a list of two integers [left, right], each -1 (unbounded) or >= 0, as megatron-core "
-            f"takes it (for example {key}: [128, 0])")
+    return (f"{key} must be a list of two integers [left, right], each -1 (unbounded) or 0 to 2**31 - 1, as "
+            f"megatron-core takes it (for example {key}: [128, 0])")
 
 
 def _skip_freq(key: str, value: Any, config: Mapping[str, Any]) -> Optional[str]:
@@ -91,7 +97,9 @@ READERS: dict[str, Reader] = {
     "attention_dropout": _probability, "softmax_scale": _scale,
     "softmax_type": _choice("vanilla", "off-by-one", "learnable"),
     "position_embedding_type": _text, "cp_comm_type": _comm,
-    "bf16": _bool, "fp16": _bool, "sequence_parallel": _bool,
+    "bf16": _bool, "fp16": _bool, "sequence_parallel": _bool, "group_query_attention": _bool,
+    "multi_latent_attention": _bool, "qk_head_dim": _positive, "qk_pos_emb_head_dim": _positive,
+    "v_head_dim": _positive,
     "params_dtype": _choice("fp32", "float32", "torch.float32", "float", "bf16", "bfloat16", "torch.bfloat16",
                             "fp16", "float16", "torch.float16", "half"),
 }
@@ -106,6 +114,12 @@ def model_key_problems(config: Mapping[str, Any]) -> list[Reason]:
     for key in REQUIRED:
         if config.get(key) is None:
             reasons.append(Reason((key,), f"{key} is not set; the plans need it (for example {key}: 8)."))
+    if config.get("multi_latent_attention") is True and any(
+            config.get(key) is None for key in ("qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")):
+        reasons.append(Reason(("multi_latent_attention", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"),
+                              "multi_latent_attention needs qk_head_dim, qk_pos_emb_head_dim and v_head_dim: its "
+                              "head dims come from them (for example qk_head_dim: 128, qk_pos_emb_head_dim: 64, "
+                              "v_head_dim: 128)."))
     if config.get("kv_channels") is None and config.get("hidden_size") is None:
         reasons.append(Reason(("kv_channels", "hidden_size"), "kv_channels or hidden_size must be set: the head dim "
                               "comes from one (for example kv_channels: 128)."))

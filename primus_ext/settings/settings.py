@@ -268,8 +268,8 @@ def _check_window(key: str, value: Any) -> Optional[Reason]:
     if isinstance(value, bool) or not isinstance(value, int):
         return Reason(settings=(key,), reason=f"{key} must be an integer, got {type_name(value)}.",
                       alternative=f"write '{key}: 0' for no window or a window width such as 128.")
-    if value < 0:
-        return Reason(settings=(key,), reason=f"{key} must be >= 0, got {value}.",
+    if value < 0 or value > 2 ** 31 - 1:
+        return Reason(settings=(key,), reason=f"{key} must be >= 0 and below 2**31, got {value}.",
                       alternative="use 0 for no window, or W > 0 for a causal window of W keys "
                                   "to the left of each token.")
     return None

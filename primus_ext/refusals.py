@@ -401,6 +401,10 @@ FLEX_UNSUPPORTED = rule(
     "{what} on the flex backend: torch's flex_attention has no dropout, takes no bias tensor and is not shown "
     "to have a deterministic backward, so it would be ignored.",
     "set turbo_flex_attention_backend: reference (exact torch math, any device), or {instead}.")
+FLEX_DEVICE = rule(
+    "B34.flex-device", ("turbo_flex_attention_backend",),
+    "tensors on the {device} device on the flex backend: torch's FlexAttention runs on {devices} only.",
+    "set turbo_flex_attention_backend: reference, which runs on any device (the meta device included).")
 FLEX_TRACE = rule(
     "B34.flex-trace", ("turbo_flex_attention_backend", "turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
     "torch's flex_attention could not trace the hook ({error}): FlexAttention compiles a hook into its kernel, and "

@@ -184,6 +184,8 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B26": lambda: adapter(settings())(*qkv(), return_attn_probs=True),
     "B31.assumption": _hook_assumption,
     "B34.hook-changed": _hook_changed,
+    "B34.flex-device": lambda: adapter(settings(turbo_flex_attention_backend="flex"))(
+        *(t.to("meta") for t in qkv(dtype=torch.float32))),
     "B34.mask-length": lambda: adapter(settings(**DOCUMENTS))(*qkv(s=12)),
     "B34.unequal-lengths": lambda: adapter(turbo())(*qkv(skv=12), causal=True),
     "B34.unplanned-sink": lambda: adapter(settings())(*qkv(), sink=torch.zeros(4)),

@@ -51,6 +51,13 @@ BLOCK_SIZE = 128
 _COMPILED: dict[str, Callable[..., Any]] = {}
 
 
+_DEVICES = ("cpu", "cuda", "xpu", "hpu")
+"""Devices torch's FlexAttention runs on (its own check, which would name the hook)."""
+_FUSED = ("cuda", "xpu")
+"""Devices torch's flex functions are compiled for (a GPU: ROCm's is ``cuda`` too); elsewhere (the CPU, the
+meta device of shape inference) they run eagerly."""
+
+
 def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile(fn)``, once per process (torch's flex functions fuse only when compiled)."""
     if name not in _COMPILED:
@@ -145,7 +152,7 @@ class FlexBackend(AttentionBackend):
     def _create(self, mask_mod: Callable, batch: Optional[int], heads: Optional[int], q_len: int, kv_len: int,
                 device: torch.device) -> Any:
         build = create_block_mask
-        if device.type != "cpu" and not torch.compiler.is_compiling():
+        if device.type in _FUSED and not torch.compiler.is_compiling():
             build = _compiled("create_block_mask", create_block_mask)
         try:
             return build(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=self.block_size)
@@ -156,7 +163,7 @@ class FlexBackend(AttentionBackend):
     def _kernel(self, device: torch.device) -> Callable[..., Any]:
         if self.kernel is not None:
             return self.kernel
-        if device.type == "cpu" or torch.compiler.is_compiling():
+        if device.type not in _FUSED or torch.compiler.is_compiling():
             return flex_attention
         return _compiled("flex_attention", flex_attention)
 
@@ -219,6 +226,8 @@ class FlexBackend(AttentionBackend):
         if call.deterministic:
             raise R.refuse(R.FLEX_UNSUPPORTED, what="deterministic=True", setting="deterministic_mode",
                            instead="deterministic_mode: false")
+        if self.kernel is None and q.device.type not in _DEVICES:
+            raise R.refuse(R.FLEX_DEVICE, device=q.device.type, devices=", ".join(_DEVICES))
         if self.kernel is None and q.device.type == "cpu" and torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (q, k, v, call.sink)):
             raise R.refuse(R.FLEX_CPU_GRAD)

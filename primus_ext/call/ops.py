@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..backends.base import CallArgs, KernelPair, kernel_rng
 from ..backends.dispatch_keys import autograd_keys_lifted
-from .checks import assert_boundaries
+from .checks import assert_boundaries, no_queries
 from .op_rng import rng_restored, rng_size, rng_snapshot
 
 NAMESPACE = "primus_ext"
@@ -148,6 +148,11 @@ FORWARD_STATES = _ForwardStates()
 
 def _run_forward(handle: int, a: CallArgs, lse_shape: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
     """The forward ops' body: the kernel pair's forward, or the target's eager call."""
+    if no_queries(a.q, a.cu_q is not None):  # what an eager call returns, after what it checks of the plan
+        target(handle).check_in_graph(a)
+        rng = rng_snapshot(a.q.device, a.dropout_p) if a.dropout_p > 0 else kernel_rng(a)
+        return (a.q.new_zeros((*a.q.shape[:-1], a.v.shape[-1])), a.q.new_zeros(lse_shape, dtype=_lse_dtype(a.q)),
+                rng)
     target(handle).check(a)
     target(handle).check_in_graph(a)
     out, lse, rng = _forward(handle, a, lse_shape)
@@ -177,6 +182,8 @@ def _run_backward(handle: int, a: CallArgs, grad_out: Tensor, out: Tensor, lse: 
     target(handle).check_hook_state(FORWARD_STATES.pop(rng_state))  # before the hooks are evaluated again
     dense = a.cu_q is None
     like = [a.q, a.k, a.v, a.sink, a.alibi] + ([a.bias] if dense else [])
+    if no_queries(a.q, not dense):
+        return tuple(_fit(None, t, a.q) for t in like)
     pair = _pair(handle, a)
     if pair is not None:
         with torch.no_grad(), autograd_keys_lifted():

@@ -224,8 +224,8 @@ class TurboAttentionCore:
             a = CallArgs(q_bshd, k_bshd, v_bshd, None, None, q_bshd.shape[1], k_bshd.shape[1], fp32_sink(sink), None,
                          None, causal, window, plan.scale, dropout_p, plan.deterministic)
             self.direct.check(a)
-            out_bshd = empty_result(q_bshd, k_bshd, v_bshd, a.sink, False, False) if no_queries(q_bshd, False) \
-                else run_call(self.handle, a)
+            out_bshd = empty_result(q_bshd, k_bshd, v_bshd, a.sink, False, False) if no_queries(q_bshd, False) and \
+                not torch.compiler.is_compiling() else run_call(self.handle, a)
         out = out_bshd.transpose(0, 1) if fmt == "sbhd" else out_bshd  # Megatron's own layout again
         if self.cp is not None:
             out = self.cp.gather(out, fmt)
@@ -304,7 +304,7 @@ class TurboAttentionCore:
         a = CallArgs(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, None, causal, window,
                      self.plan.scale, dropout_p, self.plan.deterministic)
         self.direct.check(a)
-        if no_queries(q_thd, True):
+        if no_queries(q_thd, True) and not torch.compiler.is_compiling():
             return empty_result(q_thd, k_thd, v_thd, a.sink, True, False)
         return run_call(self.handle, a)
 

@@ -328,3 +328,29 @@ def test_regression_a_drop_in_call_is_planned_on_the_layers_backend_not_auto_aga
     want, _ = oracle.attention(q, k, v, oracle.flash_mask(4, 4, causal=True, window=(-1, -1), align="top_left"),
                                sink=sink, score_fn=user_hooks.alibi)
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_regression_a_compiled_call_without_queries_still_checks_the_proofs_assumptions():
+    """An eager call of no query refuses a proof whose captured table changed (B31.assumption) before returning
+    the empty result; compiled, the empty result came before the op, which checks it (found by the long
+    profile: a changed per-head width table, sequence 0, aot_eager)."""
+    from tests.fuzz import user_hooks
+
+    with fake_primus_turbo():
+        layer = adapter(settings(turbo_flex_attention_backend="turbo",
+                                 turbo_flex_attention_mask_mod="tests.fuzz.user_hooks:head_width_table"),
+                        facts(num_heads=1, num_kv_heads=1, head_dim=2))
+        q, k, v = qkv(b=1, s=0, hq=1, hkv=1, d=2, dtype=torch.float32)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: layer(q, k, v, causal=False, window_size=(-1, -1)),
+                                 fullgraph=True, backend="aot_eager")
+        assert compiled(q, k, v).shape == (1, 0, 1, 2)
+        saved = user_hooks.HEAD_WIDTHS.clone()
+        try:
+            user_hooks.HEAD_WIDTHS[0] += 1
+            with pytest.raises(UnsupportedInputError) as err:
+                compiled(q, k, v)
+            assert "B31.assumption" in err.value.codes
+        finally:
+            with torch.no_grad():
+                user_hooks.HEAD_WIDTHS.copy_(saved)

@@ -7,9 +7,11 @@ sinks or not, causal, full or windowed, a mask hook reading the head index and p
 (ALiBi, a softcap, the identity), GQA, eager or compiled (``fullgraph``).  A rank builds megatron-core's core
 attention for its heads (TP: its column split, hooks proven for its global heads) and takes its rows of the
 batch with megatron-core's own load-balanced ``get_batch_on_this_cp_rank`` (CP), then runs forward and backward.
-Each case must be refused on every rank alike (our error, the same codes) or match the float64 oracle of the
-whole batch on every rank: output, q/k/v gradients and the sink's (summed over the CP ranks as Megatron's
-gradient reduction sums it).  A refusal on one rank only, a mismatch or any other exception fails.
+Each case must be refused (our error) or match the float64 oracle of the whole batch on every rank: output,
+q/k/v gradients and the sink's (summed over the CP ranks as Megatron's gradient reduction sums it).  A layer
+may be refused at build on some ranks only (each rank's hooks are proven for its own heads: a head-0 exception
+is no kernel mask on TP rank 0 and causal on rank 1); then no rank runs it.  A call refused on one rank only,
+ranks that disagree on what they ran, a mismatch or any other exception fails.
 
 Profiles: ``ci`` runs a few cases per world, ``long`` (``PRIMUS_FUZZ_PROFILE=long``) 250 per world.
 """
@@ -103,11 +105,13 @@ def run_case(case: RankCase, tp: int, cp: int, seed: int) -> tuple[str, str]:
         module, built, refusal = None, 0, ("refused", ",".join(err.codes) or "build")
     flag = torch.tensor([built])
     dist.all_reduce(flag, op=dist.ReduceOp.SUM)  # the harness's own agreement: never run a half-built world
-    if int(flag) not in (0, tp * cp):
-        return "mismatched", f"built on {int(flag)} of {tp * cp} ranks"
     if module is None:
         return refusal
+    if int(flag) != tp * cp:  # a rank's plan is proven for its own heads: others may refuse theirs at build
+        return "refused", "on another rank"
     part = tp_part(megatron_split(whole), tp, case.hq)
+    if case.layer.compiled:
+        torch._dynamo.reset()  # each case's module is another object: Dynamo's cache would hit its recompile limit
     try:
         got = run(module, part, compiled=case.layer.compiled)
     except PrimusExtError as err:
@@ -156,6 +160,9 @@ def test_every_rank_agrees_and_matches_the_oracle(world, tmp_path, fuzz_tally):
     problems = []
     for i, per_rank in enumerate(zip(*records)):
         outcomes = {(r["outcome"], r["detail"] if r["outcome"] == "refused" else "") for r in per_rank}
+        if all(r["outcome"] == "refused" for r in per_rank) and any(r["detail"] == "on another rank"
+                                                                    for r in per_rank):
+            outcomes = {("refused", "at build, on some ranks")}
         bad = [r for r in per_rank if r["outcome"] in ("mismatched", "foreign")]
         if len(outcomes) > 1 and not bad:
             bad = [dict(per_rank[0], outcome="mismatched", detail=f"ranks disagree: {sorted(outcomes)}")]

@@ -96,3 +96,22 @@ def test_unchanged_the_gradients_are_the_oracles_and_a_change_after_the_backward
         for got, ref in zip((q, k, v), refs):
             torch.testing.assert_close(got.grad, ref.grad, rtol=1e-7, atol=1e-7)
         CHANGES[change]()  # after the backward: the next step reads the new values
+
+
+def test_a_compiled_forward_without_a_backward_keeps_no_hook_state(restored):
+    """The stamp a compiled forward keeps for its backward (small captured tensors copied) goes with the
+    forward's rng_state: inference calls keep nothing, and a step's entries go with its backward."""
+    from primus_ext.call.ops import FORWARD_STATES
+
+    layer = _layer("reference", "a captured tensor written in place")
+    compiled = _run(layer, "aot_eager")
+    before = len(FORWARD_STATES)
+    with torch.no_grad():
+        for _ in range(5):
+            compiled(*qkv())
+    assert len(FORWARD_STATES) == before
+    q, k, v = qkv(grad=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    del out
+    assert len(FORWARD_STATES) == before

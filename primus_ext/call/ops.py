@@ -124,17 +124,22 @@ def _contiguous(t: Tensor) -> Tensor:
 
 class _ForwardStates:
     """What the hooks read at each compiled forward still awaiting its backward, by the forward's ``rng_state``
-    output, which the backward op receives as the same tensor (bounded: a forward never backed-up is dropped)."""
+    output, which the backward op receives as the same tensor.  An entry goes with that tensor: a forward whose
+    graph keeps no backward (inference) frees it at once; the bound is for graphs kept without a backward."""
 
     LIMIT = 4096
 
     def __init__(self) -> None:
         self._states: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
 
+    def __len__(self) -> int:
+        return len(self._states)
+
     def put(self, rng: Tensor, state: Optional[tuple]) -> None:
         if state is None:
             return
-        self._states[id(rng)] = (weakref.ref(rng), state)
+        key = id(rng)
+        self._states[key] = (weakref.ref(rng, lambda _, k=key: self._states.pop(k, None)), state)
         while len(self._states) > self.LIMIT:
             self._states.popitem(last=False)
 

@@ -485,6 +485,15 @@ CP_MASK_VALUES = rule(
     "attention_mask is not this context-parallel rank's rows of Megatron's causal mask (a document mask from "
     "reset_attention_mask, or another mask); the layer would ignore it (B25, B34).", _CP_MASK_ALTERNATIVE)
 
+# -- what the ranks of one layer agree on (`primus_ext.megatron.rank_agreement`) ---------------
+RANK_REFUSED = rule(
+    "B34.rank", ("tensor_model_parallel_size", "context_parallel_size"),
+    "rank {rank} of this layer's tensor-and-context-parallel group refused this call ({code}): its inputs "
+    "(attention mask, boundaries) are not what the layer takes. Every rank of the group refuses the call together, "
+    "before its first collective, so none waits alone in an exchange.",
+    "read rank {rank}'s error, which names its setting or argument and the alternative; give every rank of the group "
+    "inputs the layer takes (Megatron's own get_batch and get_batch_on_this_cp_rank do).")
+
 # -- the Ulysses exchange (`primus_ext.backends.context_parallel`) ------------------------------
 CP_LENGTH = rule(
     "B22", ("context_parallel_size",),

@@ -69,6 +69,12 @@ def _keep_in_graph() -> bool:
 KEPT_IN_GRAPH = _keep_in_graph()
 """False on a torch without effect registration: compiled checks then use the device-side assert."""
 
+DEFERRED: list[list[tuple[Tensor, str, Callable[[], PrimusExtError]]]] = []
+"""Open collections of value checks (`primus_ext.megatron.rank_agreement`): while one is open, a
+check is recorded there and asserted only after the ranks of a group have agreed, so that a
+device-side assert never leaves one rank alone in a collective.  On CPU, eagerly, a failing
+check still raises at once: nothing after it runs on the refused values."""
+
 
 
 def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]) -> None:
@@ -76,8 +82,14 @@ def assert_on_device(ok: Tensor, why: str, refusal: Callable[[], PrimusExtError]
 
     On CPU it fails at once and ``refusal()`` is raised instead (our error type); on a GPU
     it fails later as a device-side assert with ``why``.  Inside a compiled graph the check
-    is the op `check_op.refuse_unless`, which does the same when the graph runs.
+    is the op `check_op.refuse_unless`, which does the same when the graph runs.  While a
+    collection is open (`DEFERRED`) the check is recorded there instead.
     """
+    if DEFERRED:
+        DEFERRED[-1].append((ok, why, refusal))
+        if not torch.compiler.is_compiling() and ok.device.type == "cpu" and not bool(ok):
+            raise refusal()
+        return
     if torch.compiler.is_compiling():
         if KEPT_IN_GRAPH:
             torch.ops.primus_ext.refuse_unless(ok, refusal_id(why, refusal))
@@ -121,4 +133,4 @@ def tensor_version(t: Tensor) -> Optional[int]:
     except RuntimeError:
         return None
 
-__all__ = ["KEPT_IN_GRAPH", "assert_on_device", "check_same_boundaries", "refusal_id", "refuse_unless", "tensor_version"]
+__all__ = ["DEFERRED", "KEPT_IN_GRAPH", "assert_on_device", "check_same_boundaries", "refusal_id", "refuse_unless", "tensor_version"]

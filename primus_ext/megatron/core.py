@@ -9,6 +9,7 @@ flex adapter or the direct entries, chosen and checked at construction.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from typing import Any, Optional, Tuple
@@ -37,6 +38,7 @@ from .call_contract import MaskCheck, qkv_format
 from .context_parallel import LayerContextParallel, layer_context_parallel
 from .document_mask import document_boundaries
 from .facts import layer_facts
+from .rank_agreement import RankAgreement, agreement_group
 
 
 CONTEXT = "Megatron core attention"
@@ -114,6 +116,7 @@ class TurboAttentionCore:
         # of the whole sequence (`primus_ext.megatron.context_parallel`); None at CP 1.
         self.cp: Optional[LayerContextParallel] = layer_context_parallel(
             self.facts.context_parallel_size, pg_collection, self.check_mask.layer_is_causal, self.check_mask.what)
+        self.agreement = RankAgreement(agreement_group(pg_collection))
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None
         if self.plan.flex:
@@ -175,6 +178,16 @@ class TurboAttentionCore:
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Any = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params: Any = None, *, sink: Optional[Tensor] = None, training: bool = False) -> Tensor:
+        # Every check first, agreed by the ranks of the group where it read this rank's data
+        # (`rank_agreement`); then the call: the exchange, the kernel, the exchange back.
+        call = self.agreement.run(self.agreement.needed(attention_mask, packed_seq_params), lambda: self._checked(
+            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params, sink, training))
+        return self._run(call)
+
+    def _checked(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                 attn_mask_type: Any, attention_bias: Optional[Tensor], packed_seq_params: Any,
+                 sink: Optional[Tensor], training: bool) -> "_Call":
+        """Everything this call is refused for, before anything of it runs."""
         self._check_call(attn_mask_type, attention_bias)
         check_qkv(query, key, value)
         check_heads(query, key, self.facts.num_heads, self.facts.kv_heads)
@@ -189,40 +202,51 @@ class TurboAttentionCore:
         if plan.sink and sink is None:
             raise refuse(MISSING_SINK, CONTEXT)
         seq = 0 if packed is not None or fmt == "sbhd" else 1
+        call = _Call(query, key, value, fmt, dropout_p, sink)
         if self.cp is not None:
             if packed is not None:
                 raise self.cp.packed_refusal()
-            # Ulysses (before any collective, every check every rank makes alike): this rank's heads of
-            # the whole sequence, in sequence order, and its slice of the sink.
             self.cp.check_mask(attention_mask, query.shape[seq], key.shape[seq])
             self._check_lengths(query.shape[seq] * self.cp.ulysses.size, key.shape[seq] * self.cp.ulysses.size)
-            query, key, value = self.cp.scatter(query, key, value, fmt)
-            sink = self.cp.sink(sink)
-        elif packed is None:
+            return call
+        if packed is None:
             self._check_lengths(query.shape[seq], key.shape[seq])
             if plan.mask_documents:
-                return self._documents_from_mask(query, key, value, attention_mask, fmt, dropout_p, sink)
+                return self._documents_from_mask(call, attention_mask)
             self.check_mask(attention_mask, query.shape[seq], key.shape[seq])
-        elif attention_mask is not None:
+            return call
+        if attention_mask is not None:
             raise refuse(MASK_WITH_THD, CONTEXT)
+        squeeze = query.dim() == 4
+        q_thd, k_thd, v_thd = (t.squeeze(1) if squeeze else t for t in (query, key, value))
+        if self.storage != "as-given":  # as upstream Primus does; megatron-core's value is a split view
+            q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
+        return self._checked_packed(_Call(q_thd, k_thd, v_thd, fmt, dropout_p, sink, squeeze=squeeze), packed)
+
+    def _run(self, call: "_Call") -> Tensor:
+        plan = self.plan
+        query, key, value, fmt, sink = call.query, call.key, call.value, call.fmt, call.sink
+        if call.packed is not None:
+            out_thd = self._packed(call)
+            if call.rows is not None:  # the documents of a dense call: Megatron's own layout again
+                out = out_thd.flatten(1).unflatten(0, call.rows)
+                return out.transpose(0, 1) if fmt == "sbhd" else out
+            out = out_thd.flatten(1)  # [T, H * Dv], also for no token
+            return out.unsqueeze(1) if call.squeeze else out
+        if self.cp is not None:
+            # Ulysses: this rank's heads of the whole sequence, in sequence order, and its slice of the sink.
+            query, key, value = self.cp.scatter(query, key, value, fmt)
+            sink = self.cp.sink(sink)
         hooked = plan.mask_mod is not None
         causal = plan.causal and not hooked
         window = (-1, -1) if hooked else plan.window
-        if packed is not None:
-            squeeze = query.dim() == 4
-            q_thd, k_thd, v_thd = (t.squeeze(1) if squeeze else t for t in (query, key, value))
-            if self.storage != "as-given":  # as upstream Primus does; megatron-core's value is a split view
-                q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
-            out_thd = self._packed(q_thd, k_thd, v_thd, packed, dropout_p, causal, window, sink)
-            out = out_thd.flatten(1)  # [T, H * Dv], also for no token
-            return out.unsqueeze(1) if squeeze else out
         q_bshd, k_bshd, v_bshd = kernel_views(query, key, value, self.storage, fmt)  # as the self-test feeds them
         if self.adapter is not None:
-            out_bshd = self.adapter(q_bshd, k_bshd, v_bshd, dropout_p=dropout_p, causal=causal, window_size=window,
-                                    sink=sink, deterministic=plan.deterministic)
+            out_bshd = self.adapter(q_bshd, k_bshd, v_bshd, dropout_p=call.dropout_p, causal=causal,
+                                    window_size=window, sink=sink, deterministic=plan.deterministic)
         else:
             a = CallArgs(q_bshd, k_bshd, v_bshd, None, None, q_bshd.shape[1], k_bshd.shape[1], fp32_sink(sink), None,
-                         None, causal, window, plan.scale, dropout_p, plan.deterministic)
+                         None, causal, window, plan.scale, call.dropout_p, plan.deterministic)
             self.direct.check(a)
             out_bshd = empty_result(q_bshd, k_bshd, v_bshd, a.sink, False, False) if no_queries(q_bshd, False) and \
                 not torch.compiler.is_compiling() else run_call(self.handle, a)
@@ -261,12 +285,12 @@ class TurboAttentionCore:
             return TOP_LEFT.code, ()
         return None
 
-    def _documents_from_mask(self, query: Tensor, key: Tensor, value: Tensor, mask: Any, fmt: str,
-                             dropout_p: float, sink: Optional[Tensor]) -> Tensor:
+    def _documents_from_mask(self, call: "_Call", mask: Any) -> "_Call":
         """A dense call of a ``reset_attention_mask`` layer: the documents of Megatron's mask
         (`primus_ext.megatron.document_mask`), run as one THD sequence of ``B * S`` tokens."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        query, key, value, fmt = call.query, call.key, call.value, call.fmt
         rows = 1 if fmt == "sbhd" else 0
         batch, q_len, kv_len = query.shape[rows], query.shape[1 - rows], key.shape[1 - rows]
         cu = document_boundaries(mask, batch, q_len, kv_len, self.settings.reset_attention_mask_max_documents)
@@ -277,12 +301,12 @@ class TurboAttentionCore:
             q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=q_len,
                                  max_seqlen_kv=kv_len)
-        out_thd = self._packed(q_thd, k_thd, v_thd, params, dropout_p, self.plan.causal, self.plan.window, sink)
-        out = out_thd.flatten(1).unflatten(0, (batch, q_len))
-        return out.transpose(0, 1) if fmt == "sbhd" else out  # Megatron's own layout again
+        return self._checked_packed(_Call(q_thd, k_thd, v_thd, fmt, call.dropout_p, call.sink, rows=(batch, q_len),
+                                          causal=self.plan.causal, window=self.plan.window), params)
 
-    def _packed(self, q_thd: Tensor, k_thd: Tensor, v_thd: Tensor, params: Any, dropout_p: float, causal: bool,
-                window: Tuple[int, int], sink: Optional[Tensor]) -> Tensor:
+    def _checked_packed(self, call: "_Call", params: Any) -> "_Call":
+        """A thd call with its boundaries checked (on the device: `check_packed`) before any kernel runs."""
+        q_thd, k_thd = call.query, call.key
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
             if isinstance(cu, Tensor) and cu.device != q_thd.device:  # before any comparison of the two
@@ -295,18 +319,44 @@ class TurboAttentionCore:
         # Missing max_seqlen: the token count bounds it, with no host read of the boundaries.
         max_q = params.max_seqlen_q if params.max_seqlen_q is not None else q_thd.shape[0]
         max_kv = params.max_seqlen_kv if params.max_seqlen_kv is not None else k_thd.shape[0]
+        checked = check_packed(q_thd, k_thd, cu_q, cu_kv, max_q, max_kv, equal_documents=self.plan.equal_documents)
+        # The adapter takes the boundaries as its callers give them (its own check then knows them proven).
+        return dataclasses.replace(call, packed=(cu_q, cu_kv, max_q, max_kv) if self.adapter is not None else checked)
+
+    def _packed(self, call: "_Call") -> Tensor:
+        q_thd, k_thd, v_thd = call.query, call.key, call.value
+        cu_q, cu_kv, max_q, max_kv = call.packed
+        plan = self.plan
+        hooked = plan.mask_mod is not None
+        causal = call.causal if call.causal is not None else plan.causal and not hooked
+        window = call.window if call.window is not None else ((-1, -1) if hooked else plan.window)
         if self.adapter is not None:
-            return self.adapter.varlen(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, dropout_p=dropout_p,
-                                       causal=causal, window_size=window, deterministic=self.plan.deterministic,
-                                       sink=sink)
-        cu_q, cu_kv, max_q, max_kv = check_packed(q_thd, k_thd, cu_q, cu_kv, max_q, max_kv,  # as the adapter does
-                                                  equal_documents=self.plan.equal_documents)
-        a = CallArgs(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, fp32_sink(sink), None, None, causal, window,
-                     self.plan.scale, dropout_p, self.plan.deterministic)
+            return self.adapter.varlen(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, dropout_p=call.dropout_p,
+                                       causal=causal, window_size=window, deterministic=plan.deterministic,
+                                       sink=call.sink)
+        a = CallArgs(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, fp32_sink(call.sink), None, None, causal, window,
+                     plan.scale, call.dropout_p, plan.deterministic)
         self.direct.check(a)
         if no_queries(q_thd, True) and not torch.compiler.is_compiling():
             return empty_result(q_thd, k_thd, v_thd, a.sink, True, False)
         return run_call(self.handle, a)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A checked call of one layer: its tensors as the kernel takes them, and what it runs with."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    fmt: str
+    dropout_p: float
+    sink: Optional[Tensor]
+    packed: Optional[tuple] = None  # (cu_q, cu_kv, max_q, max_kv) of a thd call
+    squeeze: bool = False  # a thd call given as [T, 1, H, D]
+    rows: Optional[Tuple[int, int]] = None  # (B, S) of a dense call run as its mask's documents
+    causal: Optional[bool] = None  # the documents' own flags (None: the plan's)
+    window: Optional[Tuple[int, int]] = None
 
 
 __all__ = ["TurboAttentionCore"]

@@ -293,6 +293,8 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.cp-mask-shape": lambda: cp_layer()(*sbhd(), causal_mask(1, 16, 16)[None, None]),
     "B34.cp-mask-values": lambda: cp_layer()(*sbhd(), torch.zeros(2, 1, 16, 32, dtype=torch.bool)),
     "B22": lambda: cp_layer()(*sbhd(s=7), None),
+    # an accepting rank of two, after rank 0 refused (the multi-process case: tests/megatron/test_rank_agreement.py)
+    "B34.rank": lambda: other_rank_refused(),
     # reset_attention_mask on dense batches: the documents read from Megatron's mask
     "B25.no-mask": lambda: megatron(keys=RESET)(*sbhd(), None),
     "B25.mask-shape": lambda: megatron(keys=RESET)(*sbhd(), causal_mask(1, 16, 16)[None, None].float()),
@@ -327,6 +329,14 @@ def _route_refused():
 
 ARCHES = {"B33": "gfx942", "B36.max-tensor": "gfx950", "B36.unequal": "gfx950"}
 """The device the fake presents for triggers that need a known arch (else none: the arch is unknown)."""
+
+
+def other_rank_refused() -> None:
+    from primus_ext.megatron.rank_agreement import RankAgreement, _Checks
+
+    agreement = RankAgreement(None)
+    agreement.size, agreement.rank = 2, 1
+    agreement._raise(_Checks(), [3, 0])
 
 
 def documented_call_codes() -> set[str]:

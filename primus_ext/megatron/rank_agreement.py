@@ -20,7 +20,8 @@ the checks are collected they are recorded instead (`check_op.DEFERRED`), and as
 after the exchange: on a GPU a device-side assert on one rank would otherwise stop it before
 the all-reduce, leaving the others in it.  No host sync is added there: the agreed vector is
 asserted on the device too.  On CPU, eagerly, the vector is read and the errors are ours.
-Nothing of the call is computed before the agreement: the checks are all a call makes before
+Under ``torch.compile`` the agreement is not yet traced: a compiled call checks as before,
+rank by rank.  Nothing of the call is computed before the agreement: the checks are all a call makes before
 its kernel (`primus_ext.megatron.core`), and the kernel runs only after it.
 """
 
@@ -82,7 +83,7 @@ class RankAgreement:
 
     def run(self, needed: bool, checks: Callable[[], Any]) -> Any:
         """``checks()``'s result once every rank has accepted its own call; raises on every rank otherwise."""
-        if not needed:
+        if not needed or torch.compiler.is_compiling():  # not yet traced: a compiled call agrees on nothing
             return checks()
         found = _Checks()
         check_op.DEFERRED.append(found.device)

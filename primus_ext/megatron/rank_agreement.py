@@ -20,8 +20,10 @@ the checks are collected they are recorded instead (`check_op.DEFERRED`), and as
 after the exchange: on a GPU a device-side assert on one rank would otherwise stop it before
 the all-reduce, leaving the others in it.  No host sync is added there: the agreed vector is
 asserted on the device too.  On CPU, eagerly, the vector is read and the errors are ours.
-Under ``torch.compile`` the agreement is not yet traced: a compiled call checks as before,
-rank by rank.  Nothing of the call is computed before the agreement: the checks are all a call makes before
+Under ``torch.compile`` the same exchange is traced (a functional all-reduce) and every verdict is
+a check op of the graph (`check_op.refuse_unless`), placed after the all-reduce and before the
+kernel: a refusing rank raises its own error when the graph runs, the others `RANK_REFUSED` (which
+names the refusing rank; its rule only eagerly, where it is read).  Nothing of the call is computed before the agreement: the checks are all a call makes before
 its kernel (`primus_ext.megatron.core`), and the kernel runs only after it.
 """
 
@@ -83,7 +85,7 @@ class RankAgreement:
 
     def run(self, needed: bool, checks: Callable[[], Any]) -> Any:
         """``checks()``'s result once every rank has accepted its own call; raises on every rank otherwise."""
-        if not needed or torch.compiler.is_compiling():  # not yet traced: a compiled call agrees on nothing
+        if not needed:
             return checks()
         found = _Checks()
         check_op.DEFERRED.append(found.device)
@@ -115,8 +117,8 @@ class RankAgreement:
             if rank != self.rank:
                 check_op.assert_on_device(agreed[rank] == 0, f"primus_ext: rank {rank} of this layer's tensor-and-"
                                           "context-parallel group refused this call",
-                                          lambda r=rank: R.refuse(R.RANK_REFUSED, self.context, rank=r,
-                                                                  code="its error names the rule"))
+                                          lambda r=rank, c=self.context: R.refuse(
+                                              R.RANK_REFUSED, c, rank=r, code="its error names the rule"))
 
     def _raise(self, found: _Checks, agreed: list[int]) -> None:
         refusing = next((rank for rank, code in enumerate(agreed) if code), None)

@@ -494,6 +494,23 @@ RANK_REFUSED = rule(
     "read rank {rank}'s error, which names its setting or argument and the alternative; give every rank of the group "
     "inputs the layer takes (Megatron's own get_batch and get_batch_on_this_cp_rank do).")
 
+DROPOUT_TRACKER_GONE = rule(
+    "B30.rng", ("attention_dropout", "tensor_model_parallel_size", "context_parallel_size"),
+    "a training call with attention_dropout={dropout} on a layer of a tensor-and-context-parallel group of "
+    "{ranks} ranks, but megatron-core's model-parallel RNG tracker, seeded when the layer was built, has no "
+    "model-parallel state now (reset since): the ranks' default generators would draw the same positions.",
+    "seed the tracker again before training (tensor_parallel.model_parallel_cuda_manual_seed(seed)), or set "
+    "attention_dropout: 0.0.")
+
+DROPOUT_COMPILED = rule(
+    "B30.compiled", ("attention_dropout", "tensor_model_parallel_size", "context_parallel_size"),
+    "a training call with attention_dropout={dropout} under torch.compile on a layer of a tensor-and-context-"
+    "parallel group of {ranks} ranks: it must draw from megatron-core's model-parallel RNG tracker, whose fork "
+    "(a host-side swap of generator states) a compiled graph cannot hold; on the default generator the ranks "
+    "would draw the same positions.",
+    "run this layer eagerly in training (compile it for evaluation, where dropout is 0), or set "
+    "attention_dropout: 0.0.")
+
 # -- the Ulysses exchange (`primus_ext.backends.context_parallel`) ------------------------------
 CP_LENGTH = rule(
     "B22", ("context_parallel_size",),

@@ -295,6 +295,8 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B22": lambda: cp_layer()(*sbhd(s=7), None),
     # an accepting rank of two, after rank 0 refused (the multi-process case: tests/megatron/test_rank_agreement.py)
     "B34.rank": lambda: other_rank_refused(),
+    "B30.rng": lambda: tracker_reset_since_build(),
+    "B30.compiled": lambda: compiled_dropout_at_tp2(),
     # reset_attention_mask on dense batches: the documents read from Megatron's mask
     "B25.no-mask": lambda: megatron(keys=RESET)(*sbhd(), None),
     "B25.mask-shape": lambda: megatron(keys=RESET)(*sbhd(), causal_mask(1, 16, 16)[None, None].float()),
@@ -337,6 +339,24 @@ def other_rank_refused() -> None:
     agreement = RankAgreement(None)
     agreement.size, agreement.rank = 2, 1
     agreement._raise(_Checks(), [3, 0])
+
+
+def tracker_reset_since_build() -> None:
+    from primus_ext.megatron.dropout_rng import LayerDropoutRng
+
+    with LayerDropoutRng(2, 0, 1).drawing(0.1, torch.device("cpu")):  # no tracker is seeded in this process
+        pass
+
+
+def compiled_dropout_at_tp2() -> None:
+    from primus_ext.megatron.dropout_rng import LayerDropoutRng
+
+    def step(x):
+        with LayerDropoutRng(2, 0, 1).drawing(0.1, x.device):
+            return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="eager")(torch.zeros(2))
 
 
 def documented_call_codes() -> set[str]:

@@ -67,6 +67,8 @@ ROWS = {
                                              facts={"context_parallel_size": 2, "cp_comm_type": "p2p"}),
     "context parallel + fp8": Row({"enable_turbo_attention_float8": True}, facts={"context_parallel_size": 2}),
     "context parallel + dropout": Row(facts={"context_parallel_size": 2, "attention_dropout": 0.1}),
+    "context parallel + dropout, no RNG tracker": Row(facts={"context_parallel_size": 2, "attention_dropout": 0.1,
+                                                             "rng_tracker": False}),
     "two-sided window on a causal layer": Row(facts={"window_size": (4, 4)}),
     "learned sinks": Row({"use_sink_attention": True}),
     "learned sinks + fp8": Row({"use_sink_attention": True, "enable_turbo_attention_float8": True}),

@@ -276,18 +276,22 @@ def test_sink_with_a_right_window_bound_has_wrong_gradients_on_an_arch_and_right
 
 
 # -- context parallel: Ulysses around the per-rank entries (B22) ------------------------------
-CP_ROWS = list(itertools.product(("gfx942", "gfx950"), (0.0, 0.1), (False, True), ((8, 2), (6, 3)), ("a2a", "p2p")))
+CP_ROWS = list(itertools.product(("gfx942", "gfx950"), (0.0, 0.1), (False, True), ((8, 2), (6, 3)), ("a2a", "p2p"),
+                                 (True, False)))
 
 
-@pytest.mark.parametrize("arch, dropout, sink, heads, comm", CP_ROWS, ids=["-".join(map(str, r)) for r in CP_ROWS])
-def test_context_parallel_rows_are_refused_exactly_where_ulysses_cannot_carry_them(arch, dropout, sink, heads, comm):
+@pytest.mark.parametrize("arch, dropout, sink, heads, comm, tracker", CP_ROWS,
+                         ids=["-".join(map(str, r)) for r in CP_ROWS])
+def test_context_parallel_rows_are_refused_exactly_where_ulysses_cannot_carry_them(arch, dropout, sink, heads, comm,
+                                                                                    tracker):
     """Both paths run CP as Ulysses around flash_attn_func (which takes a sink): the plan refuses dropout
-    (B30-cp) and heads not divisible by the CP size (cp-heads), nothing else, on either arch and path.
-    The layers themselves are run over 2 and 4 processes in tests/megatron/test_cp_ulysses.py."""
+    without megatron-core's seeded RNG tracker (B30-rng) and heads not divisible by the CP size (cp-heads),
+    nothing else, on either arch and path.  The layers themselves are run over 2 and 4 processes in
+    tests/megatron/test_cp_ulysses.py, and their dropout in tests/megatron/test_dropout_rng.py."""
     hq, hkv = heads
     layer = facts(num_heads=hq, num_kv_heads=hkv, head_dim=D, seq_length=S, dtype="bf16", packed=False,
-                  attention_dropout=dropout, context_parallel_size=2, cp_comm_type=comm)
-    expected = {"B30-cp"} if dropout else set()
+                  attention_dropout=dropout, context_parallel_size=2, cp_comm_type=comm, rng_tracker=tracker)
+    expected = {"B30-rng"} if dropout and not tracker else set()
     expected |= {"cp-heads"} if hq % 2 or hkv % 2 else set()
     with fake_primus_turbo(arch=arch):
         for flex in (False, True):

@@ -36,7 +36,8 @@ def test_every_rule_has_settings_reason_and_alternative():
           "turbo_flex_attention_mask_mod_kwargs": {}}, {}, "turbo_flex_attention_mask_mod"),   # B11
         ({"turbo_flex_attention_mask_mod": "primus_ext.attention.masks:causal",
           "turbo_flex_attention_mask_mod_kwargs": {}}, {"packed": True}, "turbo_flex_attention_mask_mod"),  # B17
-        ({}, {"context_parallel_size": 2, "attention_dropout": 0.1}, "context_parallel_size"),  # B30-cp
+        ({}, {"context_parallel_size": 2, "attention_dropout": 0.1, "rng_tracker": False},
+         "context_parallel_size"),  # B30-rng
         ({"enable_turbo_attention_float8": True}, {}, "enable_turbo_attention_float8"),         # B23
         ({"reset_attention_mask": True}, {}, "reset_attention_mask"),                           # B25
         ({}, {"return_attn_probs": True}, "return_attn_probs"),                                 # B26
@@ -58,7 +59,8 @@ def test_reset_attention_mask_points_at_thd_packing():
 
 def test_every_failure_is_reported_at_once():
     err = refused(settings(use_turbo_attention=False, reset_attention_mask=True,
-                           enable_turbo_attention_float8=True), facts(context_parallel_size=2, attention_dropout=0.1))
+                           enable_turbo_attention_float8=True), facts(context_parallel_size=2, attention_dropout=0.1,
+                                                                            rng_tracker=False))
     assert {"use_turbo_attention", "reset_attention_mask", "enable_turbo_attention_float8",
             "context_parallel_size"} <= set(err.settings)
     assert len(err.reasons) >= 4 and "4 reasons" in str(err) or len(err.reasons) > 4

@@ -38,6 +38,7 @@ from .call_contract import MaskCheck, qkv_format
 from .context_parallel import LayerContextParallel, layer_context_parallel
 from .document_mask import document_boundaries
 from .facts import layer_facts
+from .dropout_rng import LayerDropoutRng, model_parallel_tracker
 from .rank_agreement import RankAgreement, agreement_group
 
 
@@ -102,6 +103,7 @@ class TurboAttentionCore:
             or megatron_arg("position_embedding_type", "learned_absolute"),
             turbo_module=True,
             tp_rank=tp_rank,  # hooks see the model's head index (`primus_ext.attention.heads`)
+            rng_tracker=model_parallel_tracker() is not None,  # B30-rng
         )
         self.plan: AttentionPlan = build_plan(self.settings, self.facts)
         pattern = self.plan.pattern
@@ -117,6 +119,9 @@ class TurboAttentionCore:
         self.cp: Optional[LayerContextParallel] = layer_context_parallel(
             self.facts.context_parallel_size, pg_collection, self.check_mask.layer_is_causal, self.check_mask.what)
         self.agreement = RankAgreement(agreement_group(pg_collection))
+        ulysses = self.cp.ulysses if self.cp is not None else None
+        cp_rank, cp_size = (ulysses.rank, ulysses.size) if ulysses is not None else (0, 1)
+        self.dropout_rng = LayerDropoutRng(tp * cp_size, cp_rank, cp_size)
         self.adapter: Optional[TurboFlexAttention] = None
         self.runner: Optional[DirectRunner] = None
         if self.plan.flex:
@@ -182,7 +187,8 @@ class TurboAttentionCore:
         # (`rank_agreement`); then the call: the exchange, the kernel, the exchange back.
         call = self.agreement.run(self.agreement.needed(attention_mask, packed_seq_params), lambda: self._checked(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params, sink, training))
-        return self._run(call)
+        with self.dropout_rng.drawing(call.dropout_p, query.device):  # as megatron-core's attention draws it
+            return self._run(call)
 
     def _checked(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                  attn_mask_type: Any, attention_bias: Optional[Tensor], packed_seq_params: Any,

@@ -87,6 +87,7 @@ def layer_facts(source: Any, layer_number: int, *, tp_rank: int = 0, **overrides
         attention_dropout=float(_get(source, "attention_dropout", 0.0)),
         seq_length=_get(source, "seq_length"),
         context_parallel_size=int(_get(source, "context_parallel_size", 1)),
+        tensor_model_parallel_size=tp,
         position_embedding_type=str(_get(source, "position_embedding_type", "learned_absolute")),
         softmax_type=str(_get(source, "softmax_type", "vanilla")),
         cp_comm_type=_layer_value(_get(source, "cp_comm_type"), layer_number),

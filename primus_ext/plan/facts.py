@@ -26,6 +26,11 @@ class LayerFacts:
     attention_dropout: float = 0.0
     seq_length: Optional[int] = None
     context_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
+    rng_tracker: bool = True
+    """megatron-core's model-parallel RNG tracker is seeded where the layer runs (Megatron's own
+    initialisation seeds it before the model is built); a module built in a process without it says
+    False, and dropout at tensor or context parallel size > 1 is then refused (``B30-rng``)."""
     position_embedding_type: str = "learned_absolute"
     has_attention_bias: bool = False
     return_attn_probs: bool = False

@@ -36,6 +36,8 @@ class RuleInput:
     direct: Optional[DirectEntries] = None
     learned: int = 0
     """Tensors the hooks capture that require grad (`primus_ext.backends.flex_masks.learned_tensors`)."""
+    learned_plain: int = 0
+    """Those of them that are no ``torch.nn.Parameter`` (a Megatron layer can register only parameters)."""
     hook_range: str = ""
     """What the hooks raise at the layer's heads (`primus_ext.hooks.crosscheck.range_problem`)."""
 
@@ -84,6 +86,7 @@ class RuleInput:
             "packed_entry": caps.packed_entry if caps else None,
             "window": self.window,
             "cp": self.facts.context_parallel_size,
+            "tp": self.facts.tensor_model_parallel_size,
             "head_dim": self.facts.head_dim,
             "head_dim_v": self.facts.head_dim_v if self.facts.head_dim_v is not None else self.facts.head_dim,
             "heads": self.facts.num_heads,
@@ -98,6 +101,7 @@ class RuleInput:
             "direct_packed": self.direct.packed if self.direct else None,
             "dynamic": "; ".join(_dynamic_hooks(self)),
             "learned": self.learned,
+            "learned_plain": self.learned_plain,
             "hook_range": self.hook_range,
             "backend": self.backend,
         }
@@ -239,13 +243,16 @@ RULES: Tuple[Rule, ...] = (
          "a2a+p2p), every one of which runs here as Ulysses.",
          "set cp_comm_type to a2a (what runs), or p2p, all_gather or a2a+p2p.",
          lambda c: _cp(c) and c.facts.cp_comm_type not in SUPPORTED_CP_COMM),
-    Rule("B30-cp", ("attention_dropout", "context_parallel_size"),
-         "attention_dropout={dropout} with context_parallel_size={cp}: under Ulysses each rank draws the dropout of "
-         "its own heads from its own generator, and megatron-core seeds the context-parallel ranks of a "
-         "tensor-parallel rank alike (model_parallel_cuda_manual_seed: seed + 2718 + tp_rank), so the heads of "
-         "different ranks would drop the same positions: not the dropout asked for.",
-         "set attention_dropout: 0.0, or context_parallel_size: 1.",
-         lambda c: _cp(c) and c.facts.attention_dropout > 0.0),
+    # Dropout draws from megatron-core's model-parallel RNG tracker (`primus_ext.megatron.dropout_rng`),
+    # with a generator of its own per context-parallel rank; without the tracker every rank draws alike.
+    Rule("B30-rng", ("attention_dropout", "tensor_model_parallel_size", "context_parallel_size"),
+         "attention_dropout={dropout} with tensor_model_parallel_size={tp} and context_parallel_size={cp}, but "
+         "megatron-core's model-parallel RNG tracker is not seeded in this process: every rank's generator is "
+         "seeded alike, so the heads of different ranks would drop the same positions.",
+         "seed it before building the model, as Megatron's initialisation does "
+         "(tensor_parallel.model_parallel_cuda_manual_seed(seed)), or set attention_dropout: 0.0.",
+         lambda c: c.turbo_path and c.facts.attention_dropout > 0.0 and not c.facts.rng_tracker
+         and c.facts.tensor_model_parallel_size * c.facts.context_parallel_size > 1),
     Rule("cp-heads", ("num_attention_heads", "num_query_groups", "context_parallel_size"),
          "context parallelism splits attention heads across the context-parallel group (Ulysses "
          "all-to-all), but the query heads ({heads}) and key/value heads ({kv_heads}) of this rank "
@@ -440,6 +447,15 @@ RULES: Tuple[Rule, ...] = (
          "set turbo_flex_attention_backend: reference (or auto, which picks it; eager only: under torch.compile the "
          "call is refused, B34.learned-compile), or freeze the table (requires_grad=False).",
          lambda c: c.flex and c.learned > 0 and c.backend in ("turbo", "flex")),
+    # In a Megatron model a learned table trains only as a parameter of the model: primus_ext registers
+    # the hooks' torch.nn.Parameter tables on the layer (`primus_ext.megatron.hook_tables`).
+    Rule("hook-learned-param", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+         "the hooks capture {learned_plain} tensor(s) that require grad but are no torch.nn.Parameter: in a Megatron "
+         "model only parameters reach the optimizer and the checkpoints, so the table would get a gradient, never "
+         "change, and be lost on save.",
+         "make the table a torch.nn.Parameter (primus_ext registers it on every layer whose hook reads it, so "
+         "Megatron's optimizer trains it and its checkpoints keep it), or freeze it (requires_grad=False).",
+         lambda c: c.flex and c.facts.megatron_mask and c.learned_plain > 0),
     Rule("flex-dropout", ("attention_dropout", "turbo_flex_attention_backend"),
          "attention_dropout={dropout} on the flex backend: torch's flex_attention has no dropout; it would be "
          "ignored.",

@@ -95,3 +95,15 @@ def primus_container(request) -> Iterator[None]:
 
     with fake_primus_turbo():
         yield
+
+
+@pytest.fixture
+def seeded_rng_tracker() -> Iterator[None]:
+    """megatron-core's RNG tracker seeded as Megatron's initialisation seeds it (over CPU generators)."""
+    from primus_ext.testing.cpu_rng import seed_model_parallel, unseed_model_parallel
+
+    seed_model_parallel(1234)
+    try:
+        yield
+    finally:
+        unseed_model_parallel()

@@ -112,7 +112,7 @@ def megatron_split(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def build(layer: Layer, cp: int, hq: int, hkv: int, *, config_cp: Optional[int] = None, tp: int = 1,
-          flex_kernel: Optional[Callable] = flex_standin) -> Any:
+          flex_kernel: Optional[Callable] = flex_standin, dropout: float = 0.0) -> Any:
     """The layer's module; a ``flex`` layer over ``flex_kernel`` (None: torch's own flex_attention)."""
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -127,7 +127,7 @@ def build(layer: Layer, cp: int, hq: int, hkv: int, *, config_cp: Optional[int] 
             keys[f"turbo_flex_attention_{kind}_mod"] = spec
     cfg = gpt.config(context_parallel_size=config_cp or cp, kv_channels=DIM, num_attention_heads=hq,
                      num_query_groups=hkv, hidden_size=hq * DIM, window_size=layer.window,
-                     tensor_model_parallel_size=tp)
+                     tensor_model_parallel_size=tp, attention_dropout=dropout)
     mask = AttnMaskType.causal if layer.causal else AttnMaskType.no_mask
     made = adapter_module.make_backend
     if flex_kernel is not None:

@@ -1,4 +1,4 @@
-"""Direct-path entries under context parallelism (the per-rank entries, B30-cp, cp-heads, the process
+"""Direct-path entries under context parallelism (the per-rank entries, B30-rng, cp-heads, the process
 group), and B20's default layout.  tests/megatron/test_cp_ulysses.py runs CP 2 and 4 over processes."""
 
 from __future__ import annotations
@@ -45,16 +45,17 @@ def test_a_context_parallel_size_the_process_groups_do_not_make_is_refused_at_bu
 
 
 @pytest.mark.parametrize("settings", [DIRECT, FLEX], ids=["direct", "flex"])
-def test_attention_dropout_with_context_parallel_is_refused_at_build_time(settings):
-    """B30-cp on both paths: the CP ranks' generators would give the head shards the same dropout."""
+def test_attention_dropout_with_context_parallel_and_no_rng_tracker_is_refused_at_build_time(settings):
+    """B30-rng on both paths: without megatron-core's seeded RNG tracker every rank's generator is seeded
+    alike, so the head shards would drop the same positions (with it they draw apart: test_dropout_rng.py)."""
     with fake_primus_turbo() as fake:
         with pytest.raises(UnsupportedConfigError) as err:
             PrimusTurboLocalAttention(gpt.config(context_parallel_size=2, kv_channels=16, attention_dropout=0.1), 1,
                                       AttnMaskType.causal, "self", cp_comm_type="a2a", settings=settings)
-        assert "B30-cp" in err.value.codes
-        assert {"attention_dropout", "context_parallel_size"} <= set(err.value.settings)
-        assert "attention_dropout: 0.0" in str(err.value) and "tp_rank" in str(err.value)
-        # The same dropout at CP 1 builds (flash_attn_func takes dropout).
+        assert "B30-rng" in err.value.codes
+        assert {"attention_dropout", "context_parallel_size", "tensor_model_parallel_size"} <= set(err.value.settings)
+        assert "attention_dropout: 0.0" in str(err.value) and "model_parallel_cuda_manual_seed" in str(err.value)
+        # The same dropout at CP 1 and TP 1 builds (flash_attn_func takes dropout).
         PrimusTurboLocalAttention(gpt.config(kv_channels=16, attention_dropout=0.1), 1, AttnMaskType.causal,
                                   "self", settings=settings)
     assert fake.calls == []

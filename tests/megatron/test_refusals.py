@@ -58,7 +58,7 @@ class Case:
 
 
 CASES = [
-    Case("B30-cp-flex", FLEX, ("attention_dropout", "context_parallel_size"),
+    Case("B30-rng-flex", FLEX, ("attention_dropout", "context_parallel_size"),
          ("context_parallel_size=2",), config=lambda: gpt.config(context_parallel_size=2, attention_dropout=0.1)),
     Case("B23-fp8-flex", {**FLEX, "enable_turbo_attention_float8": True},
          ("use_turbo_flex_attention", "enable_turbo_attention_float8"), ("fp8",)),

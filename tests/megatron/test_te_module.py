@@ -72,7 +72,7 @@ def test_the_te_module_is_a_subclass_of_te_dot_product_attention(te):
     assert pm.PrimusTurboAttention is cls  # the lazily resolved package attribute is the same class
 
 
-def test_te_base_receives_te_keywords_with_global_heads(te):
+def test_te_base_receives_te_keywords_with_global_heads(te, seeded_rng_tracker):
     cfg = gpt.config(attention_dropout=0.1, tensor_model_parallel_size=2)
     _, module = build_pair(gpt.settings(**FLEX), cfg, layer_number=2, softmax_scale=0.5)
     assert module.te_kwargs == dict(

@@ -355,7 +355,13 @@ def learned_tensors(*hooks: Optional[Callable]) -> int:
     """How many tensors ``hooks`` capture that require grad (a learned bias table): their gradient can come
     only from autograd through the hook as called, which a fixed kernel, a graph's opaque op and (unshown
     here) flex_attention's captured-buffer gradient do not give."""
-    return learned_in(captured_state(*hooks, snapshots=False))
+    return len(learned_tables(*hooks))
+
+
+def learned_tables(*hooks: Optional[Callable]) -> list[Tensor]:
+    """The tensors `learned_tensors` counts, each once, in the order the walk meets them."""
+    found = (stamp[1]() for stamp in captured_state(*hooks, snapshots=False) if stamp[0] == "tensor")
+    return [t for t in found if t is not None and t.requires_grad]
 
 
 def learned_in(state: tuple) -> int:
@@ -393,4 +399,4 @@ def same_state(a: tuple, b: tuple, *, watched_only: bool = False) -> bool:
 
 
 __all__ = ["captured_bytes", "captured_state", "causal_mod", "document_mod", "in_score_dtype", "learned_in",
-           "learned_tensors", "pattern_mod", "reads_argument", "same_state", "user_hook", "window_mod", "with_alibi"]
+           "learned_tables", "learned_tensors", "pattern_mod", "reads_argument", "same_state", "user_hook", "window_mod", "with_alibi"]

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..settings import TurboAttentionSettings
 from .core import TurboAttentionCore
+from .hook_tables import register_hook_tables
 from .sink import register_sink, sharded_sink_state_dict, sink_of
 
 
@@ -37,6 +38,7 @@ class PrimusTurboLocalAttention(MegatronModule):
         if self.core.plan.sink:
             register_sink(self, config, self.core.local_heads,
                           learnable=getattr(config, "softmax_type", "vanilla") != "off-by-one")
+        register_hook_tables(self, self.core.plan, pg_collection)
 
     @property
     def plan(self):

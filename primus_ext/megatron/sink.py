@@ -43,10 +43,14 @@ def sink_of(module: torch.nn.Module) -> Optional[Tensor]:
 
 def sharded_sink_state_dict(module: torch.nn.Module, prefix: str, sharded_offsets: Any, metadata: Optional[dict],
                             tp_group: Any) -> dict:
-    """Checkpoint entries of the sink, sharded along heads like Megatron's ``softmax_offset``."""
+    """Checkpoint entries of the layer: the sink, sharded along heads like Megatron's ``softmax_offset``, and
+    its hooks' learned tables (`primus_ext.megatron.hook_tables`), replicated (whole on every rank)."""
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    state = {k: v for k, v in module.state_dict(prefix="", keep_vars=True).items() if k == "softmax_offset"}
+    from .hook_tables import hook_table_keys
+
+    own = module.state_dict(prefix="", keep_vars=True)
+    state = {k: own[k] for k in ["softmax_offset", *hook_table_keys(own)] if k in own}
     return make_sharded_tensors_for_checkpoint(
         state, prefix, {"softmax_offset": 0}, sharded_offsets, tp_group=tp_group,
         dp_cp_group=(metadata or {}).get("dp_cp_group"),

@@ -24,6 +24,7 @@ def te_attention_class() -> type:
 
     from ..settings import TurboAttentionSettings
     from .core import TurboAttentionCore
+    from .hook_tables import register_hook_tables
     from .sink import register_sink, sharded_sink_state_dict, sink_of
 
     class PrimusTurboAttention(te.DotProductAttention):
@@ -61,6 +62,7 @@ def te_attention_class() -> type:
             if core.plan.sink:
                 register_sink(self, config, core.local_heads,
                               learnable=getattr(config, "softmax_type", "vanilla") != "off-by-one")
+            register_hook_tables(self, core.plan, pg_collection)
 
         @property
         def plan(self):

@@ -16,7 +16,7 @@ from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, p
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
 from ..backends.dispatch import ARCHES, DENSE, Selection
-from ..backends.flex_masks import learned_tensors
+from ..backends.flex_masks import learned_tables
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import kernel_selection, load_ops
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError, short_repr
@@ -155,7 +155,7 @@ def build_plan(
     facts = _declared_packing(settings, facts, reasons)
     mask_mod = score_mod = None
     mask_proof = score_proof = None
-    learned, ranges = 0, ""
+    learned, learned_plain, ranges = 0, 0, ""
     direct: Optional[DirectEntries] = None
     if flex:
         name, why, problem, caps = _backend_for(settings, backend)
@@ -168,7 +168,9 @@ def build_plan(
             mask_proof = prove_mask(mask_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
         if score_mod is not None:
             score_proof = prove_score(score_mod, num_heads=facts.num_heads, head_offset=facts.head_offset)
-        learned = learned_tensors(mask_mod, score_mod)
+        tables = learned_tables(mask_mod, score_mod)
+        learned = len(tables)
+        learned_plain = sum(1 for t in tables if not isinstance(t, torch.nn.Parameter))
         ranges = _range_problems(settings, facts, {"mask_mod": mask_mod, "score_mod": score_mod})
         mask_mod = _torch_convention(mask_mod, mask_proof, "mask_mod", settings, reasons)
         score_mod = _torch_convention(score_mod, score_proof, "score_mod", settings, reasons)
@@ -183,7 +185,7 @@ def build_plan(
     ctx = RuleInput(
         settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
         window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct, learned=learned,
-        hook_range=ranges,
+        learned_plain=learned_plain, hook_range=ranges,
     )
     reasons.extend(failing_reasons(ctx))
     arch, _ = resolve_arch(settings.turbo_arch)

@@ -28,7 +28,8 @@ EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
 
 # What the shipped refusal must name, written out by hand (not derived from the code).
 EXPECTED_REFUSALS = {
-    "refused.yaml": ("use_turbo_flex_attention", "use_turbo_attention", "context_parallel_size",
+    "refused.yaml": ("use_turbo_flex_attention", "use_turbo_attention", "cp_comm_type",
+                     "context_parallel_size",
                      "reset_attention_mask"),
 }
 

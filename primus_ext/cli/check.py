@@ -305,7 +305,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     config, primus = primus_merged(path, _load(path), primus_root, out)
     fragment = is_module_fragment(config)
     settings = settings_for(config, arch, err, primus_run_settings if primus else TurboAttentionSettings.from_dict)
-    refusal = primus_refusal(config, settings) if primus and settings is not None else None
+    refusal = primus_refusal(path, config, settings) if primus and settings is not None else None
     if refusal is not None:  # the patch's condition would stop this run
         print(refusal, file=err)
     if settings is None or refusal is not None:

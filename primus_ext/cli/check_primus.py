@@ -12,8 +12,9 @@ with the merged module parameters as the Megatron YAML it checks.  Before the pl
   on one line, and each key whose defaults differ (a *conflict*) with both defaults and the value
   this run's layers get, and where that value was set.  A conflict is reported, not refused: the
   layers read the merged value, which is what ``check`` plans with;
-A run Primus would not switch on for primus_ext (``primus-enable``, ``PRIMUS_PATCHES`` without
-primus_ext's patch too), or whose keys would not mean what they say under Primus (``primus-layers``,
+A run Primus would not switch on for primus_ext (``primus-enable``; ``PRIMUS_PATCHES`` without
+primus_ext's patch too, read from this environment with the experiment's ``env:`` block over it, as
+Primus's patches will see it), or whose keys would not mean what they say under Primus (``primus-layers``,
 ``primus-window``, ``B25.no-mask``), is refused here as the patch's condition refuses it, by the
 same rules.
 """
@@ -22,10 +23,11 @@ from __future__ import annotations
 
 from typing import Any, Optional, TextIO
 
-from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
+from ..errors import PrimusExtError, UnsupportedConfigError, short_repr
 from ..settings import TurboAttentionSettings
-from ..settings.primus_config import (PATCH_ID, PrimusExperiment, enabled_patch_ids, is_experiment, primus_settings,
-                                      read_experiment, run_reasons, shared_keys, switch_reasons)
+from ..settings.primus_config import (PrimusExperiment, is_experiment, primus_settings, read_experiment, run_reasons,
+                                      shared_keys, switch_reasons)
+from ..settings.primus_launch import patch_environment
 
 
 def _value(value: Any) -> str:
@@ -81,17 +83,15 @@ def primus_run_settings(config: dict[str, Any]) -> TurboAttentionSettings:
     return primus_settings(config)
 
 
-def primus_refusal(config: dict[str, Any], settings: TurboAttentionSettings) -> Optional[UnsupportedConfigError]:
-    """The patch condition's refusal of this run where Primus would not install its spec provider."""
+def primus_refusal(path: str, config: dict[str, Any],
+                   settings: TurboAttentionSettings) -> Optional[UnsupportedConfigError]:
+    """The refusal of the patch's condition (or the launcher's) for the experiment at ``path``, where Primus
+    would not install its spec provider or would drop primus_ext's patch, in the environment Primus's
+    patches would see here (this one, with the experiment's ``env:`` block applied)."""
     if not settings.use_turbo_flex_attention:
         return None
-    reasons = switch_reasons(config.get("enable_primus_turbo", False)) + run_reasons(config)
-    enabled = enabled_patch_ids()
-    if enabled is not None and PATCH_ID not in enabled:
-        reasons.append(Reason(
-            ("PRIMUS_PATCHES", "use_turbo_flex_attention"), f"PRIMUS_PATCHES (here) leaves out {PATCH_ID}: Primus "
-            "drops that patch before any condition runs, and the layers would be Primus's own.",
-            f"add {PATCH_ID} to PRIMUS_PATCHES, or unset it.", "primus-enable"))
+    environ, where = patch_environment(path)
+    reasons = switch_reasons(config.get("enable_primus_turbo", False), environ, True, where) + run_reasons(config)
     return UnsupportedConfigError(reasons, context="Primus patch") if reasons else None
 
 

@@ -14,6 +14,11 @@ from typing import Any, Optional
 _CLASSES: dict[type, type] = {}  # TE's DotProductAttention -> our subclass of it
 
 
+def built_te_classes() -> tuple[type, ...]:
+    """The TE-based Turbo attention classes built in this process (none before the first is asked for)."""
+    return tuple(_CLASSES.values())
+
+
 def te_attention_class() -> type:
     """Build (once per TransformerEngine base class) the TE-based Turbo attention class."""
     import transformer_engine.pytorch as te

@@ -1,8 +1,10 @@
 """``python -m primus_ext.primus <Primus's own command line>``: run Primus with primus_ext's patch.
 
 Primus finds patches only inside its own package, so every rank must import ours before
-Primus runs its before_train patches.  This launcher registers the patch, then runs the rest
-of the command line as Python would: ``-m <module> [args]`` or ``<script.py> [args]``, with
+Primus runs its before_train patches.  This launcher refuses a patch filter (``PRIMUS_PATCHES``,
+from the shell or the experiment's ``env:`` block, which Primus applies after this) that would
+drop the patch, registers it, installs the check of the built model (`layer_check`), then runs
+the rest of the command line as Python would: ``-m <module> [args]`` or ``<script.py> [args]``, with
 ``sys.argv`` as that program expects it.  Use it where the Primus command would start Python,
 e.g. ``torchrun ... -m primus_ext.primus primus/cli/main.py train pretrain --config exp.yaml``.
 """
@@ -13,8 +15,20 @@ import os
 import runpy
 import sys
 
-from ..settings.primus_config import PATCH_ID, enabled_patch_ids
+from ..errors import UnsupportedConfigError
+from ..settings.primus_launch import PATCH_ID, config_argument, patch_environment, patch_filter_reasons
+from . import layer_check
 from .patch import register
+
+
+def _experiment_flag(config: str | None, environ: dict[str, str]) -> bool:
+    """``use_turbo_flex_attention`` of the experiment, merged as Primus merges it (with the environment
+    Primus substituted ``${VAR}`` from: the launcher's, before the ``env:`` block)."""
+    if config is None:
+        raise UnsupportedConfigError(layer_check.unknown_flag_reason(), context="Primus run, model built")
+    from ..settings.primus_config import primus_settings, read_experiment
+
+    return primus_settings(read_experiment(config, environ=environ).params).use_turbo_flex_attention
 
 
 def main(argv: list[str]) -> None:
@@ -23,14 +37,15 @@ def main(argv: list[str]) -> None:
     if argv[0] != "-m" and not os.path.isfile(argv[0]):
         raise SystemExit(f"primus_ext.primus: no script {argv[0]!r} (from {os.getcwd()}); run it from Primus's root "
                          "directory, e.g. primus/cli/main.py train pretrain --config exp.yaml.")
-    enabled = enabled_patch_ids()
-    if enabled is not None and PATCH_ID not in enabled:  # Primus would drop the patch before its condition runs
-        raise SystemExit(f"primus_ext.primus: PRIMUS_PATCHES={os.environ.get('PRIMUS_PATCHES')!r} leaves out "
-                         f"{PATCH_ID}: Primus would not run it, and the layers would be Primus's own. Add "
-                         f"{PATCH_ID} to PRIMUS_PATCHES, or unset it (primus-enable).")
+    config = config_argument(argv)
+    shell = dict(os.environ)
+    reasons = patch_filter_reasons(*patch_environment(config, shell), ids=(PATCH_ID,))
+    if reasons:  # Primus would drop the patch before its condition runs
+        raise SystemExit(f"primus_ext.primus: {UnsupportedConfigError(reasons, context='Primus launch')}")
     if not register():
         raise SystemExit("primus_ext.primus: `import primus.core.patches` failed; run this inside Primus's "
                          "environment (docs/primus.md).")
+    layer_check.install(lambda: _experiment_flag(config, shell))
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

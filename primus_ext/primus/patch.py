@@ -26,7 +26,9 @@ from typing import Any, Callable
 
 from ..errors import Reason, UnsupportedConfigError
 from ..settings import TurboAttentionSettings
-from ..settings.primus_config import PATCH_ID, PRIMUS_PROVIDER_PATCH, primus_settings, run_reasons, switch_reasons
+from ..settings.primus_config import primus_settings, run_reasons, switch_reasons
+from ..settings.primus_launch import PATCH_ID, PRIMUS_PROVIDER_PATCH
+from .layer_check import note_condition
 
 PRIORITY = 42
 SPEC_PROVIDER = "primus.backends.megatron.core.extensions.transformer_engine_spec_provider"
@@ -66,6 +68,7 @@ def applies(ctx: Any) -> bool:
     if args is None:
         return False
     settings = _settings(args)  # every key, look-alikes too, as the layers read them
+    note_condition(settings.use_turbo_flex_attention)  # the launcher's check of the built model reads it
     if not settings.use_turbo_flex_attention:
         return False
     reasons = switch_reasons(getattr(args, "enable_primus_turbo", False))  # `primus-ext check` applies it too

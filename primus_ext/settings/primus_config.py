@@ -50,12 +50,9 @@ from typing import Any, Mapping, Optional
 from .. import refusals as R
 from ..errors import Reason, UnsupportedConfigError, short_repr
 from .settings import SETTING_KEYS, TurboAttentionSettings
+from .primus_launch import PATCH_ID, PRIMUS_PROVIDER_PATCH, patch_filter_reasons
 from .yaml_file import load_yaml_mapping
 
-PATCH_ID = "primus_ext.turbo_flex_attention"
-"""primus_ext's patch id in Primus's registry (`primus_ext.primus.PATCH_ID`)."""
-PRIMUS_PROVIDER_PATCH = "megatron.turbo.te_spec_provider"
-"""Primus's own patch that installs its spec provider (when ``enable_primus_turbo``)."""
 PRIMUS_TURBO_YAML = "modules/megatron/primus_turbo.yaml"
 """Primus's module file of its Turbo keys, under its ``configs`` folder."""
 MODULE_NAMES = ("pre_trainer", "post_trainer")
@@ -349,21 +346,13 @@ def primus_settings(values: Mapping[str, Any]) -> TurboAttentionSettings:
 
 
 # ------------------------------------------------------------------ the switches of a Primus run
-def enabled_patch_ids(environ: Optional[Mapping[str, str]] = None) -> Optional[set[str]]:
-    """The ids ``PRIMUS_PATCHES`` enables, read as Primus reads it (``core/patches/patch_runner.py:26-39``):
-    None for all (unset, ``all``), none for ``none``."""
-    raw = (os.environ if environ is None else environ).get("PRIMUS_PATCHES", "").strip()
-    if not raw or raw.lower() == "all":
-        return None
-    if raw.lower() == "none":
-        return set()
-    return {part.strip() for part in raw.split(",") if part.strip()}
-
-
-def switch_reasons(enable_primus_turbo: Any, environ: Optional[Mapping[str, str]] = None) -> list[Reason]:
+def switch_reasons(enable_primus_turbo: Any, environ: Optional[Mapping[str, str]] = None,
+                   ours: bool = False, where: str = "in the environment") -> list[Reason]:
     """Why Primus would not install its spec provider in a run with ``use_turbo_flex_attention: true``
     (then the layers would be TransformerEngine's, not primus_ext's): ``enable_primus_turbo`` off, or
-    ``PRIMUS_PATCHES`` without Primus's provider patch."""
+    ``PRIMUS_PATCHES`` (read from ``environ``, the process's when None, as Primus reads it when the
+    condition runs) without Primus's provider patch, or with ``ours`` without primus_ext's (a condition
+    that runs was not dropped; `check` and the launcher ask)."""
     reasons = []
     if not enable_primus_turbo:
         reasons.append(Reason(
@@ -371,14 +360,8 @@ def switch_reasons(enable_primus_turbo: Any, environ: Optional[Mapping[str, str]
             "use_turbo_flex_attention is true but enable_primus_turbo is not: Primus then does not install its spec "
             "provider, and the layers would be built with TransformerEngine's attention, not primus_ext's.",
             "set enable_primus_turbo: true (Primus's switch) with use_turbo_attention: true.", "primus-enable"))
-    enabled = enabled_patch_ids(environ)
-    if enabled is not None and PRIMUS_PROVIDER_PATCH not in enabled:
-        reasons.append(Reason(
-            ("PRIMUS_PATCHES",), f"PRIMUS_PATCHES enables only {sorted(enabled)}, without Primus's "
-            f"{PRIMUS_PROVIDER_PATCH}: its spec provider would not be installed, and the layers would not be "
-            "primus_ext's.", f"add {PRIMUS_PROVIDER_PATCH} (and {PATCH_ID}) to PRIMUS_PATCHES, or unset it.",
-            "primus-enable"))
-    return reasons
+    ids = (PRIMUS_PROVIDER_PATCH, PATCH_ID) if ours else (PRIMUS_PROVIDER_PATCH,)
+    return reasons + patch_filter_reasons(environ, where, ids)
 
 
 SPECS_MODULE = "primus_ext.primus.specs"
@@ -418,6 +401,6 @@ def run_reasons(values: Mapping[str, Any]) -> list[Reason]:
     return reasons
 
 
-__all__ = ["MODULE_NAMES", "SPECS_MODULE", "run_reasons", "PATCH_ID", "PRIMUS_OWN_KEYS", "PRIMUS_PROVIDER_PATCH", "PRIMUS_TURBO_YAML",
-           "PrimusExperiment", "SharedKey", "configs_dir", "deep_merge", "enabled_patch_ids", "is_experiment",
+__all__ = ["MODULE_NAMES", "SPECS_MODULE", "run_reasons", "PRIMUS_OWN_KEYS", "PRIMUS_TURBO_YAML",
+           "PrimusExperiment", "SharedKey", "configs_dir", "deep_merge", "is_experiment",
            "primus_settings", "read_experiment", "shared_keys", "switch_reasons"]

@@ -26,7 +26,9 @@ Written from Primus's sources (main fd1eeab, ``primus/`` paths; docs/primus.md c
   priority 41, before_train, ``backend_versions=["<0.17"]``) installs that provider in place of
   megatron-core's TE provider when ``enable_primus_turbo`` and ``primus_turbo`` imports (the CPU
   fake counts; ``turbo/utils.py:13-35``, whose legacy grouped-GEMM route is not modelled); the model is built after the before_train patches.
-* The runtime (``core/runtime/train_runtime.py``): the module's params become Megatron's args
+* The runtime (``core/runtime/train_runtime.py``): after the configuration is loaded, the
+  experiment's top-level ``env:`` block goes into ``os.environ`` (`apply_config_env`, ``:96-104``,
+  ``:307-358``); the module's params become Megatron's args
   (``convert_config``, ``:416``), the build_args patches run (``:424``), the params' other keys
   are merged in and the args become ``module_config.params`` (``:454-455``), then the setup
   (``:518``) and before_train (``:527``) patches run.  The config merge itself is
@@ -331,6 +333,26 @@ def primus_module(experiment: str, primus_root: str, module_name: str = "pre_tra
                                 module_name)
 
 
+def apply_config_env(config_path: str) -> None:
+    """train_runtime.py:307-358, as Primus runs it after loading the configuration: the experiment
+    file's top-level ``env:`` mapping into ``os.environ``, each value ``os.path.expandvars``-ed while
+    the keys are set; best-effort (nothing raised)."""
+    try:
+        import yaml
+
+        if not os.path.exists(config_path):
+            return
+        with open(config_path) as handle:
+            raw = yaml.safe_load(handle) or {}
+        block = raw.get("env") if isinstance(raw, dict) else None
+        if not block or not isinstance(block, dict):
+            return
+        for key, value in block.items():
+            os.environ[str(key)] = os.path.expandvars(str(value))
+    except Exception:  # noqa: BLE001 - upstream prints a warning and goes on
+        return
+
+
 def run_runtime(registry: Registry, module_config: types.SimpleNamespace) -> types.SimpleNamespace:
     """What ``PrimusRuntime`` runs before the model is built: Megatron's args from the params, the
     build_args patches, the params merged into the args, the setup and before_train patches."""
@@ -370,6 +392,6 @@ def layer_spec() -> Any:
     return spec
 
 
-__all__ = ["MODULES", "FunctionPatch", "PatchContext", "Registry", "backend_version", "get_args", "installed",
-           "layer_spec", "megatron_args", "populate", "primus_module", "run_lifecycle", "run_runtime",
+__all__ = ["MODULES", "FunctionPatch", "PatchContext", "Registry", "apply_config_env", "backend_version", "get_args",
+           "installed", "layer_spec", "megatron_args", "populate", "primus_module", "run_lifecycle", "run_runtime",
            "version_in_range"]

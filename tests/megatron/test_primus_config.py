@@ -244,7 +244,14 @@ def test_a_run_primus_would_not_switch_on_is_refused_by_both_alike(monkeypatch, 
 def test_check_refuses_when_primus_patches_leaves_the_patch_out(monkeypatch):
     monkeypatch.setenv("PRIMUS_PATCHES", "megatron.turbo.te_spec_provider")
     code, _, err = _check(EXP, TREE)  # Primus drops the patch before its condition could refuse: check does
-    assert code == 2 and f"PRIMUS_PATCHES (here) leaves out {PATCH_ID}" in err
+    assert code == 2 and f"leaves out {PATCH_ID}" in err and "(in the launching environment)" in err
+
+
+def test_check_reads_the_experiment_s_env_block_as_primus_applies_it(tmp_path):
+    root, experiment = tree_copy(tmp_path)
+    experiment.write_text("env:\n  PRIMUS_PATCHES: megatron.turbo.te_spec_provider\n" + experiment.read_text())
+    code, _, err = _check(experiment, root)
+    assert code == 2 and f"leaves out {PATCH_ID}" in err and f"(set by the env: block of {experiment})" in err
 
 
 # ----------------------------------------------------------------------------- the stand-in's runner

@@ -61,7 +61,12 @@ def main(argv):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        args = P.run_runtime(primus.REGISTRY, P.primus_module(ns.config, root))
+        module_config = P.primus_module(ns.config, root)
+        P.apply_config_env(ns.config)  # Primus's runtime, after the configuration is loaded
+        args = P.run_runtime(primus.REGISTRY, module_config)
+        if os.environ.get("STANDIN_BYPASS") == "1":  # a bypass no check knows: the provider rebound after the patch
+            provider = sys.modules[P.SPEC_PROVIDER_MODULE].PrimusTurboSpecProvider
+            provider.core_attention = lambda self: primus.PRIMUS_ATTENTION
         cfg = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                 num_attention_heads=args.num_attention_heads,
                                 num_query_groups=args.num_query_groups, use_cpu_initialization=True,
@@ -161,3 +166,53 @@ def test_docs_show_these_commands():
     text = (REPO / "docs" / "primus.md").read_text()
     assert "pip install --no-deps" in text
     assert textwrap.dedent("-m primus_ext.primus primus/cli/main.py train pretrain --config") in text
+
+
+# ------------------------------------------------------------------ bypasses of the patch, at launch
+def _launch_variant(primus_env, name: str, env_block: str = "", extra_env: dict | None = None):
+    """Launch an experiment that is the tiny one with ``env_block`` (YAML lines) at its top."""
+    python, checkout = primus_env
+    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(REPO)], cwd=checkout)  # idempotent
+    source = checkout / EXPERIMENT
+    variant = source.with_name(f"{name}.yaml")
+    variant.write_text(env_block + source.read_text())
+    env = {**os.environ, "PYTHONPATH": str(checkout), **(extra_env or {})}
+    env.pop("PRIMUS_PATCHES", None)
+    return _run([str(python), "-m", "primus_ext.primus", "primus/cli/main.py", "train", "pretrain", "--config",
+                 str(variant.relative_to(checkout))], cwd=checkout, env=env)
+
+
+def test_primus_patches_in_the_experiment_env_block_is_refused_at_launch(primus_env):
+    """Primus sets the experiment's env: after the launcher started; a filter there without our id
+    would drop the patch before its condition (the layers Primus's own, exit 0)."""
+    launched = _launch_variant(primus_env, "env_filter", "env:\n  PRIMUS_PATCHES: megatron.turbo.te_spec_provider\n")
+    assert launched.returncode != 0
+    assert "set by the env: block of examples/megatron/configs/env_filter.yaml" in launched.stderr
+    assert "primus_ext.turbo_flex_attention" in launched.stderr and "trained" not in launched.stdout
+
+
+def test_an_env_block_dropping_primus_s_provider_is_refused_by_the_condition(primus_env):
+    launched = _launch_variant(primus_env, "env_provider", "env:\n  ONLY: primus_ext.turbo_flex_attention\n"
+                               "  PRIMUS_PATCHES: $ONLY\n")  # expanded as Primus expands it (${ONLY} must be set at its load)
+    assert launched.returncode != 0
+    assert "UnsupportedConfigError" in launched.stderr and "megatron.turbo.te_spec_provider" in launched.stderr
+    assert "trained" not in launched.stdout
+
+
+def test_a_bypass_no_check_knows_stops_at_the_first_forward(primus_env):
+    """Something rebinds Primus's provider after the patch: the model is built with Primus's own
+    attention, and the launcher's check of the built model stops the run before step 1."""
+    launched = _launch_variant(primus_env, "bypass", extra_env={"STANDIN_BYPASS": "1"})
+    assert launched.returncode != 0
+    assert [line for line in launched.stdout.splitlines() if line.startswith("layer")] == [
+        "layer primus_ext.testing.fake_primus"] * 2
+    assert "UnsupportedConfigError" in launched.stderr and "decoder.layers.0.self_attention" in launched.stderr
+    assert "use_turbo_flex_attention is true, but 2 of the model's 2 attention layers" in launched.stderr
+    assert "trained" not in launched.stdout
+
+
+def test_an_env_block_without_the_filter_launches_as_before(primus_env):
+    launched = _launch_variant(primus_env, "env_other", "env:\n  NCCL_DEBUG: WARN\n")
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert [line for line in launched.stdout.splitlines() if line.startswith("layer")] == [
+        "layer primus_ext.megatron.local"] * 2

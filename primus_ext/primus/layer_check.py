@@ -1,0 +1,131 @@
+"""The launcher's check of the built model, independent of how it was built: at the model's first
+forward, in a run that asks for ``use_turbo_flex_attention``, every megatron-core attention layer's
+core attention is primus_ext's, or the run stops with our error naming the layers that are not.
+
+It catches what the patch cannot see: a filter, a later patch, a spec or a provider that built
+the layers another way.  The check is a global forward pre-hook (``torch.nn.modules.module.
+register_module_forward_pre_hook``); it looks at the first module called whose tree holds a
+megatron-core ``Attention`` (the model, or the wrapper around it, before any of its layers runs),
+then removes itself, so later steps pay nothing.
+
+Whether the run asks for flex attention is read, in order, from what the patch's condition saw
+(`note_condition`), the run's global args (Megatron-LM's ``megatron.training.get_args``, Primus's
+``primus.backends.megatron.training.global_vars``), and the experiment
+the launcher was given, merged as Primus merges it (`primus_ext.settings.primus_config.read_experiment`).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import Reason, UnsupportedConfigError
+
+_ATTENTION_MODULE = "megatron.core.transformer.attention"
+_state: dict[str, Any] = {"condition": None}
+
+
+def note_condition(wanted: bool) -> None:
+    """What the patch's condition read (``use_turbo_flex_attention``), the first source `wanted` asks."""
+    _state["condition"] = bool(wanted)
+
+
+_GLOBAL_ARGS = ("megatron.training.global_vars", "primus.backends.megatron.training.global_vars")
+"""Where Megatron-LM's ``initialize_megatron`` and Primus's ``set_args`` keep the run's args."""
+
+
+def _megatron_args_flag() -> Optional[bool]:
+    for name in _GLOBAL_ARGS:
+        args = getattr(sys.modules.get(name), "_GLOBAL_ARGS", None)
+        if args is not None:
+            return bool(getattr(args, "use_turbo_flex_attention", False))
+    return None
+
+
+def _ours(core: Any) -> bool:
+    from ..megatron import PrimusTurboLocalAttention
+    from ..megatron.te import built_te_classes
+
+    return isinstance(core, (PrimusTurboLocalAttention, *built_te_classes()))
+
+
+class LayerCheck:
+    """The check, installed once by `install`; ``experiment_flag`` reads the experiment's key when
+    nothing else tells."""
+
+    def __init__(self, experiment_flag: Callable[[], bool]) -> None:
+        self._experiment_flag = experiment_flag
+        self._without_attention: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+        self.checked: Optional[torch.nn.Module] = None
+        """The module the check ran on, once it has."""
+
+    def wanted(self) -> bool:
+        """Whether this run asks for primus_ext's layers (``use_turbo_flex_attention``)."""
+        for flag in (_state["condition"], _megatron_args_flag()):
+            if flag is not None:
+                return flag
+        return self._experiment_flag()
+
+    def _before_forward(self, module: torch.nn.Module, _inputs: Any) -> None:
+        attention_type = getattr(sys.modules.get(_ATTENTION_MODULE), "Attention", None)
+        if attention_type is None or module in self._without_attention:
+            return
+        layers = [(name, m) for name, m in module.named_modules() if isinstance(m, attention_type)]
+        if not layers:
+            self._without_attention.add(module)
+            return
+        self._handle.remove()
+        self.checked = module
+        if not self.wanted():
+            return
+        foreign = [(name or type(module).__name__, type(getattr(m, "core_attention", None)))
+                   for name, m in layers if not _ours(getattr(m, "core_attention", None))]
+        if foreign:
+            raise UnsupportedConfigError(_reason(foreign, len(layers)), context="Primus run, model built")
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _reason(foreign: list[tuple[str, type]], total: int) -> Reason:
+    kinds = sorted({f"{cls.__module__}.{cls.__qualname__}" for _, cls in foreign})
+    shown = ", ".join(name for name, _ in foreign[:4]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 4 else "")
+    return Reason(
+        ("use_turbo_flex_attention",),
+        f"use_turbo_flex_attention is true, but {len(foreign)} of the model's {total} attention layers were built "
+        f"with another core attention ({', '.join(kinds)}): {shown}. Something between the patch and the model "
+        "(a patch filter, a later patch, a spec, another spec provider) built them another way, and training would "
+        "run an attention the config did not ask for.",
+        "launch through python -m primus_ext.primus with PRIMUS_PATCHES unset (shell and the experiment's env: "
+        "block), no spec: key other than primus_ext.primus.specs, and check the run with primus-ext check "
+        "(docs/primus.md); or set use_turbo_flex_attention: false to train with Primus's own attention.",
+        "primus-layers")
+
+
+def unknown_flag_reason() -> Reason:
+    """No source tells whether the run asks for flex attention, and a layer is not primus_ext's."""
+    return Reason(
+        ("use_turbo_flex_attention", "--config"),
+        "the model's attention layers are not primus_ext's, and nothing tells whether this run asks for them: "
+        "primus_ext's patch condition did not run, no Megatron args are set, and the command line has no --config "
+        "experiment to read use_turbo_flex_attention from.",
+        "launch Primus's own command line (primus/cli/main.py train pretrain --config exp.yaml) through "
+        "python -m primus_ext.primus, or launch without it where primus_ext's layers are not wanted.",
+        "primus-layers")
+
+
+_installed: list[LayerCheck] = []
+
+
+def install(experiment_flag: Callable[[], bool]) -> LayerCheck:
+    """Install the check for this process (once; a second call returns the first check)."""
+    if not _installed:
+        _installed.append(LayerCheck(experiment_flag))
+    return _installed[0]
+
+
+__all__ = ["LayerCheck", "install", "note_condition", "unknown_flag_reason"]

@@ -13,9 +13,11 @@ import json
 from typing import Any, Optional
 
 from ..settings import TurboAttentionSettings, describe_keys
+from ..settings.primus_config import args_settings
 
 
-def _megatron_args() -> Optional[Any]:
+def megatron_args() -> Optional[Any]:
+    """Megatron-LM's parsed arguments (`megatron.training.get_args()`), or None where there are none."""
     try:
         from megatron.training import get_args  # not part of the megatron-core wheel
     except ImportError:
@@ -28,17 +30,18 @@ def _megatron_args() -> Optional[Any]:
 
 def megatron_arg(name: str, default: Any = None) -> Any:
     """One Megatron command-line argument, or ``default`` outside a Megatron-LM run."""
-    args = _megatron_args()
+    args = megatron_args()
     value = getattr(args, name, None) if args is not None else None
     return default if value is None else value
 
 
 def settings_or_megatron_args(settings: Optional[TurboAttentionSettings]) -> TurboAttentionSettings:
-    """The given settings; else those of Megatron-LM's parsed args; else the defaults."""
+    """The given settings; else those of Megatron-LM's parsed args (read as the Primus patch reads them:
+    Primus's own keys pass, a mapping Primus made a namespace is read as one); else the defaults."""
     if settings is not None:
         return settings
-    args = _megatron_args()
-    return TurboAttentionSettings.from_args(args) if args is not None else TurboAttentionSettings()
+    args = megatron_args()
+    return args_settings(args) if args is not None else TurboAttentionSettings()
 
 
 def with_megatron_flags(settings: TurboAttentionSettings, config: Any) -> TurboAttentionSettings:
@@ -104,4 +107,4 @@ def add_turbo_attention_args(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
-__all__ = ["add_turbo_attention_args", "megatron_arg", "settings_or_megatron_args", "with_megatron_flags"]
+__all__ = ["add_turbo_attention_args", "megatron_arg", "megatron_args", "settings_or_megatron_args", "with_megatron_flags"]

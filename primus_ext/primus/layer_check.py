@@ -38,8 +38,10 @@ _GLOBAL_ARGS = ("megatron.training.global_vars", "primus.backends.megatron.train
 
 
 def _megatron_args_flag() -> Optional[bool]:
-    for name in _GLOBAL_ARGS:
-        args = getattr(sys.modules.get(name), "_GLOBAL_ARGS", None)
+    from ..megatron.args import megatron_args  # megatron is imported by now: a model exists
+
+    found = [megatron_args()] + [getattr(sys.modules.get(name), "_GLOBAL_ARGS", None) for name in _GLOBAL_ARGS]
+    for args in found:
         if args is not None:
             return bool(getattr(args, "use_turbo_flex_attention", False))
     return None

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..errors import Reason, UnsupportedConfigError
 from ..settings import TurboAttentionSettings
-from ..settings.primus_config import primus_settings, run_reasons, switch_reasons
+from ..settings.primus_config import args_settings, run_reasons, switch_reasons
 from ..settings.primus_launch import PATCH_ID, PRIMUS_PROVIDER_PATCH
 from .layer_check import note_condition
 
@@ -67,7 +67,7 @@ def applies(ctx: Any) -> bool:
     args = _args(ctx)
     if args is None:
         return False
-    settings = _settings(args)  # every key, look-alikes too, as the layers read them
+    settings = args_settings(args)  # every key, look-alikes too, as the layers read them
     note_condition(settings.use_turbo_flex_attention)  # the launcher's check of the built model reads it
     if not settings.use_turbo_flex_attention:
         return False
@@ -138,21 +138,10 @@ def _values(args: Any) -> dict:
         return {}
 
 
-def _settings(args: Any) -> TurboAttentionSettings:
-    """The settings of Primus's Megatron args, read as ``primus-ext check`` reads a merged experiment
-    (`primus_ext.settings.primus_config.primus_settings`: Primus's own look-alike keys, such as
-    module_base.yaml's ``sink_level`` in every run, pass; a mapping Primus made a namespace is read as one)."""
-    try:
-        values = vars(args)
-    except TypeError:  # an object without __dict__: read by attribute, as the layers do
-        return TurboAttentionSettings.from_args(args)
-    return primus_settings(values)
-
-
 def install(ctx: Any) -> None:
     """The handler: every layer Primus's spec provider builds gets primus_ext's core attention,
     bound to the settings of this run's arguments."""
-    settings = _settings(_args(ctx))
+    settings = args_settings(_args(ctx))
     _provider().core_attention = _core_attention(settings)
 
 

@@ -317,14 +317,6 @@ def shared_keys(experiment: PrimusExperiment, environ: Optional[Mapping[str, str
 
 
 # ------------------------------------------------------------------ what a Primus run's args give
-PRIMUS_OWN_KEYS = frozenset({"sink_level", "enable_packed_sequences", "attn_sliding_window"})
-"""Primus's own keys that primus_ext's look-alike screen (`primus_ext.settings.settings.looks_like_ours`)
-would take for misspellings of ours and refuse: ``modules/module_base.yaml:3`` (in every module's
-args), ``modules/megatron/sft_trainer.yaml:73``, ``models/megatron/deepseek_v4_base.yaml:49``; found
-by merging all 258 ``examples/megatron/configs`` experiments of Primus fd1eeab (Megatron-LM's own
-argument names pass the screen)."""
-
-
 def _plain(value: Any) -> Any:
     """A YAML mapping as Primus hands it to Megatron's args, a ``SimpleNamespace``
     (``yaml_utils.py:19-31``, ``:85-93``), read back as the mapping it was."""
@@ -338,11 +330,21 @@ def _plain(value: Any) -> Any:
 def primus_settings(values: Mapping[str, Any]) -> TurboAttentionSettings:
     """The settings of a Primus run's merged parameters or Megatron args (``vars(args)``): the one
     reading the patch's condition and ``check`` share.  Our keys' namespaces are read as mappings
-    (``turbo_flex_attention_mask_mod_kwargs: {prefix_length: 64}`` reaches the args as a namespace),
-    and `PRIMUS_OWN_KEYS` are Primus's, not typos."""
+    (``turbo_flex_attention_mask_mod_kwargs: {prefix_length: 64}`` reaches the args as a namespace);
+    Primus's own keys that look like ours pass (`primus_ext.settings.settings.FOREIGN_KEYS`)."""
     return TurboAttentionSettings.from_dict(
         {key: _plain(value) if key in SETTING_KEYS else value
-         for key, value in values.items() if key not in PRIMUS_OWN_KEYS})
+         for key, value in values.items()})
+
+
+def args_settings(args: Any) -> TurboAttentionSettings:
+    """The settings of Megatron's args (Primus's or Megatron-LM's), read as `primus_settings` reads
+    merged parameters; an object without ``__dict__`` is read by attribute."""
+    try:
+        values = vars(args)
+    except TypeError:
+        return TurboAttentionSettings.from_args(args)
+    return primus_settings(values)
 
 
 # ------------------------------------------------------------------ the switches of a Primus run
@@ -401,6 +403,6 @@ def run_reasons(values: Mapping[str, Any]) -> list[Reason]:
     return reasons
 
 
-__all__ = ["MODULE_NAMES", "SPECS_MODULE", "run_reasons", "PRIMUS_OWN_KEYS", "PRIMUS_TURBO_YAML",
-           "PrimusExperiment", "SharedKey", "configs_dir", "deep_merge", "is_experiment",
+__all__ = ["MODULE_NAMES", "SPECS_MODULE", "run_reasons", "PRIMUS_TURBO_YAML",
+           "PrimusExperiment", "SharedKey", "args_settings", "configs_dir", "deep_merge", "is_experiment",
            "primus_settings", "read_experiment", "shared_keys", "switch_reasons"]

@@ -49,9 +49,16 @@ _SHARED_PREFIX = "use_turbo_"
 _ATTENTION_WORDS: tuple[str, ...] = ("att", "flex", "sink")
 
 # Keys of others that resemble ours: Primus-Turbo switches sharing the ``use_turbo_``
-# prefix (GEMM, MoE, norm) and Megatron attention fields.  They pass through untouched.
+# prefix (GEMM, MoE, norm), Megatron attention fields, and Primus's own config keys the screen
+# would take for ours (of every top-level key of Primus fd1eeab's 191 ``primus/configs`` YAMLs:
+# ``modules/module_base.yaml:3`` ``sink_level``, in every module's args,
+# ``modules/megatron/sft_trainer.yaml:73`` ``enable_packed_sequences``,
+# ``models/megatron/deepseek_v4_base.yaml:49`` ``attn_sliding_window``).  They pass untouched.
 FOREIGN_KEYS: frozenset[str] = frozenset(
     {
+        "sink_level",
+        "enable_packed_sequences",
+        "attn_sliding_window",
         "attention_backend",
         "use_kitchen_attention",
         "kitchen_attention_backend",

@@ -24,6 +24,7 @@ def no_condition_seen(monkeypatch):
     monkeypatch.setitem(layer_check._state, "condition", None)
     for name in layer_check._GLOBAL_ARGS:
         monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "megatron.training", None)  # no Megatron-LM args in this process
     yield
     hooks = torch.nn.modules.module._global_forward_pre_hooks
     for key in [k for k, h in hooks.items() if getattr(h, "__self__", None).__class__ is layer_check.LayerCheck]:

@@ -192,8 +192,8 @@ def test_a_key_both_define_with_another_default_is_reported_with_the_value_the_r
 def _patch_settings(monkeypatch, experiment: Path, root: Path) -> tuple[list, object]:
     """The settings the patch's condition and handler read when the stand-in runs Primus's runtime."""
     seen: list[TurboAttentionSettings] = []
-    real = primus_patch._settings
-    monkeypatch.setattr(primus_patch, "_settings", lambda args: seen.append(real(args)) or seen[-1])
+    real = primus_patch.args_settings
+    monkeypatch.setattr(primus_patch, "args_settings", lambda args: seen.append(real(args)) or seen[-1])
     with P.installed() as registry:
         register()
         args = P.run_runtime(registry, P.primus_module(str(experiment), str(root)))

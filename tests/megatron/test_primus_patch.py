@@ -16,6 +16,7 @@ from primus_ext.primus import PATCH_ID, PRIORITY, register
 from primus_ext.primus import patch as primus_patch
 from primus_ext.testing import fake_primus_turbo
 from primus_ext.testing import fake_primus as P
+from primus_ext.testing.fake_megatron_lm import builder_layer_spec, parsed_args
 
 from . import gpt
 
@@ -173,25 +174,74 @@ def test_every_key_reaches_the_modules_through_primus_merge(key):
     assert getattr(built.keywords["settings"], key) == value
 
 
-def test_megatrons_spec_argument_takes_the_ready_local_spec():
-    """The patch-free route: Megatron's ``spec: [module, attr]`` imports a ready ModuleSpec."""
+@pytest.fixture
+def fresh_specs(monkeypatch):
+    """primus_ext.primus.specs keeps a spec once built (Megatron's builder reads it with vars());
+    each test here builds its own from its own args."""
+    import primus_ext.primus.specs as specs
+
+    for name in specs.SPECS:
+        monkeypatch.delitem(vars(specs), name, raising=False)
+    return specs
+
+
+def spec_route(model: dict, module: dict) -> tuple:
+    """A Primus run whose YAML names primus_ext's spec: Primus's lifecycle, then Megatron-LM's builder
+    (its parsed args, ``import_module(args.spec)``) builds the model."""
+    from megatron.core.models.gpt import GPTModel
+
+    with P.installed() as registry:
+        assert register()
+        args = P.megatron_args(model, {**module, "spec": ["primus_ext.primus.specs", "gpt_layer_local_spec"]})
+        P.run_lifecycle(registry, args)
+        with parsed_args(args), fake_primus_turbo():
+            spec = builder_layer_spec(args)
+            torch.manual_seed(0)
+            built = GPTModel(config=gpt.config(qk_layernorm=bool(getattr(args, "qk_layernorm", False))),
+                             transformer_layer_spec=spec, vocab_size=gpt.VOCAB, max_sequence_length=gpt.SEQ * 4,
+                             position_embedding_type="learned_absolute")
+    return spec, built, args
+
+
+def test_megatrons_spec_argument_builds_primus_ext_s_layers_from_the_run_s_args(fresh_specs):
+    """The patch-free route: the spec Megatron's builder imports is built from the run's own args,
+    with Primus's own keys (module_base.yaml's sink_level) read as Primus's, not as typos."""
     import functools
 
-    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = import_module(("primus_ext.primus.specs", "gpt_layer_local_spec"))
-    assert isinstance(spec, ModuleSpec)
+    spec, model, args = spec_route({**MODEL, "sink_level": None}, MODULE)
+    assert isinstance(spec, ModuleSpec) and vars(fresh_specs)["gpt_layer_local_spec"] is spec
     core = spec.submodules.self_attention.submodules.core_attention
     assert isinstance(core, functools.partial) and core.func is PrimusTurboLocalAttention
     assert core.keywords["settings"] is None  # the keys come from Megatron's args when a layer is built
-    torch.manual_seed(0)
-    from megatron.core.models.gpt import GPTModel
-
-    with fake_primus_turbo():  # no Megatron args here: the default keys, Primus-Turbo's direct path
-        model = GPTModel(config=gpt.config(), transformer_layer_spec=spec, vocab_size=gpt.VOCAB,
-                         max_sequence_length=gpt.SEQ * 4, position_embedding_type="learned_absolute")
     assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
-    assert {m.core.plan.path for m in attention(model)} == {"direct"}
+    assert {m.core.plan.path for m in attention(model)} == {"flex"}  # use_turbo_flex_attention from the args
+
+
+def test_the_spec_carries_the_run_s_qk_layernorm(fresh_specs):
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec, model, _ = spec_route({**MODEL, "qk_layernorm": True}, MODULE)
+    norms = [layer.self_attention.q_layernorm for layer in model.decoder.layers]
+    assert not any(isinstance(n, IdentityOp) for n in norms)
+    assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
+
+
+def test_a_moe_run_is_refused_through_the_builder_not_built_dense(fresh_specs):
+    with pytest.raises(UnsupportedConfigError) as err:
+        spec_route({**MODEL, "num_experts": 4}, MODULE)
+    assert err.value.codes == ("primus-spec",) and "num_experts" in err.value.settings
+    assert "gpt_layer_local_spec" not in vars(fresh_specs)
+
+
+def test_the_spec_without_parsed_args_is_refused(fresh_specs, monkeypatch):
+    from megatron.core.transformer.spec_utils import import_module
+
+    monkeypatch.setitem(sys.modules, "megatron.training", None)
+    with pytest.raises(UnsupportedConfigError) as err:
+        import_module(("primus_ext.primus.specs", "gpt_layer_local_spec"))
+    assert err.value.codes == ("primus-spec",)
 
 
 def test_a_proven_hook_runs_on_turbo_through_primus_and_equals_the_reference():
@@ -238,8 +288,8 @@ def test_keys_that_would_not_mean_what_they_say_under_primus_are_refused_by_the_
     assert code in err.value.codes and key in err.value.settings
 
 
-def test_primus_ext_s_own_spec_passes_the_condition():
-    model = launch({**MODULE, "spec": ["primus_ext.primus.specs", "gpt_layer_local_spec"]})
+def test_primus_ext_s_own_spec_passes_the_condition(fresh_specs):
+    _, model, _ = spec_route(MODEL, MODULE)
     assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
 
 

@@ -1,0 +1,107 @@
+"""``ModuleSpec`` objects for Megatron's own ``spec: [module, attr]`` argument: the route into
+Primus (or Megatron-LM) that needs no patch.
+
+Megatron-LM's GPT builder imports ``args.spec`` and takes the attribute as it is
+(``megatron.core.transformer.spec_utils.import_module``: ``__import__(module, ..., [attr])``, then
+``vars(module)[attr]``, never called).  For a package, ``__import__`` asks for each name of its
+from-list first (``importlib._bootstrap._handle_fromlist``: ``hasattr``, which reaches the
+module's ``__getattr__``); that is why this is a package, and where these are built: from the run's parsed arguments (``megatron.training.get_args()``), through
+the megatron-core spec function Megatron's builder would call for a dense model without ``spec``
+(``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``), every parameter of
+it that the arguments carry (``qk_layernorm``, ``qk_l2_norm``, ``normalization``,
+``multi_latent_attention``, ...), with primus_ext's core attention.  The spec is then kept in the
+module for the builder's ``vars()`` read (one dense layer spec serves every pipeline stage).
+
+* ``gpt_layer_local_spec``: megatron-core's local GPT layer (no TransformerEngine);
+* ``gpt_layer_te_spec``: megatron-core's TransformerEngine GPT layer (where TransformerEngine imports).
+
+    spec: [primus_ext.primus.specs, gpt_layer_te_spec]
+
+A run the builder would give another block refuses (our error, out of the builder): MoE
+(``num_experts``: a decoder block spec per pipeline stage), a heterogeneous or experimental
+layer config, ``transformer_impl: inference_optimized``, or no parsed arguments at all.  MTP
+layers are built by the builder from this layer spec, so they get primus_ext's attention too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from ...errors import Reason, UnsupportedConfigError, short_repr
+
+SPECS = ("gpt_layer_local_spec", "gpt_layer_te_spec")
+_NOT_FROM_ARGS = frozenset({"fp8"})  # megatron-core 0.16 ignores it, with a deprecation warning
+
+
+def _spec_function(name: str) -> Callable[..., Any]:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if name == "gpt_layer_te_spec":
+        import transformer_engine  # noqa: F401 - an ImportError here is the attribute's absence
+
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
+    return gpt_layer_specs.get_gpt_layer_local_spec
+
+
+def _refusals(name: str, args: Any) -> list[Reason]:
+    """What the dense layer spec cannot express, read as Megatron's builder branches on it."""
+    alternative = (f"remove spec: (Primus's spec provider then builds every layer, MoE and MTP included, with "
+                   f"primus_ext's attention through the patch: python -m primus_ext.primus, docs/primus.md)")
+    reasons = []
+    checks = (
+        ("num_experts", bool(getattr(args, "num_experts", None)), "a MoE model: Megatron's builder gives it a "
+         "decoder block spec of its own per pipeline stage, which one layer spec cannot be"),
+        ("heterogeneous_layers_config_path", getattr(args, "heterogeneous_layers_config_path", None) is not None,
+         "a heterogeneous layer config: Megatron's builder builds a spec per layer from it"),
+        ("experimental_attention_variant", getattr(args, "experimental_attention_variant", None) is not None,
+         "an experimental attention variant: Megatron's builder builds its own block spec"),
+        ("transformer_impl", getattr(args, "transformer_impl", None) == "inference_optimized",
+         "the inference-optimized layer spec"),
+    )
+    for key, hit, what in checks:
+        if hit:
+            reasons.append(Reason(
+                (key, "spec"), f"spec: [primus_ext.primus.specs, {name}] with {key}={short_repr(getattr(args, key))}: "
+                f"{what}; primus_ext's spec is a dense GPT layer, so the model would not be the one the config "
+                "describes.", alternative, "primus-spec"))
+    return reasons
+
+
+def build_spec(name: str, args: Any) -> Any:
+    """The spec ``name`` for Megatron's parsed ``args``, or our error naming what it cannot express."""
+    from ...megatron import primus_turbo_te_core_attention, use_core_attention
+    from ...megatron.specs import PrimusTurboLocalSpecProvider
+
+    if args is None:
+        raise UnsupportedConfigError(Reason(
+            ("spec",), f"primus_ext.primus.specs.{name} is built from Megatron-LM's parsed arguments "
+            "(megatron.training.get_args()), and none are set in this process.",
+            "use it as Megatron's spec: argument, where the builder asks for it after parsing; in code, build a "
+            "layer spec with primus_ext.megatron.get_gpt_layer_primus_turbo_local_spec(settings, **kwargs).",
+            "primus-spec"), context="primus_ext.primus.specs")
+    reasons = _refusals(name, args)
+    if reasons:
+        raise UnsupportedConfigError(reasons, context="primus_ext.primus.specs")
+    function = _spec_function(name)
+    kwargs = {key: getattr(args, key) for key in inspect.signature(function).parameters
+              if key not in _NOT_FROM_ARGS and getattr(args, key, None) is not None}
+    core = (primus_turbo_te_core_attention(None) if name == "gpt_layer_te_spec"
+            else PrimusTurboLocalSpecProvider(None).core_attention())
+    return use_core_attention(function(**kwargs), core)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in SPECS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ...megatron.args import megatron_args
+
+    try:
+        spec = build_spec(name, megatron_args())
+    except ImportError as exc:  # no TransformerEngine for the TE spec: the attribute is not there
+        raise AttributeError(f"{name} needs TransformerEngine ({exc})") from None
+    globals()[name] = spec  # Megatron's import_module reads it with vars() right after
+    return spec
+
+
+__all__ = ["SPECS", "build_spec"]

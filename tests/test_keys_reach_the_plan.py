@@ -90,6 +90,8 @@ def _other_value(key: str) -> Any:
         return "false"
     if key == "turbo_flex_attention_call_flags":
         return "drop_in"
+    if key == "turbo_flex_attention_owner":
+        return "primus_ext"
     if key == "packed_sequences":
         return True
     if key == "reset_attention_mask_max_documents":

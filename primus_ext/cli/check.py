@@ -37,6 +37,7 @@ from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
 from ..settings.model_keys import model_key_problems
 from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
+from ..settings.primus_owner import wants_primus_ext
 from ..testing import fake_primus_turbo
 from .check_primus import primus_merged, primus_refusal, primus_run_settings
 from .render import ascii_grid, layer_kinds, layer_list, write_png
@@ -305,14 +306,16 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     config, primus = primus_merged(path, _load(path), primus_root, out)
     fragment = is_module_fragment(config)
     settings = settings_for(config, arch, err, primus_run_settings if primus else TurboAttentionSettings.from_dict)
-    refusal = primus_refusal(path, config, settings) if primus and settings is not None else None
+    refusal = primus_refusal(path, config, settings, primus_root) if primus and settings is not None else None
     if refusal is not None:  # the patch's condition would stop this run
         print(refusal, file=err)
     if settings is None or refusal is not None:
         return REFUSED
-    if primus and not settings.use_turbo_flex_attention:  # the patch's condition is false: nothing of ours runs
-        print("use_turbo_flex_attention is not true: primus_ext's patch stays out of this run, and Primus builds "
-              "its own attention (nothing to plan here).", file=out)
+    if primus and not wants_primus_ext(settings):  # the patch's condition is false: nothing of ours runs
+        why = ("use_turbo_flex_attention is not true" if not settings.use_turbo_flex_attention
+               else "turbo_flex_attention_owner is primus")
+        print(f"{why}: primus_ext's patch stays out of this run, and Primus builds its own attention (nothing to "
+              "plan here).", file=out)
         return 0
     if fragment:
         print(fragment_note(path, settings), file=out)

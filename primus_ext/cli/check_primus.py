@@ -25,8 +25,9 @@ from typing import Any, Optional, TextIO
 
 from ..errors import PrimusExtError, UnsupportedConfigError, short_repr
 from ..settings import TurboAttentionSettings
-from ..settings.primus_config import (PrimusExperiment, is_experiment, primus_settings, read_experiment, run_reasons,
-                                      shared_keys, switch_reasons)
+from ..settings.primus_config import (PrimusExperiment, configs_dir, is_experiment, primus_settings, read_experiment,
+                                      run_reasons, shared_keys, switch_reasons)
+from ..settings.primus_owner import owner_reasons, primus_flex_path, wants_primus_ext
 from ..settings.primus_launch import patch_environment
 
 
@@ -83,15 +84,19 @@ def primus_run_settings(config: dict[str, Any]) -> TurboAttentionSettings:
     return primus_settings(config)
 
 
-def primus_refusal(path: str, config: dict[str, Any],
-                   settings: TurboAttentionSettings) -> Optional[UnsupportedConfigError]:
+def primus_refusal(path: str, config: dict[str, Any], settings: TurboAttentionSettings,
+                   primus_root: Optional[str] = None) -> Optional[UnsupportedConfigError]:
     """The refusal of the patch's condition (or the launcher's) for the experiment at ``path``, where Primus
     would not install its spec provider or would drop primus_ext's patch, in the environment Primus's
-    patches would see here (this one, with the experiment's ``env:`` block applied)."""
+    patches would see here (this one, with the experiment's ``env:`` block applied), or where the Primus
+    of ``primus_root`` (the installed one without it) has its own flex path and the owner is not named."""
     if not settings.use_turbo_flex_attention:
         return None
-    environ, where = patch_environment(path)
-    reasons = switch_reasons(config.get("enable_primus_turbo", False), environ, True, where) + run_reasons(config)
+    reasons = owner_reasons(settings, primus_flex_path(str(configs_dir(primus_root).parent)))
+    if wants_primus_ext(settings):
+        environ, where = patch_environment(path)
+        reasons += switch_reasons(config.get("enable_primus_turbo", False), environ, True, where)
+        reasons += run_reasons(config)
     return UnsupportedConfigError(reasons, context="Primus patch") if reasons else None
 
 

@@ -201,6 +201,12 @@ RULES: Tuple[Rule, ...] = (
          "use_turbo_flex_attention needs the Turbo attention module, but use_turbo_attention is false.",
          "set use_turbo_attention: true as well.",
          lambda c: c.flex and not c.settings.use_turbo_attention),
+    Rule("owner", ("turbo_flex_attention_owner", "use_turbo_flex_attention"),
+         "turbo_flex_attention_owner is primus: use_turbo_flex_attention belongs to Primus's own flex path, and this "
+         "layer is primus_ext's (built by its spec, module or patch), which would run its own instead.",
+         "set turbo_flex_attention_owner: primus_ext for primus_ext's layers, or build the layers with Primus's "
+         "own attention (no primus_ext spec or module) for Primus's flex path.",
+         lambda c: c.flex and c.settings.turbo_flex_attention_owner == "primus"),
     Rule("backend", ("turbo_flex_attention_backend",),
          "turbo_flex_attention_backend asks for Primus-Turbo, but it cannot be used: {problem}",
          "install Primus-Turbo (ROCm), or set turbo_flex_attention_backend: reference "

@@ -3,7 +3,8 @@
 Primus finds patches only inside its own package, so every rank must import ours before
 Primus runs its before_train patches.  This launcher refuses a patch filter (``PRIMUS_PATCHES``,
 from the shell or the experiment's ``env:`` block, which Primus applies after this) that would
-drop the patch, registers it, installs the check of the built model (`layer_check`), then runs
+drop the patch, and a ``use_turbo_flex_attention`` that a Primus with its own flex path would
+claim too (`primus_ext.settings.primus_owner`), registers the patch, installs the check of the built model (`layer_check`), then runs
 the rest of the command line as Python would: ``-m <module> [args]`` or ``<script.py> [args]``, with
 ``sys.argv`` as that program expects it.  Use it where the Primus command would start Python,
 e.g. ``torchrun ... -m primus_ext.primus primus/cli/main.py train pretrain --config exp.yaml``.
@@ -15,20 +16,39 @@ import os
 import runpy
 import sys
 
-from ..errors import UnsupportedConfigError
+from ..errors import PrimusExtError, UnsupportedConfigError
+from ..settings import TurboAttentionSettings
+from ..settings.primus_config import primus_settings, read_experiment
 from ..settings.primus_launch import PATCH_ID, config_argument, patch_environment, patch_filter_reasons
+from ..settings.primus_owner import owner_reasons, primus_flex_path, wants_primus_ext
 from . import layer_check
 from .patch import register
 
 
+def _experiment_settings(config: str, environ: dict[str, str]) -> TurboAttentionSettings:
+    """The experiment's settings, merged as Primus merges it (with the environment Primus substitutes
+    ``${VAR}`` from: the launcher's, before the ``env:`` block)."""
+    return primus_settings(read_experiment(config, environ=environ).params)
+
+
 def _experiment_flag(config: str | None, environ: dict[str, str]) -> bool:
-    """``use_turbo_flex_attention`` of the experiment, merged as Primus merges it (with the environment
-    Primus substituted ``${VAR}`` from: the launcher's, before the ``env:`` block)."""
+    """Whether the experiment asks for primus_ext's layers (for the check of the built model)."""
     if config is None:
         raise UnsupportedConfigError(layer_check.unknown_flag_reason(), context="Primus run, model built")
-    from ..settings.primus_config import primus_settings, read_experiment
+    return wants_primus_ext(_experiment_settings(config, environ))
 
-    return primus_settings(read_experiment(config, environ=environ).params).use_turbo_flex_attention
+
+def _owner_reasons(config: str | None, environ: dict[str, str]) -> list:
+    """A key two owners claim (`primus_ext.settings.primus_owner`), where this Primus has its own flex
+    path and the experiment can be read here (otherwise the patch's condition refuses it)."""
+    flex = primus_flex_path()
+    if flex is None or config is None:
+        return []
+    try:
+        settings = _experiment_settings(config, environ)
+    except PrimusExtError:  # not readable here (no configs folder, a key of its own): the condition decides
+        return []
+    return owner_reasons(settings, flex)
 
 
 def main(argv: list[str]) -> None:
@@ -40,7 +60,8 @@ def main(argv: list[str]) -> None:
     config = config_argument(argv)
     shell = dict(os.environ)
     reasons = patch_filter_reasons(*patch_environment(config, shell), ids=(PATCH_ID,))
-    if reasons:  # Primus would drop the patch before its condition runs
+    reasons += _owner_reasons(config, shell)
+    if reasons:  # Primus would drop the patch before its condition runs, or the key has two owners
         raise SystemExit(f"primus_ext.primus: {UnsupportedConfigError(reasons, context='Primus launch')}")
     if not register():
         raise SystemExit("primus_ext.primus: `import primus.core.patches` failed; run this inside Primus's "

@@ -43,7 +43,8 @@ def _megatron_args_flag() -> Optional[bool]:
     found = [megatron_args()] + [getattr(sys.modules.get(name), "_GLOBAL_ARGS", None) for name in _GLOBAL_ARGS]
     for args in found:
         if args is not None:
-            return bool(getattr(args, "use_turbo_flex_attention", False))
+            return bool(getattr(args, "use_turbo_flex_attention", False)) and getattr(
+                args, "turbo_flex_attention_owner", None) != "primus"
     return None
 
 
@@ -66,7 +67,8 @@ class LayerCheck:
         """The module the check ran on, once it has."""
 
     def wanted(self) -> bool:
-        """Whether this run asks for primus_ext's layers (``use_turbo_flex_attention``)."""
+        """Whether this run asks for primus_ext's layers (``use_turbo_flex_attention``, not given to
+        Primus's own flex path by ``turbo_flex_attention_owner: primus``)."""
         for flag in (_state["condition"], _megatron_args_flag()):
             if flag is not None:
                 return flag

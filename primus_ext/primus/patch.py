@@ -28,6 +28,7 @@ from ..errors import Reason, UnsupportedConfigError
 from ..settings import TurboAttentionSettings
 from ..settings.primus_config import args_settings, run_reasons, switch_reasons
 from ..settings.primus_launch import PATCH_ID, PRIMUS_PROVIDER_PATCH
+from ..settings.primus_owner import owner_reasons, primus_flex_path, wants_primus_ext
 from .layer_check import note_condition
 
 PRIORITY = 42
@@ -59,23 +60,29 @@ def _args(ctx: Any) -> Any:
 
 
 def applies(ctx: Any) -> bool:
-    """The patch's condition: ``use_turbo_flex_attention`` is set.  Raises our error for everything
+    """The patch's condition: ``use_turbo_flex_attention`` is set and not given to Primus's own flex path
+    (``turbo_flex_attention_owner: primus``).  Raises our error for everything
     that would leave the layers on another attention (Primus runs conditions outside its ``try``,
     so this reaches the user): a key that does not check, Primus's spec provider missing, or not
-    installed by Primus in this run (``enable_primus_turbo`` off, its patch filtered out), and a
+    installed by Primus in this run (``enable_primus_turbo`` off, its patch filtered out), a key two
+    owners claim (`primus_ext.settings.primus_owner`), and a
     ``load`` checkpoint of Primus's learned sinks not converted for primus_ext."""
     args = _args(ctx)
     if args is None:
         return False
     settings = args_settings(args)  # every key, look-alikes too, as the layers read them
-    note_condition(settings.use_turbo_flex_attention)  # the launcher's check of the built model reads it
+    note_condition(wants_primus_ext(settings))  # the launcher's check of the built model reads it
     if not settings.use_turbo_flex_attention:
         return False
-    reasons = switch_reasons(getattr(args, "enable_primus_turbo", False))  # `primus-ext check` applies it too
-    reasons += _provider_gates(getattr(ctx, "backend_version", None))
-    reasons += run_reasons(_values(args))
+    reasons = owner_reasons(settings, primus_flex_path())  # Primus's own flex path may claim the key
+    if wants_primus_ext(settings):
+        reasons += switch_reasons(getattr(args, "enable_primus_turbo", False))  # `primus-ext check` applies it too
+        reasons += _provider_gates(getattr(ctx, "backend_version", None))
+        reasons += run_reasons(_values(args))
     if reasons:
         raise UnsupportedConfigError(reasons, context="Primus patch")
+    if not wants_primus_ext(settings):  # turbo_flex_attention_owner: primus
+        return False
     _provider()
     # Imported here, not at the top: the launcher registers the patch before Primus puts its bundled
     # Megatron-LM on sys.path, and megatron must not be imported before that.

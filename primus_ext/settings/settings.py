@@ -33,6 +33,8 @@ from ..errors import Reason, UnsupportedConfigError, short_repr
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "turbo", "reference", "flex")
 """``turbo_flex_attention_backend``: the one list of its choices."""
 CALL_FLAG_CHOICES: tuple[str, ...] = ("plan", "drop_in")
+OWNER_CHOICES: tuple[str, ...] = ("primus_ext", "primus")
+"""``turbo_flex_attention_owner``: who owns ``use_turbo_flex_attention`` where Primus has its own path."""
 """``turbo_flex_attention_call_flags``: a call's causal / window_size must be the plan's, or (drop-in) are its own."""
 
 # One ``module.path:attr.path`` made of Python identifiers; nothing else is accepted,
@@ -112,6 +114,11 @@ class TurboAttentionSettings:
         "Whose causal / window_size a flex call runs: plan (the layer's; a call passing others is refused) or "
         "drop_in (a flash_attn_func-style call's own, checked by the layer's rules once per distinct value).",
         "plan | drop_in", "B11, B34"))
+    turbo_flex_attention_owner: Optional[str] = field(default=None, metadata=_meta(
+        "Under a Primus that has its own use_turbo_flex_attention path: whose flex attention the key turns on, "
+        "primus_ext (its layers, through its patch) or primus (Primus's own; primus_ext stays out); null there "
+        "is refused as ambiguous. Elsewhere null or primus_ext (primus is refused: no Primus path to give it to).",
+        "primus_ext | primus | null", "B1"))
     turbo_arch: str = field(default="auto", metadata=_meta(
         "GPU arch the plan checks Primus-Turbo's kernel dispatch for: gfx942 (MI300), gfx950 (MI355), "
         "or auto (the device's gcnArchName on ROCm; no arch check elsewhere).",
@@ -296,6 +303,14 @@ def _choice(choices: tuple[str, ...], advice: str) -> Callable[[str, Any], Optio
 ARCH_CHOICES = ("auto", "gfx942", "gfx950")
 _check_backend = _choice(BACKEND_CHOICES, "write '{key}: auto' unless you need a specific backend.")
 _check_arch = _choice(ARCH_CHOICES, "write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto.")
+def _check_owner(key: str, value: Any) -> Optional[Reason]:
+    if value is None or (isinstance(value, str) and value in OWNER_CHOICES):
+        return None
+    return Reason(settings=(key,), reason=f"{key} must be null, primus_ext or primus; got {type_name(value)}.",
+                  alternative=f"write '{key}: primus_ext' (primus_ext's layers) or '{key}: primus' (Primus's own "
+                              "flex path), or leave it null outside a Primus that has one.")
+
+
 _check_call_flags = _choice(CALL_FLAG_CHOICES, "write '{key}: plan' (calls run the layer's causal / window), or "
                                                "'{key}: drop_in' for calls that pass their own.")
 
@@ -344,6 +359,7 @@ _CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
     "turbo_flex_attention_score_mod_kwargs": _check_kwargs,
     "turbo_flex_attention_backend": _check_backend,
     "turbo_flex_attention_call_flags": _check_call_flags,
+    "turbo_flex_attention_owner": _check_owner,
     "turbo_arch": _check_arch,
     "turbo_selftest": _check_selftest,
     "sink_sliding_window": _check_window,

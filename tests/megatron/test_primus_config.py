@@ -333,3 +333,21 @@ def test_the_experiment_trains_with_primus_ext_on_every_layer_with_the_plans_che
     assert {m.core.plan.sink for m in layers} == {True} and layers[0].core.plan.window == (4, 0)
     losses = gpt.train(model, gpt.batches(3, seq=args.seq_length))
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+
+
+def test_check_refuses_a_key_this_primus_claims_too_until_the_owner_is_named(tmp_path):
+    overrides = yaml.safe_load(EXP.read_text())["modules"]["pre_trainer"]["overrides"]
+    root, experiment = tree_copy(tmp_path, overrides)
+    own = root / "primus" / "backends" / "megatron" / "core" / "extensions" / "turbo_flex_attention.py"
+    own.parent.mkdir(parents=True)
+    own.write_text('"""Primus\'s own flex path (PR #1033)."""\n')
+    code, _, err = _check(experiment, root)
+    assert code == 2 and "this Primus has its own use_turbo_flex_attention path" in err and str(own) in err
+    root2, named = tree_copy(tmp_path / "named", {**overrides, "turbo_flex_attention_owner": "primus"})
+    (root2 / own.relative_to(root)).parent.mkdir(parents=True)
+    (root2 / own.relative_to(root)).write_text("")
+    code, out, _ = _check(named, root2)
+    assert code == 0 and "turbo_flex_attention_owner is primus: primus_ext's patch stays out" in out
+    root3, ours = tree_copy(tmp_path / "ours", {**overrides, "turbo_flex_attention_owner": "primus_ext"})
+    code, out, _ = _check(ours, root3)  # this Primus has no flex path of its own: primus_ext's is the only one
+    assert code == 0 and "layer" in out

@@ -175,7 +175,12 @@ def _launch_variant(primus_env, name: str, env_block: str = "", extra_env: dict 
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(REPO)], cwd=checkout)  # idempotent
     source = checkout / EXPERIMENT
     variant = source.with_name(f"{name}.yaml")
-    variant.write_text(env_block + source.read_text())
+    text = source.read_text()
+    owner = (extra_env or {}).get("STANDIN_OWNER")
+    if owner:  # the owner key under the module's overrides
+        text = text.replace("      use_turbo_flex_attention: true\n",
+                            f"      use_turbo_flex_attention: true\n      turbo_flex_attention_owner: {owner}\n")
+    variant.write_text(env_block + text)
     env = {**os.environ, "PYTHONPATH": str(checkout), **(extra_env or {})}
     env.pop("PRIMUS_PATCHES", None)
     return _run([str(python), "-m", "primus_ext.primus", "primus/cli/main.py", "train", "pretrain", "--config",
@@ -216,3 +221,27 @@ def test_an_env_block_without_the_filter_launches_as_before(primus_env):
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert [line for line in launched.stdout.splitlines() if line.startswith("layer")] == [
         "layer primus_ext.megatron.local"] * 2
+
+
+def test_a_primus_with_its_own_flex_path_makes_the_launch_name_the_owner(primus_env):
+    """Primus PR #1033 gives Primus a use_turbo_flex_attention of its own: the launcher refuses the
+    ambiguity; with the owner named, the run is primus_ext's or Primus's, as named."""
+    _, checkout = primus_env
+    own = checkout / "primus" / "backends" / "megatron" / "core" / "extensions" / "turbo_flex_attention.py"
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_text('"""A stand-in of Primus\'s own flex path."""\n')
+    try:
+        refused = _launch_variant(primus_env, "two_owners")
+        assert refused.returncode != 0 and "this Primus has its own use_turbo_flex_attention path" in refused.stderr
+        assert "turbo_flex_attention_owner: primus_ext" in refused.stderr and "layer" not in refused.stdout
+        ours = _launch_variant(primus_env, "owner_ours", extra_env={"STANDIN_OWNER": "primus_ext"})
+        assert ours.returncode == 0, ours.stderr[-3000:]
+        assert [line for line in ours.stdout.splitlines() if line.startswith("layer")] == [
+            "layer primus_ext.megatron.local"] * 2
+        theirs = _launch_variant(primus_env, "owner_primus",
+                                 extra_env={"STANDIN_OWNER": "primus", "STANDIN_TRAIN": "0"})
+        assert theirs.returncode == 0, theirs.stderr[-3000:]
+        assert [line for line in theirs.stdout.splitlines() if line.startswith("layer")] == [
+            "layer primus_ext.testing.fake_primus"] * 2
+    finally:
+        shutil.rmtree(checkout / "primus" / "backends")

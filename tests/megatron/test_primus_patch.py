@@ -303,3 +303,54 @@ def test_the_launcher_refuses_a_primus_patches_list_without_its_patch(monkeypatc
         launcher([str(script)])
     with pytest.raises(SystemExit, match="no script"):
         launcher([str(tmp_path / "missing.py")])
+
+
+# ------------------------------------------------------------------ two owners of use_turbo_flex_attention
+@pytest.fixture
+def primus_with_its_own_flex(monkeypatch):
+    """A stand-in of a Primus that has its own flex path (Primus PR #1033's module)."""
+    import types
+
+    from primus_ext.settings.primus_owner import PRIMUS_FLEX_MODULE
+
+    module = types.ModuleType(PRIMUS_FLEX_MODULE)
+    module.__file__ = "/primus/backends/megatron/core/extensions/turbo_flex_attention.py"
+    monkeypatch.setitem(sys.modules, PRIMUS_FLEX_MODULE, module)
+    return module
+
+
+def test_a_key_two_implementations_claim_is_refused_naming_both_choices(primus_with_its_own_flex):
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch(MODULE)
+    assert err.value.codes == ("primus-owner",) and "turbo_flex_attention_owner" in err.value.settings
+    message = str(err.value)
+    assert "turbo_flex_attention.py" in message and "turbo_flex_attention_owner: primus_ext" in message
+    assert "turbo_flex_attention_owner: primus " in message
+
+
+def test_owner_primus_ext_builds_primus_ext_s_layers(primus_with_its_own_flex):
+    model = launch({**MODULE, "turbo_flex_attention_owner": "primus_ext"})
+    assert all(isinstance(m, PrimusTurboLocalAttention) for m in attention(model))
+    assert launch.registry.applied == ["megatron.turbo.te_spec_provider", PATCH_ID]
+
+
+def test_owner_primus_leaves_the_layers_to_primus_s_own_path(primus_with_its_own_flex):
+    from primus_ext.primus import layer_check
+
+    model = launch({**MODULE, "turbo_flex_attention_owner": "primus"})
+    assert [type(m).__name__ for m in attention(model)] == ["PrimusTurboAttention"] * 2
+    assert launch.registry.applied == ["megatron.turbo.te_spec_provider"]
+    assert layer_check._state["condition"] is False  # the check of the built model accepts Primus's layers
+
+
+def test_owner_primus_without_primus_s_flex_path_is_refused():
+    with pytest.raises(UnsupportedConfigError) as err:
+        launch({**MODULE, "turbo_flex_attention_owner": "primus"})
+    assert err.value.codes == ("primus-owner",) and "no flex attention path of its own" in str(err.value)
+
+
+def test_owner_primus_on_a_layer_primus_ext_builds_is_refused_by_the_plan():
+    with pytest.raises(UnsupportedConfigError) as err:
+        gpt.build_gpt(gpt.settings(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference",
+                                   turbo_flex_attention_owner="primus"))
+    assert "owner" in err.value.codes

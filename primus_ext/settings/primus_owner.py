@@ -1,0 +1,82 @@
+"""Two owners of one key: a Primus with its own ``use_turbo_flex_attention`` path.
+
+Primus's pull request #1033 (open; AMD-AGI/Primus@1c296eb2) adds
+``primus/backends/megatron/core/extensions/turbo_flex_attention.py`` and, in its ``primus_turbo``
+module config, keys named as primus_ext's: ``use_turbo_flex_attention`` (default false),
+``turbo_flex_attention_mask_mod``, ``turbo_flex_attention_score_mod``.  There the key routes
+Primus's own ``PrimusTurboAttention`` through Primus-Turbo's flex entries, with Primus's own rules
+(it refuses context parallelism, fp8, ``reset_attention_mask``, ...).  With primus_ext's patch
+applied, Primus's spec provider builds primus_ext's layers instead and Primus's path never runs;
+without it, Primus's runs.  The same YAML would then mean two attentions, so where that file
+exists the run must say whose it is: ``turbo_flex_attention_owner: primus_ext | primus``.
+
+The file is found without importing Primus (its package folder, from ``importlib.util.find_spec``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..errors import Reason
+from .settings import TurboAttentionSettings
+
+PRIMUS_FLEX_MODULE = "primus.backends.megatron.core.extensions.turbo_flex_attention"
+_RELATIVE = Path("backends", "megatron", "core", "extensions", "turbo_flex_attention.py")
+
+
+def primus_flex_path(package_dir: Optional[str] = None) -> Optional[str]:
+    """Where the Primus at ``package_dir`` (its ``primus`` package folder; the importable one when
+    None) has its own flex path; None where it has none."""
+    if package_dir is not None:
+        folders = [package_dir]
+    else:
+        loaded = sys.modules.get(PRIMUS_FLEX_MODULE)
+        if loaded is not None:
+            return getattr(loaded, "__file__", None) or PRIMUS_FLEX_MODULE
+        try:
+            spec = importlib.util.find_spec("primus")
+        except (ImportError, ValueError):  # a stand-in package without a spec
+            spec = None
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / _RELATIVE
+        if path.is_file():
+            return str(path)
+    return None
+
+
+def wants_primus_ext(settings: TurboAttentionSettings) -> bool:
+    """The run asks for primus_ext's flex layers (the key is on and not given to Primus)."""
+    return settings.use_turbo_flex_attention and settings.turbo_flex_attention_owner != "primus"
+
+
+def owner_reasons(settings: TurboAttentionSettings, primus_flex: Optional[str]) -> list[Reason]:
+    """Why the run's ``use_turbo_flex_attention`` has no single owner: Primus has its own path
+    (``primus_flex``, its file) and the owner is not named, or the owner is Primus and it has none."""
+    if not settings.use_turbo_flex_attention:
+        return []
+    owner = settings.turbo_flex_attention_owner
+    if primus_flex is not None and owner is None:
+        return [Reason(
+            ("use_turbo_flex_attention", "turbo_flex_attention_owner"),
+            f"this Primus has its own use_turbo_flex_attention path ({primus_flex}), and the key turns on either: "
+            "with primus_ext's patch the layers are primus_ext's (its plan, hooks and refusals), without it Primus's "
+            "own (Primus-Turbo's flex entries, Primus's rules). Which one would run depends on how the job is "
+            "launched, not on the config.",
+            "set turbo_flex_attention_owner: primus_ext (primus_ext's layers, launched through python -m "
+            "primus_ext.primus) or turbo_flex_attention_owner: primus (Primus's own path; primus_ext stays out).",
+            "primus-owner")]
+    if primus_flex is None and owner == "primus":
+        return [Reason(
+            ("turbo_flex_attention_owner",),
+            "turbo_flex_attention_owner is primus, and this Primus has no flex attention path of its own "
+            f"({PRIMUS_FLEX_MODULE} is not there): its attention would ignore use_turbo_flex_attention.",
+            "set turbo_flex_attention_owner: primus_ext (or null) for primus_ext's layers, or use a Primus that "
+            "has its own flex path.", "primus-owner")]
+    return []
+
+
+__all__ = ["PRIMUS_FLEX_MODULE", "owner_reasons", "primus_flex_path", "wants_primus_ext"]

@@ -16,14 +16,16 @@ from primus_ext.testing.fake_primus import apply_config_env
 
 
 def primus_applies(path, monkeypatch, environ: dict[str, str]) -> dict[str, str]:
-    """What Primus leaves in os.environ, run for real in this process (restored after)."""
-    with monkeypatch.context() as m:
-        for key in list(os.environ):
-            m.delenv(key)
-        for key, value in environ.items():
-            m.setenv(key, value)
+    """What Primus leaves in os.environ, run for real in this process (restored after, every key)."""
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(environ)
         apply_config_env(str(path))
         return dict(os.environ)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -31,6 +33,8 @@ def primus_applies(path, monkeypatch, environ: dict[str, str]) -> dict[str, str]
     (["primus/cli/main.py", "train", "pretrain", "--config=exp.yaml"], "exp.yaml"),
     (["-m", "primus.cli.main", "train", "pretrain", "--conf", "exp.yaml"], "exp.yaml"),
     (["primus/cli/main.py", "train", "pretrain", "--exp", "exp.yaml"], "exp.yaml"),
+    (["primus/cli/main.py", "train", "pretrain", "--c", "exp.yaml"], "exp.yaml"),
+    (["primus/cli/main.py", "train", "pretrain", "--config", "a.yaml", "--config=b.yaml"], "b.yaml"),
     (["primus/cli/main.py", "train", "pretrain", "--export_config", "out.yaml"], None),
     (["primus/cli/main.py", "train", "pretrain"], None),
 ])
@@ -47,6 +51,8 @@ BLOCKS = [
     "env: {}\n",
     "modules: {}\n",
     "env:\n  A: [unclosed\n",  # not YAML: Primus prints and goes on
+    "env:\n  A: one\n  B=C: two\n  PRIMUS_PATCHES: none\n",  # os.environ refuses B=C: Primus stops there
+    "env:\n  A: one\n  '': two\n  PRIMUS_PATCHES: none\n",
 ]
 
 
@@ -91,3 +97,21 @@ def test_the_filter_is_read_as_primus_reads_it(value, missing):
     for pid in missing:
         assert pid in reasons[0].reason
     assert patch_filter_reasons({"PRIMUS_PATCHES": value}, ids=()) == []
+
+
+def test_primus_s_own_flex_path_is_found_by_its_file_or_by_its_key(tmp_path):
+    from primus_ext.settings.primus_owner import gives_key_to_primus, primus_flex_path
+
+    assert primus_flex_path(str(tmp_path)) is None
+    keys = tmp_path / "configs" / "modules" / "megatron" / "primus_turbo.yaml"
+    keys.parent.mkdir(parents=True)
+    keys.write_text("use_turbo_attention: false\n")
+    assert primus_flex_path(str(tmp_path)) is None
+    keys.write_text("use_turbo_attention: false\nuse_turbo_flex_attention: false\n")
+    assert primus_flex_path(str(tmp_path)) == str(keys)
+    own = tmp_path / "backends" / "megatron" / "core" / "extensions" / "turbo_flex_attention.py"
+    own.parent.mkdir(parents=True)
+    own.write_text("")
+    assert primus_flex_path(str(tmp_path)) == str(own)
+    assert gives_key_to_primus("primus", str(own)) and not gives_key_to_primus("primus", None)
+    assert not gives_key_to_primus("primus_ext", str(own))

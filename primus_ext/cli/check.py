@@ -37,7 +37,6 @@ from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
 from ..settings.model_keys import model_key_problems
 from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
-from ..settings.primus_owner import wants_primus_ext
 from ..testing import fake_primus_turbo
 from .check_primus import primus_merged, primus_refusal, primus_run_settings
 from .render import ascii_grid, layer_kinds, layer_list, write_png
@@ -311,7 +310,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
         print(refusal, file=err)
     if settings is None or refusal is not None:
         return REFUSED
-    if primus and not wants_primus_ext(settings):  # the patch's condition is false: nothing of ours runs
+    # the patch's condition is false (an owner primus left here has Primus's own path): nothing of ours runs
+    if primus and (not settings.use_turbo_flex_attention or settings.turbo_flex_attention_owner == "primus"):
         why = ("use_turbo_flex_attention is not true" if not settings.use_turbo_flex_attention
                else "turbo_flex_attention_owner is primus")
         print(f"{why}: primus_ext's patch stays out of this run, and Primus builds its own attention (nothing to "

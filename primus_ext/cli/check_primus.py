@@ -92,8 +92,9 @@ def primus_refusal(path: str, config: dict[str, Any], settings: TurboAttentionSe
     of ``primus_root`` (the installed one without it) has its own flex path and the owner is not named."""
     if not settings.use_turbo_flex_attention:
         return None
-    reasons = owner_reasons(settings, primus_flex_path(str(configs_dir(primus_root).parent)))
-    if wants_primus_ext(settings):
+    primus_flex = primus_flex_path(str(configs_dir(primus_root).parent))
+    reasons = owner_reasons(settings, primus_flex)
+    if wants_primus_ext(settings, primus_flex):
         environ, where = patch_environment(path)
         reasons += switch_reasons(config.get("enable_primus_turbo", False), environ, True, where)
         reasons += run_reasons(config)

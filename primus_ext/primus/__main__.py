@@ -35,14 +35,14 @@ def _experiment_flag(config: str | None, environ: dict[str, str]) -> bool:
     """Whether the experiment asks for primus_ext's layers (for the check of the built model)."""
     if config is None:
         raise UnsupportedConfigError(layer_check.unknown_flag_reason(), context="Primus run, model built")
-    return wants_primus_ext(_experiment_settings(config, environ))
+    return wants_primus_ext(_experiment_settings(config, environ), primus_flex_path())
 
 
 def _owner_reasons(config: str | None, environ: dict[str, str]) -> list:
-    """A key two owners claim (`primus_ext.settings.primus_owner`), where this Primus has its own flex
-    path and the experiment can be read here (otherwise the patch's condition refuses it)."""
+    """A key two owners claim, or given to a Primus without a flex path (`primus_ext.settings.primus_owner`),
+    where the experiment can be read here (otherwise the patch's condition refuses it)."""
     flex = primus_flex_path()
-    if flex is None or config is None:
+    if config is None:
         return []
     try:
         settings = _experiment_settings(config, environ)

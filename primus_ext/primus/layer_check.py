@@ -1,12 +1,13 @@
 """The launcher's check of the built model, independent of how it was built: at the model's first
-forward, in a run that asks for ``use_turbo_flex_attention``, every megatron-core attention layer's
-core attention is primus_ext's, or the run stops with our error naming the layers that are not.
+forward (each model chunk's), in a run that asks for ``use_turbo_flex_attention``, every megatron-core
+attention layer's core attention is primus_ext's, or the run stops with our error naming the layers
+that are not.
 
 It catches what the patch cannot see: a filter, a later patch, a spec or a provider that built
 the layers another way.  The check is a global forward pre-hook (``torch.nn.modules.module.
-register_module_forward_pre_hook``); it looks at the first module called whose tree holds a
-megatron-core ``Attention`` (the model, or the wrapper around it, before any of its layers runs),
-then removes itself, so later steps pay nothing.
+register_module_forward_pre_hook``); it looks at each module called, not seen yet, whose tree holds
+a megatron-core ``Attention`` (a model chunk, or the wrapper around it, before any of its layers
+runs).
 
 Whether the run asks for flex attention is read, in order, from what the patch's condition saw
 (`note_condition`), the run's global args (Megatron-LM's ``megatron.training.get_args``, Primus's
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import Reason, UnsupportedConfigError
+from ..settings.primus_owner import gives_key_to_primus, primus_flex_path
 
 _ATTENTION_MODULE = "megatron.core.transformer.attention"
 _state: dict[str, Any] = {"condition": None}
@@ -43,8 +45,9 @@ def _megatron_args_flag() -> Optional[bool]:
     found = [megatron_args()] + [getattr(sys.modules.get(name), "_GLOBAL_ARGS", None) for name in _GLOBAL_ARGS]
     for args in found:
         if args is not None:
-            return bool(getattr(args, "use_turbo_flex_attention", False)) and getattr(
-                args, "turbo_flex_attention_owner", None) != "primus"
+            owner = getattr(args, "turbo_flex_attention_owner", None)
+            return bool(getattr(args, "use_turbo_flex_attention", False)) and not gives_key_to_primus(
+                owner, primus_flex_path())
     return None
 
 
@@ -57,14 +60,21 @@ def _ours(core: Any) -> bool:
 
 class LayerCheck:
     """The check, installed once by `install`; ``experiment_flag`` reads the experiment's key when
-    nothing else tells."""
+    nothing else tells.
+
+    It stays installed: every module tree forwarded that holds megatron-core attention layers and
+    was not seen yet is checked (each model chunk of a virtual pipeline, a model rebuilt in the same
+    process), and a refusal is kept, raised again at every later forward (a caller that swallows
+    the first, such as an in-process restart, cannot train on).  A module already seen costs one
+    set lookup; compiled code skips the hook (the compiled model's own eager call was checked)."""
 
     def __init__(self, experiment_flag: Callable[[], bool]) -> None:
         self._experiment_flag = experiment_flag
-        self._without_attention: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._seen: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._refusal: Optional[UnsupportedConfigError] = None
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
-        self.checked: Optional[torch.nn.Module] = None
-        """The module the check ran on, once it has."""
+        self.checked: list[torch.nn.Module] = []
+        """The module trees checked so far (each holding attention layers)."""
 
     def wanted(self) -> bool:
         """Whether this run asks for primus_ext's layers (``use_turbo_flex_attention``, not given to
@@ -75,21 +85,27 @@ class LayerCheck:
         return self._experiment_flag()
 
     def _before_forward(self, module: torch.nn.Module, _inputs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if self._refusal is not None:
+            raise self._refusal
+        if module in self._seen:
+            return
         attention_type = getattr(sys.modules.get(_ATTENTION_MODULE), "Attention", None)
-        if attention_type is None or module in self._without_attention:
+        if attention_type is None:
             return
-        layers = [(name, m) for name, m in module.named_modules() if isinstance(m, attention_type)]
+        tree = list(module.named_modules())
+        layers = [(name, m) for name, m in tree if isinstance(m, attention_type)]
         if not layers:
-            self._without_attention.add(module)
+            self._seen.add(module)  # its submodules may still be reached as roots of their own
             return
-        self._handle.remove()
-        self.checked = module
-        if not self.wanted():
-            return
+        self._seen.update(m for _, m in tree)
+        self.checked.append(module)
         foreign = [(name or type(module).__name__, type(getattr(m, "core_attention", None)))
                    for name, m in layers if not _ours(getattr(m, "core_attention", None))]
-        if foreign:
-            raise UnsupportedConfigError(_reason(foreign, len(layers)), context="Primus run, model built")
+        if foreign and self.wanted():
+            self._refusal = UnsupportedConfigError(_reason(foreign, len(layers)), context="Primus run, model built")
+            raise self._refusal
 
     def remove(self) -> None:
         self._handle.remove()

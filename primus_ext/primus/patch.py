@@ -71,17 +71,18 @@ def applies(ctx: Any) -> bool:
     if args is None:
         return False
     settings = args_settings(args)  # every key, look-alikes too, as the layers read them
-    note_condition(wants_primus_ext(settings))  # the launcher's check of the built model reads it
+    primus_flex = primus_flex_path()  # Primus's own flex path may claim the key
+    note_condition(wants_primus_ext(settings, primus_flex))  # the launcher's check of the built model reads it
     if not settings.use_turbo_flex_attention:
         return False
-    reasons = owner_reasons(settings, primus_flex_path())  # Primus's own flex path may claim the key
-    if wants_primus_ext(settings):
+    reasons = owner_reasons(settings, primus_flex)
+    if wants_primus_ext(settings, primus_flex):
         reasons += switch_reasons(getattr(args, "enable_primus_turbo", False))  # `primus-ext check` applies it too
         reasons += _provider_gates(getattr(ctx, "backend_version", None))
         reasons += run_reasons(_values(args))
     if reasons:
         raise UnsupportedConfigError(reasons, context="Primus patch")
-    if not wants_primus_ext(settings):  # turbo_flex_attention_owner: primus
+    if not wants_primus_ext(settings, primus_flex):  # turbo_flex_attention_owner: primus
         return False
     _provider()
     # Imported here, not at the top: the launcher registers the patch before Primus puts its bundled

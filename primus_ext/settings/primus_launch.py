@@ -3,16 +3,16 @@ runner sees, with the experiment's own ``env:`` block applied, and the patch fil
 
 Primus's rules, read in its sources (main fd1eeab; ``primus/`` paths):
 
-* ``primus train`` takes the experiment as ``--config`` (``core/launcher/train_launcher.py:31-36``;
-  argparse, so ``--config=PATH`` and abbreviations such as ``--conf`` work too; ``--exp`` is the
-  alias of ``core/launcher/parser.py:25-26``).
+* ``primus train`` takes the experiment as ``--config`` or ``--exp`` (``core/launcher/parser.py:24-31``;
+  argparse, so ``--config=PATH`` and abbreviations such as ``--conf`` work too, and the last given wins).
 * ``PrimusRuntime.run_train_module`` loads the configuration, then calls ``_apply_config_env``
   (``core/runtime/train_runtime.py:96-104``) before the backend, the distributed setup or any
   patch: the experiment file itself (``yaml.safe_load``, no ``extends``, no ``${VAR}``
   substitution) is read again, and each key of a top-level ``env:`` mapping, in order, is set
   as ``os.environ[str(key)] = os.path.expandvars(str(value))`` (``:307-358``).  A missing file, a
   missing or empty block does nothing; a block that is no mapping is ignored with a printed line;
-  any exception is printed and swallowed.  So the block wins over the launching shell.
+  any exception is printed and swallowed, so a key ``os.environ`` rejects (empty, with ``=``, a NUL
+  byte) ends the block there, the keys before it set.  So the block wins over the launching shell.
 * The patch runner reads ``PRIMUS_PATCHES`` when it runs a phase (``core/patches/patch_runner.py:
   26-39``, ``:89-90``): unset or ``all`` runs every patch, ``none`` none, else the comma-separated
   ids; the others are dropped before any condition is evaluated.
@@ -42,16 +42,18 @@ _VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # posixpath.expandvars
 
 
 def config_argument(argv: Sequence[str]) -> Optional[str]:
-    """The experiment path of a ``primus train ... --config PATH`` command line, as argparse reads it."""
+    """The experiment path of a ``primus train ... --config PATH`` command line, as argparse reads it:
+    ``--config PATH``, ``--config=PATH``, an abbreviation down to ``--c``, or ``--exp``; the last wins."""
+    found = None
     for index, arg in enumerate(argv):
         flag, equals, value = arg.partition("=")
-        if flag not in _CONFIG_FLAGS and not (len(flag) >= 4 and "--config".startswith(flag)):
+        if flag not in _CONFIG_FLAGS and not (len(flag) >= 3 and "--config".startswith(flag)):
             continue
         if equals:
-            return value
-        if index + 1 < len(argv):
-            return argv[index + 1]
-    return None
+            found = value
+        elif index + 1 < len(argv):
+            found = argv[index + 1]
+    return found
 
 
 def _expand(value: str, environ: Mapping[str, str]) -> str:
@@ -69,7 +71,7 @@ def experiment_env(path: Optional[str], environ: Mapping[str, str]) -> dict[str,
     if not path or not os.path.isfile(path):
         return {}
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path) as handle:  # the locale's encoding, as Primus opens it
             raw: Any = yaml.safe_load(handle) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError):  # Primus prints and goes on
         return {}
@@ -79,7 +81,10 @@ def experiment_env(path: Optional[str], environ: Mapping[str, str]) -> dict[str,
     seen = dict(environ)
     applied: dict[str, str] = {}
     for key, value in block.items():
-        seen[str(key)] = applied[str(key)] = _expand(str(value), seen)
+        name, text = str(key), _expand(str(value), seen)
+        if not name or "=" in name or "\0" in name or "\0" in text:  # os.environ raises: Primus stops there
+            break
+        seen[name] = applied[name] = text
     return applied
 
 

@@ -10,7 +10,9 @@ applied, Primus's spec provider builds primus_ext's layers instead and Primus's 
 without it, Primus's runs.  The same YAML would then mean two attentions, so where that file
 exists the run must say whose it is: ``turbo_flex_attention_owner: primus_ext | primus``.
 
-The file is found without importing Primus (its package folder, from ``importlib.util.find_spec``).
+Primus's own path is found without importing Primus (its package folder, from
+``importlib.util.find_spec``): that file, or the key ``use_turbo_flex_attention`` in Primus's own
+``configs/modules/megatron/primus_turbo.yaml`` (wherever the merged code comes to live).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
 from ..errors import Reason
 from .settings import TurboAttentionSettings
 
 PRIMUS_FLEX_MODULE = "primus.backends.megatron.core.extensions.turbo_flex_attention"
 _RELATIVE = Path("backends", "megatron", "core", "extensions", "turbo_flex_attention.py")
+_PRIMUS_TURBO_YAML = Path("configs", "modules", "megatron", "primus_turbo.yaml")
 
 
 def primus_flex_path(package_dir: Optional[str] = None) -> Optional[str]:
@@ -45,12 +50,30 @@ def primus_flex_path(package_dir: Optional[str] = None) -> Optional[str]:
         path = Path(folder) / _RELATIVE
         if path.is_file():
             return str(path)
+        keys = Path(folder) / _PRIMUS_TURBO_YAML  # the key itself, wherever Primus's code for it lives
+        if keys.is_file() and "use_turbo_flex_attention" in _top_level_keys(keys):
+            return str(keys)
     return None
 
 
-def wants_primus_ext(settings: TurboAttentionSettings) -> bool:
-    """The run asks for primus_ext's flex layers (the key is on and not given to Primus)."""
-    return settings.use_turbo_flex_attention and settings.turbo_flex_attention_owner != "primus"
+def _top_level_keys(path: Path) -> set:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return set()
+    return set(data) if isinstance(data, dict) else set()
+
+
+def gives_key_to_primus(owner: Optional[str], primus_flex: Optional[str]) -> bool:
+    """``turbo_flex_attention_owner: primus`` where Primus has its own path to give the key to (without
+    one, the owner is refused, and primus_ext's checks still expect its own layers)."""
+    return owner == "primus" and primus_flex is not None
+
+
+def wants_primus_ext(settings: TurboAttentionSettings, primus_flex: Optional[str]) -> bool:
+    """The run asks for primus_ext's flex layers: the key is on and not given to Primus's own path."""
+    return settings.use_turbo_flex_attention and not gives_key_to_primus(settings.turbo_flex_attention_owner,
+                                                                          primus_flex)
 
 
 def owner_reasons(settings: TurboAttentionSettings, primus_flex: Optional[str]) -> list[Reason]:
@@ -79,4 +102,4 @@ def owner_reasons(settings: TurboAttentionSettings, primus_flex: Optional[str]) 
     return []
 
 
-__all__ = ["PRIMUS_FLEX_MODULE", "owner_reasons", "primus_flex_path", "wants_primus_ext"]
+__all__ = ["PRIMUS_FLEX_MODULE", "gives_key_to_primus", "owner_reasons", "primus_flex_path", "wants_primus_ext"]

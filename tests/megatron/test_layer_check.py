@@ -1,6 +1,6 @@
 """The launcher's check of the built model (`primus_ext.primus.layer_check`): at the model's first
-forward, with ``use_turbo_flex_attention`` asked for, every megatron-core attention layer is
-primus_ext's or the run stops with our error, before any layer computes; then it is gone."""
+forward (each model chunk's), with ``use_turbo_flex_attention`` asked for, every megatron-core attention
+layer is primus_ext's or the run stops with our error, before any layer computes, and stays stopped."""
 
 from __future__ import annotations
 
@@ -55,20 +55,46 @@ def test_foreign_layers_stop_the_first_forward_before_any_layer_runs(monkeypatch
     model = foreign_gpt()
     with pytest.raises(UnsupportedConfigError) as err:
         forward(model)
-    assert err.value.codes == ("primus-layers",) and "use_turbo_flex_attention" in err.value.settings
+    assert err.value.codes == ("primus-layers",) and "use_turbo_flex_attention" in err.value.settings, str(err.value)
     message = str(err.value)
     assert "2 of the model's 2 attention layers" in message and "decoder.layers.0.self_attention" in message
     assert "megatron.core.transformer.dot_product_attention.DotProductAttention" in message
-    assert ran == [] and check.checked is model and not hooked()
+    assert ran == [] and check.checked == [model]
+    with pytest.raises(UnsupportedConfigError):  # a caller that swallowed it (an in-process restart) cannot go on
+        forward(foreign_gpt())
 
 
-def test_primus_ext_layers_pass_and_the_check_is_removed():
+def ours() -> GPTModel:
+    return gpt.build_gpt(gpt.settings(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"))
+
+
+def test_primus_ext_layers_pass_each_tree_checked_once():
     check = layer_check.LayerCheck(lambda: True)
-    model = gpt.build_gpt(gpt.settings(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"))
+    model = ours()
     torch.nn.Linear(2, 2)(torch.zeros(1, 2))  # a module without attention: looked at, not checked
-    assert check.checked is None and hooked()
+    assert check.checked == [] and hooked()
     forward(model)
-    assert check.checked is model and not hooked()
+    forward(model)
+    assert check.checked == [model]
+
+
+def test_every_model_chunk_is_checked(monkeypatch):
+    """A virtual pipeline stage holds several chunks; the second one is foreign here."""
+    monkeypatch.setattr(DotProductAttention, "forward", lambda self, *a, **k: None)
+    check = layer_check.LayerCheck(lambda: True)
+    first = ours()
+    forward(first)
+    with pytest.raises(UnsupportedConfigError):
+        forward(foreign_gpt())
+    assert len(check.checked) == 2
+
+
+def test_all_primus_ext_layers_need_no_answer_to_whether_flex_was_asked():
+    def unknown() -> bool:
+        raise AssertionError("asked although every layer is primus_ext's")
+
+    layer_check.LayerCheck(unknown)
+    forward(ours())
 
 
 class Ran(Exception):
@@ -83,7 +109,6 @@ def test_a_run_without_flex_keeps_any_layers(monkeypatch):
     layer_check.LayerCheck(lambda: False)
     with pytest.raises(Ran):
         forward(foreign_gpt())
-    assert not hooked()
 
 
 def test_the_condition_and_the_run_args_come_before_the_experiment(monkeypatch):

@@ -13,6 +13,7 @@ import torch
 from primus_ext.errors import UnsupportedConfigError
 from primus_ext.megatron import PrimusTurboLocalAttention
 from primus_ext.primus import PATCH_ID, PRIORITY, register
+from primus_ext.primus import layer_check
 from primus_ext.primus import patch as primus_patch
 from primus_ext.testing import fake_primus_turbo
 from primus_ext.testing import fake_primus as P
@@ -141,8 +142,13 @@ def test_the_launcher_registers_and_runs_the_command(tmp_path, monkeypatch):
     with P.installed() as registry:
         from primus_ext.primus.__main__ import main
 
-        main([str(script), "train", "--config", "exp.yaml"])
-        assert PATCH_ID in registry.patches
+        try:
+            main([str(script), "train", "--config", "exp.yaml"])
+            assert PATCH_ID in registry.patches
+            assert len(layer_check._installed) == 1  # the check of the built model, for this process
+        finally:
+            while layer_check._installed:  # this process goes on with other tests' models
+                layer_check._installed.pop().remove()
     assert sys.argv[1:] == ["train", "--config", "exp.yaml"]
 
 
@@ -233,6 +239,47 @@ def test_a_moe_run_is_refused_through_the_builder_not_built_dense(fresh_specs):
         spec_route({**MODEL, "num_experts": 4}, MODULE)
     assert err.value.codes == ("primus-spec",) and "num_experts" in err.value.settings
     assert "gpt_layer_local_spec" not in vars(fresh_specs)
+
+
+def test_the_bundled_megatron_s_open_signature_still_gets_every_setting(fresh_specs, monkeypatch):
+    """Primus's bundled Megatron-LM (d3528a21) defines get_gpt_layer_local_spec(*args, **kwargs)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    real = gpt_layer_specs.get_gpt_layer_local_spec
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_local_spec", lambda *args, **kwargs: real(*args, **kwargs))
+    _, model, _ = spec_route({**MODEL, "qk_layernorm": True}, MODULE)
+    assert not any(isinstance(layer.self_attention.q_layernorm, IdentityOp) for layer in model.decoder.layers)
+
+
+def test_a_spec_function_that_would_drop_a_setting_is_refused(fresh_specs, monkeypatch):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    real = gpt_layer_specs.get_gpt_layer_local_spec
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_local_spec", lambda num_experts=None: real(num_experts))
+    with pytest.raises(UnsupportedConfigError) as err:
+        spec_route({**MODEL, "qk_layernorm": True}, MODULE)
+    assert err.value.codes == ("primus-spec",) and "qk_layernorm" in err.value.settings
+
+
+@pytest.mark.parametrize("key, value", [("mtp_num_layers", 1), ("kitchen_config_file", "k.yaml")])
+def test_what_the_builder_builds_apart_from_the_spec_is_refused(fresh_specs, key, value):
+    with pytest.raises(UnsupportedConfigError) as err:
+        spec_route({**MODEL, key: value}, MODULE)
+    assert err.value.codes == ("primus-spec",) and key in err.value.settings
+
+
+def test_the_te_spec_without_transformer_engine_is_our_error(fresh_specs, monkeypatch):
+    from megatron.core.transformer.spec_utils import import_module
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with P.installed() as registry:
+        register()
+        args = P.megatron_args(MODEL, MODULE)
+        P.run_lifecycle(registry, args)
+        with parsed_args(args), pytest.raises(UnsupportedConfigError) as err:
+            import_module(("primus_ext.primus.specs", "gpt_layer_te_spec"))
+    assert err.value.codes == ("primus-spec",) and "TransformerEngine" in str(err.value)
 
 
 def test_the_spec_without_parsed_args_is_refused(fresh_specs, monkeypatch):
@@ -335,8 +382,6 @@ def test_owner_primus_ext_builds_primus_ext_s_layers(primus_with_its_own_flex):
 
 
 def test_owner_primus_leaves_the_layers_to_primus_s_own_path(primus_with_its_own_flex):
-    from primus_ext.primus import layer_check
-
     model = launch({**MODULE, "turbo_flex_attention_owner": "primus"})
     assert [type(m).__name__ for m in attention(model)] == ["PrimusTurboAttention"] * 2
     assert launch.registry.applied == ["megatron.turbo.te_spec_provider"]

@@ -7,9 +7,9 @@ Megatron-LM's GPT builder imports ``args.spec`` and takes the attribute as it is
 from-list first (``importlib._bootstrap._handle_fromlist``: ``hasattr``, which reaches the
 module's ``__getattr__``); that is why this is a package, and where these are built: from the run's parsed arguments (``megatron.training.get_args()``), through
 the megatron-core spec function Megatron's builder would call for a dense model without ``spec``
-(``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``), every parameter of
-it that the arguments carry (``qk_layernorm``, ``qk_l2_norm``, ``normalization``,
-``multi_latent_attention``, ...), with primus_ext's core attention.  The spec is then kept in the
+(``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``), with the arguments
+the builder passes it (``qk_layernorm``, ``qk_l2_norm``, ``normalization``, ``multi_latent_attention``,
+...), by name, and primus_ext's core attention.  The spec is then kept in the
 module for the builder's ``vars()`` read (one dense layer spec serves every pipeline stage).
 
 * ``gpt_layer_local_spec``: megatron-core's local GPT layer (no TransformerEngine);
@@ -18,9 +18,10 @@ module for the builder's ``vars()`` read (one dense layer spec serves every pipe
     spec: [primus_ext.primus.specs, gpt_layer_te_spec]
 
 A run the builder would give another block refuses (our error, out of the builder): MoE
-(``num_experts``: a decoder block spec per pipeline stage), a heterogeneous or experimental
-layer config, ``transformer_impl: inference_optimized``, or no parsed arguments at all.  MTP
-layers are built by the builder from this layer spec, so they get primus_ext's attention too.
+(``num_experts``: a decoder block spec per pipeline stage), MTP (``mtp_num_layers``: the builder
+builds those layers from megatron-core's own specs), Kitchen, a heterogeneous or experimental
+layer config, ``transformer_impl: inference_optimized``, a spec function that would not take a
+setting the run makes, no TransformerEngine for the TE spec, or no parsed arguments at all.
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ from typing import Any, Callable
 from ...errors import Reason, UnsupportedConfigError, short_repr
 
 SPECS = ("gpt_layer_local_spec", "gpt_layer_te_spec")
-_NOT_FROM_ARGS = frozenset({"fp8"})  # megatron-core 0.16 ignores it, with a deprecation warning
+_FROM_ARGS = {
+    # the spec function's parameters Megatron-LM's builder fills from the args (gpt_builders.py,
+    # `_get_transformer_layer_spec`), by name: megatron-core 0.16.1 names them, the Megatron-LM
+    # Primus bundles (d3528a21) takes ``*args, **kwargs`` and passes them on
+    "gpt_layer_local_spec": ("num_experts", "moe_grouped_gemm", "qk_layernorm", "multi_latent_attention",
+                             "moe_use_legacy_grouped_gemm", "normalization", "qk_l2_norm"),
+    "gpt_layer_te_spec": ("num_experts", "moe_grouped_gemm", "qk_layernorm", "multi_latent_attention",
+                          "moe_use_legacy_grouped_gemm", "qk_l2_norm", "use_te_op_fuser", "use_te_activation_func"),
+}
 
 
 def _spec_function(name: str) -> Callable[..., Any]:
@@ -46,12 +55,17 @@ def _spec_function(name: str) -> Callable[..., Any]:
 
 def _refusals(name: str, args: Any) -> list[Reason]:
     """What the dense layer spec cannot express, read as Megatron's builder branches on it."""
-    alternative = (f"remove spec: (Primus's spec provider then builds every layer, MoE and MTP included, with "
-                   f"primus_ext's attention through the patch: python -m primus_ext.primus, docs/primus.md)")
+    alternative = ("remove spec: (Primus's spec provider then builds every layer, MoE and MTP included, with "
+                   "primus_ext's attention through the patch: python -m primus_ext.primus, docs/primus.md)")
     reasons = []
     checks = (
         ("num_experts", bool(getattr(args, "num_experts", None)), "a MoE model: Megatron's builder gives it a "
          "decoder block spec of its own per pipeline stage, which one layer spec cannot be"),
+        ("mtp_num_layers", getattr(args, "mtp_num_layers", None) is not None, "MTP layers: with spec: set, "
+         "Megatron-LM's builder builds them from megatron-core's own layer specs (not this one), and its "
+         "use_transformer_engine is then unset"),
+        ("kitchen_config_file", getattr(args, "kitchen_config_file", None) is not None, "Kitchen: Megatron's "
+         "builder takes use_kitchen from the TransformerConfig, which this spec does not see"),
         ("heterogeneous_layers_config_path", getattr(args, "heterogeneous_layers_config_path", None) is not None,
          "a heterogeneous layer config: Megatron's builder builds a spec per layer from it"),
         ("experimental_attention_variant", getattr(args, "experimental_attention_variant", None) is not None,
@@ -84,8 +98,17 @@ def build_spec(name: str, args: Any) -> Any:
     if reasons:
         raise UnsupportedConfigError(reasons, context="primus_ext.primus.specs")
     function = _spec_function(name)
-    kwargs = {key: getattr(args, key) for key in inspect.signature(function).parameters
-              if key not in _NOT_FROM_ARGS and getattr(args, key, None) is not None}
+    parameters = inspect.signature(function).parameters
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = {key: getattr(args, key) for key in _FROM_ARGS[name] if getattr(args, key, None) is not None}
+    lost = [key for key, value in kwargs.items() if key not in parameters and not open_kwargs and value]
+    if lost:  # a megatron-core whose spec function has another signature: never drop a setting
+        raise UnsupportedConfigError(Reason(
+            (*lost, "spec"), f"megatron-core's {function.__name__}{inspect.signature(function)} takes no "
+            f"{', '.join(lost)}, which this run sets: the layers would be built without them.",
+            "remove spec: and use the patch (python -m primus_ext.primus), whose provider builds with Megatron's own "
+            "spec functions.", "primus-spec"), context="primus_ext.primus.specs")
+    kwargs = {key: value for key, value in kwargs.items() if key in parameters or open_kwargs}
     core = (primus_turbo_te_core_attention(None) if name == "gpt_layer_te_spec"
             else PrimusTurboLocalSpecProvider(None).core_attention())
     return use_core_attention(function(**kwargs), core)
@@ -98,8 +121,12 @@ def __getattr__(name: str) -> Any:
 
     try:
         spec = build_spec(name, megatron_args())
-    except ImportError as exc:  # no TransformerEngine for the TE spec: the attribute is not there
-        raise AttributeError(f"{name} needs TransformerEngine ({exc})") from None
+    except ImportError as exc:  # an AttributeError here would become Megatron's bare KeyError
+        raise UnsupportedConfigError(Reason(
+            ("spec",), f"primus_ext.primus.specs.{name} needs TransformerEngine, which does not import here "
+            f"({type(exc).__name__}: {exc}).", "use spec: [primus_ext.primus.specs, gpt_layer_local_spec], or run "
+            "where TransformerEngine is installed (Primus's containers).", "primus-spec"),
+            context="primus_ext.primus.specs") from None
     globals()[name] = spec  # Megatron's import_module reads it with vars() right after
     return spec
 

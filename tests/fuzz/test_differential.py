@@ -686,6 +686,13 @@ def grad_mode(case: Case):
     return torch.no_grad() if on_flex_backend(case) and not case.grad else contextlib.nullcontext()
 
 
+def undecided_auto(case: Case) -> bool:
+    """``auto`` on a hook whose spec allows either outcome on turbo (``MaskSpec(None)``: the prover may
+    decline it): where it runs is the prover's to say, and each backend's expectations hold there."""
+    spec = case_mask_spec(case)
+    return case.flex and case.backend == "auto" and spec is not None and spec.provable is None
+
+
 def run_case(case: Case, tally) -> None:
     build = expect_build(case)
     call = expect_call(case)
@@ -696,6 +703,8 @@ def run_case(case: Case, tally) -> None:
             with turbo_installed(case), grad_mode(case):
                 ran = runner(case, stage, mutate)
         except PrimusExtError as err:
+            if len(stage) > 1 and undecided_auto(case):
+                call = expect_call(dataclasses.replace(case, backend=stage[1]))
             check_refusal(case, err, stage[0], build, call, tally)
             return
         except Mismatch:
@@ -703,6 +712,8 @@ def run_case(case: Case, tally) -> None:
         except Exception as exc:
             tally.record(case, "foreign", f"{type(exc).__name__} at {stage[0]}")
             raise
+        if len(stage) > 1 and undecided_auto(case):
+            call = expect_call(dataclasses.replace(case, backend=stage[1]))
         check_ran(case, ran, build, call, tally)
 
 
@@ -747,6 +758,7 @@ def run_adapter(case: Case, stage: list, mutate) -> Ran:
     )
     adapter = TurboFlexAttention(build_plan(settings, facts), drop_in=True if c.get("drop_in") == "argument" else None)
     stage[0] = "call"
+    stage.append(adapter.plan.backend)  # where an undecided ``auto`` went (`undecided_auto`)
     mutate()
 
     gen = torch.Generator().manual_seed(case.seed)
@@ -828,6 +840,7 @@ def run_megatron(case: Case, stage: list, mutate) -> Ran:
     module = PrimusTurboLocalAttention(config=cfg, layer_number=layer["layer_number"], attn_mask_type=mask_type,
                                        attention_type="self", cp_comm_type=layer["cp_comm_type"], settings=settings)
     stage[0] = "call"
+    stage.append(module.core.plan.backend)  # where an undecided ``auto`` went (`undecided_auto`)
     mutate()
 
     gen = torch.Generator().manual_seed(case.seed)

@@ -354,3 +354,40 @@ def test_regression_a_compiled_call_without_queries_still_checks_the_proofs_assu
         finally:
             with torch.no_grad():
                 user_hooks.HEAD_WIDTHS.copy_(saved)
+
+
+def test_regression_an_auto_layer_the_prover_may_decline_is_judged_where_it_ran():
+    """A mask hook computing in float64 (either outcome on turbo: the prover may decline it) with an ALiBi
+    score hook on ``auto``: the prover declined, the layer ran on reference with ``return_lse`` and matched
+    the oracle, and the fuzzer, expecting turbo, demanded turbo's ALiBi-lse refusal (B35) (found by the long
+    profile). The library was right; the expectation now follows where an undecided ``auto`` went."""
+    from . import test_differential as T
+
+    case = T.Case(
+        level="adapter", flex=True, backend="auto",
+        fake={"flex_bshd": False, "flex_deterministic": True, "varlen_sink": True, "flex": True, "arch": None},
+        settings={"use_turbo_attention": True, "use_turbo_flex_attention": True, "turbo_flex_attention_backend": "auto",
+                  "use_sink_attention": False, "deterministic_mode": False, "enable_turbo_attention_float8": False,
+                  "reset_attention_mask": False, "sink_window_even_layers_only": False,
+                  "turbo_flex_attention_mask_mod": "tests.fuzz.user_hooks:float64_window",
+                  "turbo_flex_attention_mask_mod_kwargs": {"width": 0},
+                  "turbo_flex_attention_score_mod": "tests.fuzz.user_hooks:alibi_list",
+                  "turbo_flex_attention_call_flags": "drop_in"},
+        layer={"num_heads": 1, "num_kv_heads": 1, "head_dim": 2, "head_dim_v": 2, "layer_number": 1,
+               "attn_mask_type": "causal", "window_size": None, "window_attn_skip_freq": None,
+               "softmax_type": "vanilla", "context_parallel_size": 1, "cp_comm_type": None, "attention_dropout": 0.0,
+               "position_embedding_type": "learned_absolute", "softmax_scale": None, "seq_length": 1, "packed": None},
+        call={"thd": False, "batch": 1, "q_len": 1, "kv_len": 1, "docs_q": None, "docs_kv": None, "dtype": "float32",
+              "causal": False, "window": [-1, -1], "drop_in": "setting", "sink": "planned", "sink_dtype": "float32",
+              "alibi": False, "bias": False, "scale": None, "gain": None, "mutate": None, "return_lse": True,
+              "return_attn_probs": False, "max_seqlen": "exact"},
+        grad=False, seed=0, compiled=None)
+    outcomes = []
+
+    class Tally:
+        def record(self, _case, outcome, problem=""):
+            outcomes.append((outcome, problem))
+
+    assert T.undecided_auto(case)
+    T.run_case(case, Tally())
+    assert outcomes == [("matched", "")]

@@ -47,7 +47,7 @@ class CallRoutes:
         if torch.compiler.is_compiling():
             return
         if self.arch is None:
-            if entry == "dense":
+            if entry == "dense" and a.q.numel() > 0:  # without queries no kernel is reached (the empty result)
                 _storage(a.q, a.k, a.v)
             return
         problem = self._lookup(entry, a, causal, window)[1]
@@ -64,7 +64,10 @@ class CallRoutes:
     def _lookup(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]
                 ) -> tuple[Route, Optional[UnsupportedInputError]]:
         q, k, v = a.q, a.k, a.v
-        sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" else (True, True, True)
+        # a call without queries reaches no kernel (the core returns the empty result), and an empty
+        # tensor's strides say nothing of a layout
+        empty = q.numel() == 0
+        sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" and not empty else (True, True, True)
         within = entry != "dense" or q.shape[1] <= k.shape[1]  # bshd: Sq <= Skv
         return _routed(self.arch, self.selection, self.equal_documents and entry == "varlen", (
             entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, a.sink is not None,

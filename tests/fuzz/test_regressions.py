@@ -391,3 +391,33 @@ def test_regression_an_auto_layer_the_prover_may_decline_is_judged_where_it_ran(
     assert T.undecided_auto(case)
     T.run_case(case, Tally())
     assert outcomes == [("matched", "")]
+
+
+def test_regression_a_direct_call_without_queries_was_refused_for_its_empty_tensors_layout():
+    """A Megatron direct-path call of sequence length 0: the strides of the empty sbhd views read as
+    "bshd, sbhd, bshd", and the layout check refused a call that reaches no kernel (the core returns the
+    empty result) (found by the long profile)."""
+    from . import test_differential as T
+
+    case = T.Case(
+        level="megatron", flex=False, backend="turbo",
+        fake={"flex_bshd": False, "flex_deterministic": True, "varlen_sink": True, "flex": True, "arch": None},
+        settings={"use_turbo_attention": True, "use_turbo_flex_attention": False, "turbo_flex_attention_backend": "turbo",
+                  "use_sink_attention": False, "deterministic_mode": False, "enable_turbo_attention_float8": False,
+                  "reset_attention_mask": False, "sink_window_even_layers_only": False},
+        layer={"num_heads": 1, "num_kv_heads": 1, "head_dim": 2, "head_dim_v": 2, "layer_number": 1,
+               "attn_mask_type": "causal", "window_size": None, "window_attn_skip_freq": None,
+               "softmax_type": "vanilla", "context_parallel_size": 1, "cp_comm_type": None, "attention_dropout": 0.0,
+               "position_embedding_type": "learned_absolute", "softmax_scale": 16.0, "params_bf16": False},
+        call={"thd": False, "batch": 1, "q_len": 0, "kv_len": 0, "docs_q": None, "docs_kv": None, "dtype": "float32",
+              "padded": "none", "packed_params": "none", "attention_bias": False, "four_dim_thd": False, "gain": 1,
+              "mutate": None},
+        grad=False, seed=0, compiled=None)
+    outcomes = []
+
+    class Tally:
+        def record(self, _case, outcome, problem=""):
+            outcomes.append((outcome, problem))
+
+    T.run_case(case, Tally())
+    assert outcomes == [("matched", "")]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from primus_ext.settings.primus_launch import (PATCH_ID, PRIMUS_PROVIDER_PATCH, config_argument, experiment_env,
-                                               launch_environ, patch_filter_reasons)
+                                               patch_environment, patch_filter_reasons)
 from primus_ext.testing.fake_primus import apply_config_env
 
 
@@ -61,7 +61,7 @@ def test_the_predicted_environment_is_what_primus_sets(tmp_path, monkeypatch, bl
     path = tmp_path / "exp.yaml"
     path.write_text(block)
     shell = {"HOME": "/root", "PRIMUS_PATCHES": "all"}
-    assert launch_environ(["--config", str(path)], shell) == primus_applies(path, monkeypatch, shell)
+    assert patch_environment(config_argument(["--config", str(path)]), shell)[0] == primus_applies(path, monkeypatch, shell)
 
 
 @settings(max_examples=60, deadline=None)
@@ -76,7 +76,7 @@ def test_expansion_in_order_matches_os_path_expandvars(tmp_path_factory, entries
     path.write_text(yaml.safe_dump({"env": dict(entries)}))
     shell = {"A": "shell-a"}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        assert launch_environ(["--config", str(path)], shell) == primus_applies(path, monkeypatch, shell)
+        assert patch_environment(config_argument(["--config", str(path)]), shell)[0] == primus_applies(path, monkeypatch, shell)
 
 
 def test_a_missing_experiment_sets_nothing(tmp_path):

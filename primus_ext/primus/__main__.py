@@ -41,14 +41,13 @@ def _experiment_flag(config: str | None, environ: dict[str, str]) -> bool:
 def _owner_reasons(config: str | None, environ: dict[str, str]) -> list:
     """A key two owners claim, or given to a Primus without a flex path (`primus_ext.settings.primus_owner`),
     where the experiment can be read here (otherwise the patch's condition refuses it)."""
-    flex = primus_flex_path()
     if config is None:
         return []
     try:
         settings = _experiment_settings(config, environ)
     except PrimusExtError:  # not readable here (no configs folder, a key of its own): the condition decides
         return []
-    return owner_reasons(settings, flex)
+    return owner_reasons(settings, primus_flex_path())
 
 
 def main(argv: list[str]) -> None:

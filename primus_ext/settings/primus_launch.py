@@ -88,12 +88,6 @@ def experiment_env(path: Optional[str], environ: Mapping[str, str]) -> dict[str,
     return applied
 
 
-def launch_environ(argv: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The environment Primus's patches run in, for Primus's command line ``argv``: ``environ`` (the
-    launching process's) with the experiment's ``env:`` block over it."""
-    return patch_environment(config_argument(argv), environ)[0]
-
-
 def patch_environment(config: Optional[str], environ: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], str]:
     """``(environment, where PRIMUS_PATCHES was set)`` for the patches of a run of the experiment at
     ``config``: ``environ`` (the process's when None) with the experiment's ``env:`` block over it."""
@@ -135,4 +129,4 @@ def patch_filter_reasons(environ: Optional[Mapping[str, str]] = None, where: str
 
 
 __all__ = ["PATCH_ID", "PRIMUS_PROVIDER_PATCH", "config_argument", "enabled_patch_ids", "experiment_env",
-           "launch_environ", "patch_environment", "patch_filter_reasons"]
+           "patch_environment", "patch_filter_reasons"]

@@ -139,3 +139,20 @@ def test_wrapped_models_are_checked_through_the_wrapper():
     layer_check.LayerCheck(lambda: True)
     with pytest.raises(UnsupportedConfigError, match="module.decoder.layers.1.self_attention"):
         forward(Wrapper(foreign_gpt()))
+
+
+def test_a_compiled_model_is_checked_once_by_its_eager_call_and_runs():
+    check = layer_check.LayerCheck(lambda: True)
+    model = ours()
+    compiled = torch.compile(model, backend="eager")
+    forward(compiled)
+    assert check.checked == [compiled]
+
+
+def test_a_compiled_foreign_model_is_refused_before_it_is_traced(monkeypatch):
+    ran = []
+    monkeypatch.setattr(DotProductAttention, "forward", lambda self, *a, **k: ran.append(self))
+    layer_check.LayerCheck(lambda: True)
+    with pytest.raises(UnsupportedConfigError):
+        forward(torch.compile(foreign_gpt(), backend="eager"))
+    assert ran == []

@@ -20,7 +20,8 @@ from torch import Tensor
 from ..errors import UnsupportedInputError
 from ..refusals import LAYOUT, ROUTE, refuse, refuse_naming
 from .base import CallArgs
-from .dispatch import ARCHES, DEFAULT_ORDER, CallFeatures, Route, Selection, default_scale, route
+from .dispatch import (ARCHES, BUILD_A6A16CD, DEFAULT_ORDER, CallFeatures, Route, Selection, TurboBuild, default_scale,
+                       route)
 from .layout import LayoutError, storage_features
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -32,9 +33,11 @@ class CallRoutes:
     With the arch unknown only what fails on every arch is checked: a dense call's storage
     layout, which upstream infers from q, k and v and asserts on before any dispatch."""
 
-    def __init__(self, arch: Optional[str], selection: Selection = DEFAULT_ORDER, equal_documents: bool = False) -> None:
+    def __init__(self, arch: Optional[str], selection: Selection = DEFAULT_ORDER, equal_documents: bool = False,
+                 build: TurboBuild = BUILD_A6A16CD) -> None:
         self.arch = arch if arch in ARCHES else None
         self.selection = selection  # the plan's (a pin or autotune, read when the layer was built)
+        self.build = build  # the plan's (the installed Primus-Turbo's, read by signature)
         # packed_equal_documents (B36): every varlen call's documents are of one length, which
         # `check_packed` proves per call before the call is routed.
         self.equal_documents = equal_documents
@@ -69,26 +72,34 @@ class CallRoutes:
         empty = q.numel() == 0
         sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" and not empty else (True, True, True)
         within = entry != "dense" or q.shape[1] <= k.shape[1]  # bshd: Sq <= Skv
-        return _routed(self.arch, self.selection, self.equal_documents and entry == "varlen", (
-            entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, a.sink is not None,
-            a.dropout_p > 0, a.deterministic, a.alibi is not None, a.bias is not None, a.scale, sbhd, contiguous,
-            bshd, within))
+        thd = entry == "dense" or empty or (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+        key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, a.sink is not None,
+               a.dropout_p > 0, a.deterministic, a.alibi is not None, a.bias is not None, a.scale, sbhd, contiguous,
+               bshd, within, thd)
+        promised = self.equal_documents and entry == "varlen"
+        found = _routed(self.arch, self.selection, self.build, promised, key)
+        if entry == "varlen" and not promised and found[1] is None:
+            # upstream's FlyDSL gate reads each call's boundaries: equal documents (one included) may reach it
+            equal = _routed(self.arch, self.selection, self.build, True, key)
+            if equal[1] is not None:
+                return equal
+        return found
 
 
 @functools.lru_cache(maxsize=1024)
-def _routed(arch: str, selection: Selection, equal_documents: bool, key: tuple
+def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents: bool, key: tuple
             ) -> tuple[Route, Optional[UnsupportedInputError]]:
     """The dispatch model's verdict on one call's features: a pure function of its arguments, so its
     memo is keyed by all of them (a call site's own cache is `primus_ext.call.prepared`)."""
     (entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd,
-     within) = key
+     within, thd) = key
     found = route(CallFeatures(
         arch=arch, entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
         head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
         dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
         default_scale=default_scale(scale, int(d)),
         equal_documents=True if equal_documents else None, sbhd_storage=sbhd,
-        contiguous_sbhd=contiguous, contiguous_bshd=bshd, q_within_kv=within), selection)
+        contiguous_sbhd=contiguous, contiguous_bshd=bshd, q_within_kv=within, contiguous_thd=thd, build=build), selection)
     layout = () if entry != "dense" or sbhd else (
         "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
     reason = found.reason("this call", alternatives=layout)

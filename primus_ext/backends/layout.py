@@ -102,4 +102,14 @@ def kernel_views(query: Any, key: Any, value: Any, storage: str, fmt: str = "sbh
     return query, key, value
 
 
-__all__ = ["LayoutError", "Storage", "infer_qkv_format", "kernel_views", "storage_features"]
+def thd_views(query: Any, key: Any, value: Any, storage: str) -> tuple[Any, Any, Any]:
+    """The ``[T, H, D]`` q, k, v a Megatron module hands the varlen kernel, as the plan's ``storage`` says:
+    contiguous (one copy per tensor not already so) unless ``as-given``, since FlyDSL's varlen kernel reads
+    them at fixed strides whatever their own (docs/fidelity.md, fact `flydsl-varlen-strides`), and
+    megatron-core's value is a split view.  One function for the modules and the self-test."""
+    if storage == "as-given":
+        return query, key, value
+    return query.contiguous(), key.contiguous(), value.contiguous()
+
+
+__all__ = ["LayoutError", "Storage", "infer_qkv_format", "kernel_views", "storage_features", "thd_views"]

@@ -34,6 +34,7 @@ from .check_op import check_same_boundaries
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
 from .dispatch import Selection
+from .turbo_build import BUILD_A6A16CD, TurboBuild, installed_build
 from .base import CallArgs, KernelPair
 from .turbo_kernels import discover_kernels, kernel_pair
 
@@ -65,6 +66,12 @@ def kernel_selection(autotune: bool = False) -> Selection:
     else:
         pinned_name = getattr(pinned, "name", None) if pinned is not None else None
     return Selection(pin=pinned_name, autotune=bool(autotune or manager.auto_tune_enabled()))
+
+
+def kernel_build() -> TurboBuild:
+    """The installed Primus-Turbo's build, read from its signatures (`turbo_build.installed_build`);
+    a6a16cd, the newest stored one, where none is installed (``check --turbo-build`` names another)."""
+    return installed_build() or BUILD_A6A16CD
 
 
 def turbo_window_args(pattern: Pattern) -> tuple[bool, tuple[int, int]]:
@@ -152,7 +159,9 @@ class TurboBackend(AttentionBackend):
         cu = torch.cat([(starts + bounds[:-1].repeat(batch)), torch.tensor([batch * seq], dtype=torch.int32)])
         cu = cu.to(q.device)
         longest = max(b - a for a, b in zip(pattern.boundaries, pattern.boundaries[1:]))
-        q_thd, k_thd, v_thd = (t.reshape(batch * t.shape[1], *t.shape[2:]) for t in (q, k, v))  # bshd -> thd
+        # bshd -> thd, contiguous: FlyDSL's varlen kernel reads fixed strides whatever the tensors' own, and
+        # one sequence of a split view flattens to a view (a copy only then; docs/performance.md)
+        q_thd, k_thd, v_thd = (t.reshape(batch * t.shape[1], *t.shape[2:]).contiguous() for t in (q, k, v))
         result = self.packed(q_thd, k_thd, v_thd, cu, cu, longest, longest, call)
         if call.return_lse:
             out_thd, lse = result  # [H, T] from `packed`
@@ -205,4 +214,4 @@ def _check_same_boundaries(cu_q: Tensor, cu_kv: Tensor, pattern: Pattern) -> Non
     check_same_boundaries(cu_q, cu_kv, lambda: refuse(DOCUMENT_ALIGNMENT, mask=pattern.describe()))
 
 
-__all__ = ["TurboBackend", "kernel_selection", "load_ops", "turbo_window_args"]
+__all__ = ["TurboBackend", "kernel_build", "kernel_selection", "load_ops", "turbo_window_args"]

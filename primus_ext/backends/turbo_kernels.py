@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .call_route import CallRoutes
-from .dispatch import DEFAULT_ORDER, DENSE, FLYDSL, VARLEN, CallFeatures, default_scale, route, route_on
+from .dispatch import (BUILD_A6A16CD, DEFAULT_ORDER, DENSE, FLYDSL, VARLEN, CallFeatures, TurboBuild, default_scale,
+                       route, route_on)
 from .layout import LayoutError, infer_qkv_format, storage_features
 from .base import CallArgs, KernelPair
 from .turbo_pairs_gfx950 import (FlydslPair, HipkittensPair, discover_flydsl, discover_hipkittens, flydsl_takes,
@@ -179,7 +180,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 
 def _features(arch: str, a: CallArgs, causal: bool, window: tuple[int, int],
-              equal_documents: Optional[bool]) -> Optional[CallFeatures]:
+              equal_documents: Optional[bool], build: TurboBuild) -> Optional[CallFeatures]:
     """The dispatch model's view of the call, as `CallRoutes` builds it (``equal_documents`` given)."""
     sbhd = contiguous = bshd = True
     if a.cu_q is None:
@@ -195,7 +196,8 @@ def _features(arch: str, a: CallArgs, causal: bool, window: tuple[int, int],
         causal=causal, window=window, sink=a.sink is not None, dropout=a.dropout_p, bias=a.bias is not None,
         alibi=a.alibi is not None, deterministic=a.deterministic, default_scale=default_scale(a.scale, d),
         equal_documents=equal_documents, sbhd_storage=sbhd, contiguous_sbhd=contiguous,
-        contiguous_bshd=bshd, q_within_kv=a.cu_q is not None or a.q.shape[1] <= a.k.shape[1])
+        contiguous_bshd=bshd, q_within_kv=a.cu_q is not None or a.q.shape[1] <= a.k.shape[1],
+        contiguous_thd=a.cu_q is None or all(t.is_contiguous() for t in (a.q, a.k, a.v)), build=build)
 
 
 def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, int]) -> Optional[str]:
@@ -208,14 +210,15 @@ def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple
         return None
     selection = getattr(routes, "selection", DEFAULT_ORDER)
     equal = uniform_documents(a) if entry == VARLEN else None
-    features = _features(routes.arch, a, causal, window, equal or None)
+    build = getattr(routes, "build", BUILD_A6A16CD)
+    features = _features(routes.arch, a, causal, window, equal or None, build)
     if features is None:
         return None
     found = route(features, selection)
     if len(found.candidates) > 1 or not found.ok or found.backend is None:
         return None  # autotune keeps whichever is fastest
     if entry == VARLEN and selection.pin is None and not equal:
-        if route_on(_features(routes.arch, a, causal, window, True), FLYDSL) is not None:  # type: ignore[arg-type]
+        if route_on(_features(routes.arch, a, causal, window, True, build), FLYDSL) is not None:  # type: ignore[arg-type]
             return None  # FlyDSL if the documents happen to be equal, else AITER: eager reads them
     if found.backend != backend and not (entry == VARLEN and equal):
         return None  # the two views disagree: bind nothing rather than guess
@@ -245,7 +248,7 @@ def _call_key(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, 
     def meta(t: Optional[Tensor]) -> Any:
         return None if t is None else (t.dtype, tuple(t.shape), t.stride())
 
-    return (routes.arch, getattr(routes, "selection", None), causal, window, meta(a.q), meta(a.k), meta(a.v),
+    return (routes.arch, getattr(routes, "selection", None), getattr(routes, "build", None), causal, window, meta(a.q), meta(a.k), meta(a.v),
             meta(a.sink), a.alibi is None, a.bias is None, None if a.cu_q is None else a.cu_q.numel(),
             None if a.cu_kv is None else a.cu_kv.numel(), a.max_q, a.max_kv, a.scale, a.dropout_p, a.deterministic)
 
@@ -255,8 +258,9 @@ def _choose(kernels: TurboKernels, routes: CallRoutes, a: CallArgs, causal: bool
     backend = _routed_backend(routes, a, causal, window)
     if backend == "AITER" and kernels.aiter is not None:
         return AiterPair(kernels.aiter, causal, window, routes.arch)
-    if backend == "FlyDSL" and routes.arch == "gfx950" and kernels.flydsl is not None and flydsl_takes(a, causal,
-                                                                                                       window):
+    build = getattr(routes, "build", BUILD_A6A16CD)
+    if backend == "FlyDSL" and routes.arch == "gfx950" and kernels.flydsl is not None and flydsl_takes(
+            a, causal, window, build):
         return FlydslPair(kernels.flydsl, causal, window)
     if backend == "HipKittens" and routes.arch == "gfx950" and kernels.hipkittens is not None and hipkittens_takes(
             a, causal, window):

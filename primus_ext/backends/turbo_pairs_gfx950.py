@@ -32,8 +32,11 @@ import torch
 from torch import Tensor
 
 from ..errors import PrimusExtError
+from .dispatch_rows import flydsl_group_ok
 from .layout import LayoutError, storage_features
+from .turbo_build import BUILD_A6A16CD, TurboBuild
 from .base import CallArgs, kernel_rng
+from .capabilities import entry_accepts
 
 FLYDSL_MODULE = "primus_turbo.pytorch.kernels.attention.attention_flydsl_impl"
 HIPKITTENS_MODULE = "primus_turbo.pytorch.kernels.attention.attention_hipkittens_impl"
@@ -102,14 +105,6 @@ def discover_hipkittens() -> Optional[dict[str, Callable[..., Any]]]:
 
 
 # -- the dispatcher's gates ---------------------------------------------------------------
-def _group_ok(hq: int, hkv: int) -> bool:
-    """``_gqa_group_ok``: G = Hq / Hkv a power of two in [8, 256] (FlyDSL's dkdv backward)."""
-    if hkv <= 0 or hq % hkv:
-        return False
-    g = hq // hkv
-    return 8 <= g <= 256 and g & (g - 1) == 0
-
-
 def _sbhd_layout(a: CallArgs) -> bool:
     """``_sbhd_layout`` on the call's bshd-shaped q, k, v: sbhd memory order, or bshd with batch 1,
     as upstream infers the order from all three."""
@@ -129,11 +124,11 @@ def uniform_documents(a: CallArgs) -> bool:
     return documents > 0 and documents * a.max_q == a.q.shape[0] and documents * a.max_kv == a.k.shape[0]
 
 
-def flydsl_takes(a: CallArgs, causal: bool, window: tuple[int, int]) -> bool:
+def flydsl_takes(a: CallArgs, causal: bool, window: tuple[int, int], build: TurboBuild = BUILD_A6A16CD) -> bool:
     """Every gate upstream's dispatcher applies before naming FlyDSL, the arch apart (the caller
     checks gfx950 through the route): causal bf16, D 64/128 for q, k and v, right window edge 0
     or -1 with a left one < 0 or >= 64, the default scale, no dropout / bias / ALiBi, a GQA group
-    that is a power of two in 8..256, a sink fp32 of Hq; dense sbhd storage, varlen equal
+    ``build`` takes (`flydsl_group_ok`), a sink fp32 of Hq; dense sbhd storage, varlen equal
     documents of exactly ``max_seqlen`` (where the backward computes ``dsink``)."""
     d, heads = a.q.shape[-1], a.q.shape[-2]
     left, right = window
@@ -141,7 +136,8 @@ def flydsl_takes(a: CallArgs, causal: bool, window: tuple[int, int]) -> bool:
             and a.k.shape[-1] == a.v.shape[-1] == d and right in (0, -1)
             and (left < 0 or left >= MIN_FLYDSL_WINDOW)
             and (a.scale is None or abs(a.scale - 1.0 / math.sqrt(d)) < 1e-6)
-            and a.dropout_p == 0.0 and a.bias is None and a.alibi is None and _group_ok(heads, a.k.shape[-2])):
+            and a.dropout_p == 0.0 and a.bias is None and a.alibi is None
+            and flydsl_group_ok(heads, a.k.shape[-2], d, build)):
         return False
     if a.sink is not None and not (a.sink.dtype == torch.float32 and a.sink.numel() == heads):
         return False
@@ -171,6 +167,10 @@ def _to_sbhd(t: Tensor) -> Tensor:
     return s if s.is_contiguous() else s.contiguous()
 
 
+def _contiguous(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _expect(t: Any, shape: tuple[int, ...], what: str) -> Tensor:
     if not isinstance(t, Tensor) or tuple(t.shape) != shape:
         got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -188,6 +188,13 @@ class FlydslPair:
     def _common(self, a: CallArgs) -> dict[str, Any]:
         return dict(softmax_scale=a.scale, causal=self.causal, window_size=self.window, sink=a.sink)
 
+    def _backward_common(self, a: CallArgs, name: str) -> dict[str, Any]:
+        """The backward's arguments: since PT #480 it takes ``deterministic`` (without it: an atomic,
+        non-reproducible dQ), passed as the call asks, as ``flash_attn_func`` passes ``ctx.deterministic``;
+        before it the backward had one, reproducible, way (docs/fidelity.md, fact `pt480-deterministic`)."""
+        extra = {"deterministic": bool(a.deterministic)} if entry_accepts(self.fns[name], "deterministic") else {}
+        return {**self._common(a), **extra}
+
     def forward(self, a: CallArgs) -> tuple[Tensor, Tensor, Tensor]:
         heads = a.q.shape[-2]
         if a.cu_q is None:
@@ -197,8 +204,9 @@ class FlydslPair:
             lse = _expect(lse, (batch * s_q, heads), "FlyDSL's dense forward lse")
             # [B*Sq, Hq] batch-major -> [B, Hq, Sq]
             return out_s.transpose(0, 1), lse.view(batch, s_q, heads).permute(0, 2, 1), kernel_rng(a)
+        q, k, v = _contiguous(a.q), _contiguous(a.k), _contiguous(a.v)  # its kernel reads fixed strides
         out, lse = self.fns["flash_attn_varlen_flydsl_forward_impl"](
-            q=a.q, k=a.k, v=a.v, cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv, max_seqlen_q=a.max_q,
+            q=q, k=k, v=v, cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv, max_seqlen_q=a.max_q,
             max_seqlen_k=a.max_kv, return_lse=True, **self._common(a))
         return out, _expect(lse, (a.q.shape[0], heads), "FlyDSL's varlen forward lse").t(), kernel_rng(a)
 
@@ -207,12 +215,14 @@ class FlydslPair:
         if a.cu_q is None:
             grads = self.fns["flash_attn_sbhd_flydsl_backward_impl"](
                 dout=_to_sbhd(grad_out), q=_to_sbhd(a.q), k=_to_sbhd(a.k), v=_to_sbhd(a.v), out=_to_sbhd(out),
-                lse=lse, **self._common(a))  # lse: the ops' [B, Hq, Sq], the layout it reads
+                lse=lse, **self._backward_common(a, "flash_attn_sbhd_flydsl_backward_impl"))  # lse: [B, Hq, Sq]
             dq, dk, dv = (g.transpose(0, 1) for g in grads[:3])
         else:
-            grads = self.fns["flash_attn_varlen_flydsl_backward_impl"](
-                dout=grad_out, q=a.q, k=a.k, v=a.v, out=out, lse=lse.t().contiguous(), cu_seqlens_q=a.cu_q,
-                cu_seqlens_k=a.cu_kv, max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv, **self._common(a))
+            name = "flash_attn_varlen_flydsl_backward_impl"
+            grads = self.fns[name](
+                dout=_contiguous(grad_out), q=_contiguous(a.q), k=_contiguous(a.k), v=_contiguous(a.v),
+                out=_contiguous(out), lse=lse.t().contiguous(), cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv,
+                max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv, **self._backward_common(a, name))
             dq, dk, dv = grads[:3]
         dsink = None
         if a.sink is not None:

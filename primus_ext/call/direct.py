@@ -14,7 +14,7 @@ from torch import Tensor
 from ..backends.base import CallArgs, KernelPair
 from ..backends.call_route import CallRoutes
 from ..backends.direct import DirectRunner
-from ..backends.dispatch import DEFAULT_ORDER, Selection
+from ..backends.dispatch import BUILD_A6A16CD, DEFAULT_ORDER, Selection, TurboBuild
 from ..backends.turbo_kernels import discover_kernels, kernel_pair
 
 
@@ -23,11 +23,11 @@ class DirectTarget:
     routed to AITER, FlyDSL or HipKittens gets that backend's kernel-level pair in compiled steps."""
 
     def __init__(self, runner: DirectRunner, arch: Optional[str] = None, selection: Selection = DEFAULT_ORDER,
-                 equal_documents: bool = False) -> None:
+                 equal_documents: bool = False, build: TurboBuild = BUILD_A6A16CD) -> None:
         self.runner = runner
         plain = runner.entries.dense == "flash_attn_func"
         self.kernels = discover_kernels() if plain else None
-        self.routes = CallRoutes(arch, selection, equal_documents) if plain else None
+        self.routes = CallRoutes(arch, selection, equal_documents, build) if plain else None
 
     def check(self, a: CallArgs) -> None:
         """Refuse a call the kernels would fail or compute wrongly (its route on the plan's arch,

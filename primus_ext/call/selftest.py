@@ -39,7 +39,7 @@ from ..backends.direct import DirectRunner, choose_direct
 from ..backends.dispatch import ARCHES, DENSE, VARLEN, CallFeatures, Selection, default_scale
 from ..backends.dispatch import route as dispatch_route
 from ..backends.flex import FlexBackend
-from ..backends.layout import kernel_views, storage_features
+from ..backends.layout import kernel_views, storage_features, thd_views
 from ..backends.turbo import load_ops
 from ..errors import Reason, UnsupportedConfigError
 from ..plan.plan import AttentionPlan
@@ -92,11 +92,12 @@ def seq_length(plan: AttentionPlan) -> int:
 
 
 def splits(plan: AttentionPlan, packed: bool, seq: int) -> list[Optional[tuple[int, ...]]]:
-    """The document splits of a packed route: equal lengths (FlyDSL's varlen takes them) and unequal."""
+    """The document splits of a packed route: one document and equal lengths (FlyDSL's varlen gate reads
+    each call's boundaries and takes both), and unequal ones unless the plan promises equal documents."""
     if not packed:
         return [None]
-    equal = (0, seq // 2, seq)
-    return [equal] if getattr(plan, "equal_documents", False) else [equal, (0, seq // 4, seq)]
+    single, equal = (0, seq), (0, seq // 2, seq)
+    return [single, equal] if getattr(plan, "equal_documents", False) else [single, equal, (0, seq // 4, seq)]
 
 
 def _key(plan: AttentionPlan, packed: bool, device: torch.device, dtype: torch.dtype, seq: int,
@@ -144,7 +145,7 @@ def _inputs(plan: AttentionPlan, packed: bool, device: torch.device, dtype: torc
     lead = (seq,) if packed else (seq, 2)  # thd [T, 1, H, D] squeezed, or Megatron's sbhd
     fused = rand(*lead, plan.num_kv_heads, group * plan.head_dim + plan.head_dim + plan.head_dim_v)
     if packed:
-        views = lambda f: megatron_qkv(f, plan)  # noqa: E731
+        views = lambda f: thd_views(*megatron_qkv(f, plan), plan.storage)  # noqa: E731
         grad = rand(seq, plan.num_heads, plan.head_dim_v)
     else:
         views = lambda f: kernel_views(*megatron_qkv(f, plan), plan.storage)  # noqa: E731

@@ -33,7 +33,7 @@ class PlanTarget:
         exact = backend.capabilities().runs_any_mask
         # A hook plan takes no packed calls (B17), so its varlen calls are its own documents, not declared ones.
         self.routes = None if exact else CallRoutes(plan.arch, plan.selection,
-                                                    plan.equal_documents and plan.mask_mod is None)
+                                                    plan.equal_documents and plan.mask_mod is None, plan.turbo_build)
         # Fixed kernels take ALiBi as slopes; a backend that runs any mask runs the score_mod itself.
         self.score_mod = plan.score_mod if exact else None
         # Such a backend evaluates every user hook itself at every call, proven or not, so it stays

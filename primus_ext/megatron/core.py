@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..backends.base import CallArgs, fp32_sink
 from ..backends.direct import DirectRunner, choose_direct
-from ..backends.layout import kernel_views
+from ..backends.layout import kernel_views, thd_views
 from ..backends.turbo import load_ops
 from ..call.adapter import TurboFlexAttention
 from ..call.direct import DirectTarget
@@ -130,7 +130,8 @@ class TurboAttentionCore:
             entries = choose_direct(load_ops(), fp8=self.settings.enable_turbo_attention_float8,
                                     context_parallel=self.cp is not None)
             self.runner = DirectRunner(load_ops(), entries)
-            self.direct = DirectTarget(self.runner, self.plan.arch, self.plan.selection, self.plan.equal_documents)
+            self.direct = DirectTarget(self.runner, self.plan.arch, self.plan.selection, self.plan.equal_documents,
+                                       self.plan.turbo_build)
             self.handle = register_target(self.direct, owner=self)
 
     @property
@@ -225,8 +226,7 @@ class TurboAttentionCore:
             raise refuse(MASK_WITH_THD, CONTEXT)
         squeeze = query.dim() == 4
         q_thd, k_thd, v_thd = (t.squeeze(1) if squeeze else t for t in (query, key, value))
-        if self.storage != "as-given":  # as upstream Primus does; megatron-core's value is a split view
-            q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
+        q_thd, k_thd, v_thd = thd_views(q_thd, k_thd, v_thd, self.storage)  # as the self-test feeds them
         return self._checked_packed(_Call(q_thd, k_thd, v_thd, fmt, dropout_p, sink, squeeze=squeeze), packed)
 
     def _run(self, call: "_Call") -> Tensor:
@@ -303,8 +303,7 @@ class TurboAttentionCore:
         # [S, B, H, D] (or [B, S, H, D]) -> [B * S, H, D]: row after row, as the boundaries count.
         q_thd, k_thd, v_thd = ((t.transpose(0, 1) if fmt == "sbhd" else t).reshape(batch * q_len, *t.shape[2:])
                                for t in (query, key, value))
-        if self.storage != "as-given":
-            q_thd, k_thd, v_thd = q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous()
+        q_thd, k_thd, v_thd = thd_views(q_thd, k_thd, v_thd, self.storage)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=q_len,
                                  max_seqlen_kv=kv_len)
         return self._checked_packed(_Call(q_thd, k_thd, v_thd, fmt, call.dropout_p, call.sink, rows=(batch, q_len),

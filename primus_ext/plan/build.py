@@ -15,10 +15,10 @@ from ..attention.library import is_library_mask
 from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
-from ..backends.dispatch import ARCHES, DENSE, Selection
+from ..backends.dispatch import ARCHES, DENSE, VARLEN, Selection, TurboBuild
 from ..backends.flex_masks import learned_tables
 from ..backends.direct import DirectEntries, choose_direct
-from ..backends.turbo import kernel_selection, load_ops
+from ..backends.turbo import kernel_build, kernel_selection, load_ops
 from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError, short_repr
 from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
@@ -191,7 +191,8 @@ def build_plan(
     arch, _ = resolve_arch(settings.turbo_arch)
     reasons.extend(arch_reasons(settings.turbo_arch))
     selection = kernel_selection(settings.use_turbo_autotune)
-    routes = _kernel_routes(ctx, arch, mask_proof, score_proof, selection)
+    build = kernel_build()
+    routes = _kernel_routes(ctx, arch, mask_proof, score_proof, selection, build)
     reasons.extend(route_reasons(routes, facts.packed))
     if routes == () and arch is not None and arch not in ARCHES and (ctx.on_turbo or ctx.on_direct):
         reasons.append(Reason(("turbo_arch",), f"the device is {arch}; Primus-Turbo's kernel dispatch is "
@@ -243,6 +244,7 @@ def build_plan(
         arch=arch,
         kernels=describe_routes(routes),
         selection=selection,
+        turbo_build=build,
         storage=_storage(ctx, arch, routes),
         dtype=facts.dtype,
         equal_documents=settings.packed_equal_documents,
@@ -255,7 +257,7 @@ def build_plan(
 
 
 def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[MaskProof],
-                   score_proof: Optional[ScoreProof], selection: Selection) -> tuple:
+                   score_proof: Optional[ScoreProof], selection: Selection, build: TurboBuild) -> tuple:
     """The kernel backends this layer's Turbo calls reach on ``arch`` (B33); () off Turbo."""
     direct = ctx.direct
     plain_direct = ctx.on_direct and direct is not None and (
@@ -265,7 +267,7 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
     return layer_routes(
         ctx.facts, arch, dense_pattern=mask_proof.pattern if (ctx.flex and mask_proof) else None,
         window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
-        alibi=bool(score_proof and score_proof.kind in ALIBI_FORMS), selection=selection,
+        alibi=bool(score_proof and score_proof.kind in ALIBI_FORMS), selection=selection, build=build,
         equal_documents=ctx.settings.packed_equal_documents,
         mask_documents=_mask_documents(ctx.settings, ctx.facts))
 
@@ -283,14 +285,22 @@ def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:
     On gfx950 FlyDSL (and HipKittens) assert contiguous sbhd q, k and v, while megatron-core's
     value (and key without RoPE) is a split view of the fused QKV (megatron-core 0.16.1
     transformer/attention.py l.1458-1461; docs/fidelity.md, fact `flydsl-contiguous`): one
-    copy per tensor that is not contiguous already.  AITER takes the zero-copy strided view.
+    copy per tensor that is not contiguous already.  FlyDSL's varlen kernel reads q, k and v at fixed
+    strides whatever their own (docs/fidelity.md, fact `flydsl-varlen-strides`), and its gate reads each
+    call's boundaries (any equal-document batch, one document included): wherever a varlen route may
+    reach it, packed q, k and v are made contiguous (``contiguous-thd``; a dense call whose documents
+    are flattened onto the varlen kernel gets contiguous sbhd, whose flattening is contiguous).  AITER
+    takes the zero-copy strided views.
     """
     if not (ctx.on_turbo or ctx.on_direct):
         return "as-given"
     if arch == "gfx942":
         return "contiguous-bshd"
-    if any(found.features.entry == DENSE and found.backend in ("FlyDSL", "HipKittens") for _, found in routes):
+    if any(found.backend in ("FlyDSL", "HipKittens") and (found.features.entry == DENSE or kind.startswith("dense"))
+           for kind, found in routes):
         return "contiguous-sbhd"
+    if any(found.features.entry == VARLEN and found.backend == "FlyDSL" for _, found in routes):
+        return "contiguous-thd"
     return "as-given"
 
 

@@ -8,10 +8,10 @@ from typing import Callable, Optional, Tuple
 from ..attention.heads import head_range
 from ..hooks.trace import Assumption
 from ..attention.pattern import MaskMod, Pattern, ScoreMod
-from ..backends.dispatch import DEFAULT_ORDER, Selection
+from ..backends.dispatch import BUILD_A6A16CD, DEFAULT_ORDER, Selection, TurboBuild
 
 
-STORAGE = ("as-given", "contiguous-bshd", "contiguous-sbhd")
+STORAGE = ("as-given", "contiguous-bshd", "contiguous-sbhd", "contiguous-thd")
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,21 @@ class AttentionPlan:
     selection: Selection = DEFAULT_ORDER
     """How Primus-Turbo picks the kernel backend of each call (a pin, autotune, the default order),
     as the installed build reported it when the layer was built; ``kernels`` hold for it."""
+    turbo_build: TurboBuild = BUILD_A6A16CD
+    """The Primus-Turbo build whose dispatch ``kernels`` were checked against (`primus_ext.backends.turbo_build`:
+    read from the installed one's signatures; a6a16cd where none is installed)."""
     equal_documents: bool = False
     """``packed_equal_documents``: every packed call's documents have one length, ``max_seqlen``
     (checked per call, B36); packed calls are routed so."""
     dtype: Optional[str] = None
     """What the layer computes in (`LayerFacts.dtype`: ``bf16``, ``fp16``, ``fp32``); None if not known."""
     storage: str = "as-given"
-    """How the Megatron modules store dense q/k/v before a Turbo kernel (`STORAGE`): as Megatron
-    gives them (bshd views of sbhd memory, key and value split views), ``contiguous-bshd``
-    (gfx942) or ``contiguous-sbhd`` (gfx950, when FlyDSL takes the layer's dense calls)."""
+    """How the Megatron modules store q/k/v before a Turbo kernel (`STORAGE`): as Megatron gives them (bshd views
+    of sbhd memory, key and value split views), ``contiguous-bshd`` (gfx942), ``contiguous-sbhd``
+    (gfx950, when FlyDSL or HipKittens can take the layer's dense calls; packed ones contiguous too) or
+    ``contiguous-thd`` (gfx950, dense calls as given, packed q/k/v contiguous where FlyDSL's varlen
+    kernel, which reads fixed strides, can take them); `primus_ext.backends.layout.kernel_views`,
+    ``thd_views``."""
     hook_assumptions: Tuple[Assumption, ...] = field(default=(), compare=False, repr=False)
     """Values a hook proof relied on (a module global, a captured tensor): re-checked before
     each call that runs the proven pattern instead of the hook."""
@@ -131,7 +137,7 @@ class AttentionPlan:
         parts.append(heads)
         parts.append(f"dropout={self.dropout:g}")
         if self.kernels:
-            parts.append(f"kernels on {self.arch}: " + ", ".join(self.kernels))
+            parts.append(f"kernels on {self.arch} (Primus-Turbo {self.turbo_build.name}): " + ", ".join(self.kernels))
         if self.deterministic:
             parts.append("deterministic")
         if self.flex and self.call_flags == "drop_in":

@@ -9,11 +9,13 @@ device's ``gcnArchName``; elsewhere it is unknown and nothing is checked here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..backends.arch import device_arch, presented
-from ..backends.dispatch import ARCHES, DEFAULT_ORDER, DENSE, VARLEN, CallFeatures, Route, Selection, default_scale, route
+from ..backends.dispatch import (ARCHES, BUILD_A6A16CD, DEFAULT_ORDER, DENSE, VARLEN, CallFeatures, Route, Selection,
+                                 TurboBuild, default_scale, route)
 from ..errors import Reason
 from .facts import LayerFacts
 
@@ -39,21 +41,21 @@ def arch_reasons(setting: str) -> list[Reason]:
                    f"set turbo_arch: auto (or {device}) on this machine.", "B33")]
 
 
-def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sink: bool,
-              deterministic: bool, alibi: bool, dropout: float, equal_documents: bool = False) -> CallFeatures:
+def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sink: bool, deterministic: bool,
+              alibi: bool, dropout: float, build: TurboBuild, equal_documents: bool = False) -> CallFeatures:
     return CallFeatures(
         arch=arch, entry=entry, dtype=facts.dtype or "bf16", head_dim=facts.head_dim,
         head_dim_v=facts.v_dim, heads=facts.num_heads, kv_heads=facts.kv_heads,
         causal=pattern.right == 0, window=pattern.window, sink=sink,
         dropout=dropout, alibi=alibi, deterministic=deterministic,
         default_scale=default_scale(facts.softmax_scale, facts.head_dim),
-        equal_documents=True if equal_documents and entry == VARLEN else None, sbhd_storage=True,
+        equal_documents=True if equal_documents and entry == VARLEN else None, sbhd_storage=True, build=build,
     )
 
 
 def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optional[Pattern],
                  window: Optional[Tuple[int, int]], sink: bool, deterministic: bool,
-                 alibi: bool, selection: Selection = DEFAULT_ORDER,
+                 alibi: bool, selection: Selection = DEFAULT_ORDER, build: TurboBuild = BUILD_A6A16CD,
                  equal_documents: bool = False, mask_documents: bool = False) -> Tuple[Tuple[str, Route], ...]:
     """``(("dense" | "packed", route), ...)`` for the calls this layer can make on ``arch``.
 
@@ -62,7 +64,10 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
     when ``equal_documents`` (``packed_equal_documents``, checked per call).  With ``mask_documents``
     (``reset_attention_mask`` on dense batches) dense calls run on the packed entry too.  A layer with dropout also
     makes calls without it (evaluation): those can reach another kernel backend, so they are
-    routed too (kinds ``"dense in eval"``, ``"packed in eval"``) where they fare otherwise.
+    routed too (kinds ``"dense in eval"``, ``"packed in eval"``) where they fare otherwise.  Varlen calls
+    not promised equal documents may still bring them (one document is), and upstream's dispatcher reads the
+    boundaries at run time: those are routed too (kind ``"<kind> with equal documents"``) where they fare
+    otherwise (docs/fidelity.md, fact `flydsl-varlen-runtime`).
     """
     if arch is None or arch not in ARCHES:
         return ()
@@ -71,19 +76,37 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
     rates = (facts.attention_dropout, 0.0) if facts.attention_dropout > 0 else (0.0,)
     for rate in rates:
         when = " in eval" if rate == 0.0 and len(rates) > 1 else ""
-        common = dict(sink=sink, deterministic=deterministic, alibi=alibi, dropout=rate)
+        common = dict(sink=sink, deterministic=deterministic, alibi=alibi, dropout=rate, build=build)
         if facts.packed is not False:
-            out.append(("packed" + when, route(_features(facts, arch, VARLEN, flash, equal_documents=equal_documents,
-                                                         **common), selection)))
+            out += _varlen_kinds("packed" + when, _features(facts, arch, VARLEN, flash,
+                                                            equal_documents=equal_documents, **common), selection)
         if facts.packed is not True:
             pattern = dense_pattern or flash
             entry = VARLEN if pattern.documents or mask_documents else DENSE
-            out.append(("dense" + when, route(_features(facts, arch, entry, Pattern(pattern.left, pattern.right),
-                                                        **common), selection)))
-    outcome = lambda r: (r.backend, r.failure, r.defects)  # noqa: E731
-    training = {kind: outcome(found) for kind, found in out if not kind.endswith(" in eval")}
+            features = _features(facts, arch, entry, Pattern(pattern.left, pattern.right), **common)
+            out += _varlen_kinds("dense" + when, features, selection)
+    training = {kind: _outcome(found) for kind, found in out if " in eval" not in kind}
     return tuple((kind, found) for kind, found in out
-                 if not kind.endswith(" in eval") or training[kind[:-len(" in eval")]] != outcome(found))
+                 if " in eval" not in kind or training.get(kind.replace(" in eval", "")) != _outcome(found))
+
+
+_EQUAL = " with equal documents"
+
+
+def _outcome(found: Route) -> tuple:
+    return found.backend, found.failure, found.defects
+
+
+def _varlen_kinds(kind: str, features: CallFeatures, selection: Selection) -> list[Tuple[str, Route]]:
+    """``kind``'s route, and for varlen calls not known to bring equal documents the route of those that do,
+    where it differs (upstream's FlyDSL gate reads the boundaries of each call)."""
+    found = route(features, selection)
+    out = [(kind, found)]
+    if features.entry == VARLEN and features.equal_documents is not True:
+        equal = route(dataclasses.replace(features, equal_documents=True), selection)
+        if _outcome(equal) != _outcome(found):
+            out.append((kind + _EQUAL, equal))
+    return out
 
 
 def route_reasons(routes: Sequence[Tuple[str, Route]], packed: Optional[bool] = None) -> list[Reason]:

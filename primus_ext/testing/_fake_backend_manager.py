@@ -45,13 +45,18 @@ class BackendType(enum.Enum):
     HIPKITTENS = enum.auto()
 
 
+BackendTypeWithGluon = enum.Enum("BackendType", [m.name for m in BackendType] + ["GLUON"])  # type: ignore[misc]
+"""A build with PT #469 (the forward-only Gluon backend)."""
+_KINDS: list = [BackendType]  # the enum of the installed fake's build
+
+
 _PRECISIONS = {"FP4": PrecisionType.FP4, "FP8": PrecisionType.FP8, "BF16": PrecisionType.BF16_FP16_FP32,
                "FP16": PrecisionType.BF16_FP16_FP32, "FP32": PrecisionType.BF16_FP16_FP32}
 
 
 def _backend(name: str) -> Optional[BackendType]:
     name = name.strip().upper()
-    return None if name == "AUTOTUNE" else BackendType[name]  # KeyError for an unknown name
+    return None if name == "AUTOTUNE" else _KINDS[-1][name]  # KeyError for an unknown name
 
 
 def _from_env(value: str, precision: PrecisionType) -> Optional[BackendType]:
@@ -124,11 +129,12 @@ def selection_now() -> Selection:
     return DEFAULT_ORDER if selection == DEFAULT_ORDER else selection
 
 
-def module(name: str) -> types.ModuleType:
-    """``primus_turbo.pytorch.core.backend`` as the fake installs it."""
+def module(name: str, gluon: bool = False) -> types.ModuleType:
+    """``primus_turbo.pytorch.core.backend`` as the fake installs it (``gluon``: with PT #469's ``GLUON``)."""
+    _KINDS[:] = [BackendTypeWithGluon if gluon else BackendType]
     mod = types.ModuleType(name)
     mod.GlobalBackendManager = GlobalBackendManager  # type: ignore[attr-defined]
-    mod.BackendType = BackendType  # type: ignore[attr-defined]
+    mod.BackendType = _KINDS[-1]  # type: ignore[attr-defined]
     mod.PrecisionType = PrecisionType  # type: ignore[attr-defined]
     return mod
 

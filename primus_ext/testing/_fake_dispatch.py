@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
-from ..backends.dispatch import (AITER_SINK_LEFT_ZERO, AITER_SINK_RIGHT_WINDOW, ARCHES, DENSE, VARLEN, CallFeatures,
-                                 Route, default_scale, route)
+from ..backends.dispatch import (AITER_SINK_LEFT_ZERO, AITER_SINK_RIGHT_WINDOW, ARCHES, BUILD_A6A16CD, DENSE,
+                                 FLYDSL_VARLEN_STRIDES, VARLEN, CallFeatures, Route, TurboBuild, default_scale, route)
 from ..backends.layout import LayoutError, infer_qkv_format, storage_features
 from ._fake_backend_manager import selection_now
 from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW, SINK_LEFT_WINDOW_ZERO_UNBOUNDED
@@ -46,6 +46,9 @@ _DISPATCHER = {DENSE: "FlashAttnDenseDispatcher", VARLEN: "FlashAttnVarlenDispat
 _FAULT_OF_DEFECT = {AITER_SINK_RIGHT_WINDOW.text: SINK_BACKWARD_IGNORES_RIGHT_WINDOW,
                     AITER_SINK_LEFT_ZERO.text: SINK_LEFT_WINDOW_ZERO_UNBOUNDED}
 """Each known silent defect of the dispatch model -> the `._fake_math` fault reproducing it."""
+_COMPUTED_AS_UPSTREAM = frozenset({FLYDSL_VARLEN_STRIDES.text})
+"""Defects the fake's kernels reproduce by computing as upstream does (FlyDSL's varlen reads at fixed strides,
+`._fake_flydsl.fixed_strides`), with no fault to switch on."""
 
 DISPATCHED = ("flash_attn_func", "flash_attn_varlen_func", "flex_attention", "flex_attention_bshd",
               "flex_attention_varlen")
@@ -78,8 +81,9 @@ def check_arch(arch: Optional[str]) -> Optional[str]:
 class Dispatcher:
     """Routes the calls of one fake entry on ``arch``; ``on_backend(name)`` records the winner."""
 
-    def __init__(self, arch: str, on_backend: Callable[[str], None]) -> None:
+    def __init__(self, arch: str, on_backend: Callable[[str], None], build: TurboBuild = BUILD_A6A16CD) -> None:
         self.arch = check_arch(arch)
+        self.build = build
         self.on_backend = on_backend
         self.last: Optional[str] = None  # the backend that took the latest call
 
@@ -98,8 +102,8 @@ class Dispatcher:
                scale: Optional[float], bounds_q: Sequence[int], bounds_k: Sequence[int]) -> frozenset[str]:
         """A packed call with thd q, k, v and host boundaries (FlyDSL reads them on the host too)."""
         equal = equal_lengths(bounds_q) and equal_lengths(bounds_k)
-        return self._run(self._features(VARLEN, a, q[None], k[None], v[None], pattern, scale,
-                                        equal_documents=equal))
+        return self._run(self._features(VARLEN, a, q[None], k[None], v[None], pattern, scale, equal_documents=equal,
+                                        contiguous_thd=all(t.is_contiguous() for t in (q, k, v))))
 
     def _features(self, entry: str, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
                   scale: Optional[float], **layout: Any) -> CallFeatures:
@@ -109,7 +113,7 @@ class Dispatcher:
             causal=pattern.right == 0, window=pattern.window, sink=a.get("sink") is not None,
             dropout=float(a.get("dropout_p") or 0.0), bias=a.get("bias") is not None,
             alibi=a.get("alibi_slopes") is not None, deterministic=bool(a.get("deterministic", False)),
-            default_scale=default_scale(scale, int(q.shape[-1])), **layout,
+            default_scale=default_scale(scale, int(q.shape[-1])), build=self.build, **layout,
         )
 
     def _run(self, features: CallFeatures) -> frozenset[str]:
@@ -128,11 +132,11 @@ def faults_of(found: Route) -> frozenset[str]:
     """Raise what real Primus-Turbo raises for ``found`` (`raise_refusal`); else the `._fake_math`
     faults reproducing its backend's known silent defects for the call."""
     raise_refusal(found)
-    unknown = [d for d in found.defects if d not in _FAULT_OF_DEFECT]
+    unknown = [d for d in found.defects if d not in _FAULT_OF_DEFECT and d not in _COMPUTED_AS_UPSTREAM]
     if unknown:
         raise NotImplementedError(f"fake Primus-Turbo cannot reproduce the known defect of {found.backend}: "
                                   f"{unknown[0]}")
-    return frozenset(_FAULT_OF_DEFECT[d] for d in found.defects)
+    return frozenset(_FAULT_OF_DEFECT[d] for d in found.defects if d in _FAULT_OF_DEFECT)
 
 
 def raise_refusal(found: Route) -> None:
@@ -151,9 +155,12 @@ def raise_refusal(found: Route) -> None:
     if not found.failure:
         return
     kind, message = found.blocking[0].raises if found.blocking else ("ValueError", "")
-    error = AssertionError if kind == "AssertionError" else ValueError
+    error = _ERRORS.get(kind, ValueError)
     raise error(f"{message or found.failure} ({found.backend}, fake Primus-Turbo on {found.features.arch})")
 
+
+
+_ERRORS = {"AssertionError": AssertionError, "IndexError": IndexError, "RuntimeError": RuntimeError}
 
 
 def check_cu_seqlens(name: str, which: str, cu: Any, max_seqlen: Any, total: int,

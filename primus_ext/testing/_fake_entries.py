@@ -19,6 +19,7 @@ from torch import Tensor
 from ..attention.pattern import FULL, Pattern, pattern_from_flash_args
 from . import _fake_math
 from ._fake_dispatch import check_cu_seqlens, check_layout
+from ._fake_flydsl import fixed_strides
 from ._fake_masks import MaskClassifier, score_mod_is_identity
 
 if TYPE_CHECKING:
@@ -152,6 +153,8 @@ def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[
     _check_alibi(name, a["alibi_slopes"], hq)
     pattern = pattern_from_flash_args(causal, window)
     extra = dispatch.varlen(a, q, k, v, pattern, scale, bq, bk) if dispatch else frozenset()
+    if dispatch is not None and dispatch.last == "FlyDSL":  # its kernel reads q, k, v at fixed strides
+        q, k, v = fixed_strides(q), fixed_strides(k), fixed_strides(v)
     sink = a.get("sink")
     _check_sink(name, sink, hq, d_qk, d_v)
     if (sink is not None and dispatch is not None and dispatch.last == "FlyDSL"

@@ -27,6 +27,7 @@ is recorded in the active fake's log as ``backend="FlyDSL"``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 from typing import Any, Callable, Optional
@@ -38,6 +39,7 @@ from ..attention.pattern import Pattern
 from . import _fake_math
 from ._fake_dispatch import check_cu_seqlens
 from ._fake_kernels import record
+from ..backends.dispatch import BUILD_A6A16CD, TurboBuild, flydsl_group_ok
 
 OPS = ("flash_attn_sbhd_flydsl_forward", "flash_attn_sbhd_flydsl_backward", "flash_attn_varlen_flydsl_forward",
        "flash_attn_varlen_flydsl_backward")
@@ -79,12 +81,30 @@ def _kernel(fake: Any, q: Tensor, k: Tensor, v: Tensor, heads_dim: int) -> None:
                            "one GQA problem with one head dim (the fake does not model what it would compute)")
 
 
-def _backward_group(q: Tensor, k: Tensor, heads_dim: int) -> None:
-    group = q.shape[heads_dim] // k.shape[heads_dim]
-    if not (8 <= group <= 256 and group & (group - 1) == 0):
-        # LD_VEC = 64 // (256 // G) must be >= 2 (attention_impl.py `_gqa_group_ok`).
-        raise NotImplementedError(f"fake FlyDSL backward: a GQA group of {group} is outside what its dkdv "
-                                  "kernel takes (a power of two in 8..256); the fake cannot reproduce what it computes")
+def _backward_group(fake: Any, q: Tensor, k: Tensor, heads_dim: int) -> None:
+    hq, hkv = q.shape[heads_dim], k.shape[heads_dim]
+    if not flydsl_group_ok(hq, hkv, q.shape[-1], fake.options.build):
+        # a6a16cd: LD_VEC = 64 // (256 // G) must be >= 2; PT #509: G divides BLOCK_SIZE and Hq*D % 128 == 0
+        raise NotImplementedError(f"fake FlyDSL backward: {hq} query heads over {hkv} key/value heads are outside "
+                                  f"what the dkdv kernel of build {fake.options.kernels} takes (`_gqa_group_ok`); "
+                                  "the fake cannot reproduce what it computes")
+
+
+def fixed_strides(t: Tensor) -> Tensor:
+    """What FlyDSL's varlen kernel reads of a ``[T, H, D]`` tensor: tokens ``H*D`` apart and heads ``D``
+    apart from its first element, whatever its own strides (flydsl/attention/flash_attn_fwd.py l.708-746,
+    flydsl/utils/attn_helper.py l.465-466, 695-705, 1159-1171 at a6a16cd); k and v share Hkv*D.  A
+    non-contiguous view (megatron-core's split value) is thus read at the wrong addresses, as upstream
+    reads it; one whose reads run past its storage raises, where the kernel would read out of bounds."""
+    if t.is_contiguous() or t.numel() == 0:
+        return t
+    _, heads, dim = t.shape
+    try:
+        return t.as_strided(t.shape, (heads * dim, dim, 1), t.storage_offset())
+    except RuntimeError:
+        raise RuntimeError(f"fake FlyDSL varlen kernel: a non-contiguous {tuple(t.shape)} tensor (strides "
+                           f"{t.stride()}) read at fixed strides runs past its storage: the kernel would read out "
+                           "of bounds") from None
 
 
 def _narrow(fake: Any, window_left: int) -> bool:
@@ -151,7 +171,7 @@ def register() -> None:
                       window_left: int, sink: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         fake = record("flash_attn_sbhd_flydsl_backward", dict(locals()), "FlyDSL")
         _kernel(fake, q, k, v, 2)
-        _backward_group(q, k, 2)
+        _backward_group(fake, q, k, 2)
         s_q, batch, hq, _ = q.shape
         if tuple(lse.shape) != (batch, hq, s_q) or out.shape != q.shape or dout.shape != q.shape:
             raise RuntimeError(f"FlyDSL backward: lse must be [B, Hq, Sq] = {(batch, hq, s_q)} (got "
@@ -175,6 +195,7 @@ def register() -> None:
                        sink: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         fake = record("flash_attn_varlen_flydsl_forward", dict(locals()), "FlyDSL")
         _kernel(fake, q, k, v, 1)
+        q, k, v = fixed_strides(q), fixed_strides(k), fixed_strides(v)
         out = torch.empty_like(q)
         lse = torch.zeros(tuple(q.shape[:2]) if return_lse else (0,), dtype=torch.float32, device=q.device)
         for (q0, q1), (k0, k1) in _bounds("flash_attn_varlen_flydsl_forward", cu_seqlens_q, cu_seqlens_k,
@@ -196,7 +217,8 @@ def register() -> None:
                         sink: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         fake = record("flash_attn_varlen_flydsl_backward", dict(locals()), "FlyDSL")
         _kernel(fake, q, k, v, 1)
-        _backward_group(q, k, 1)
+        _backward_group(fake, q, k, 1)
+        q, k, v = fixed_strides(q), fixed_strides(k), fixed_strides(v)
         if tuple(lse.shape) != tuple(q.shape[:2]):
             raise RuntimeError(f"FlyDSL varlen backward: lse must be [T, Hq] = {tuple(q.shape[:2])}, got "
                                f"{tuple(lse.shape)} (the kernel would read garbage)")
@@ -270,18 +292,54 @@ def flash_attn_varlen_flydsl_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q
     return (dq, dk, dv, dsink) if dsink.numel() else (dq, dk, dv)
 
 
+def _deterministic_backward(name: str, wrapped: Callable[..., Any]) -> Callable[..., Any]:
+    """PT #480's backward wrapper: ``wrapped``'s arguments and ``deterministic=False`` (True: a reproducible
+    split-K dQ; False: an atomic bf16 dQ).  The fake's math is reproducible either way, so the flag is
+    recorded (entry ``<name>``, args ``{"deterministic": flag}``) for tests to read what a caller asked."""
+
+    def backward(*args: Any, deterministic: bool = False, **kwargs: Any) -> Any:
+        record(name, {"deterministic": bool(deterministic)}, "FlyDSL")
+        return wrapped(*args, **kwargs)
+
+    params = list(inspect.signature(wrapped).parameters.values())
+    backward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        params + [inspect.Parameter("deterministic", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False)])
+    backward.__name__ = backward.__qualname__ = name
+    backward.__doc__ = wrapped.__doc__
+    return backward
+
+
 WRAPPERS = (flash_attn_sbhd_flydsl_forward_impl, flash_attn_sbhd_flydsl_backward_impl,
             flash_attn_varlen_flydsl_forward_impl, flash_attn_varlen_flydsl_backward_impl)
 
 
-def module(name: str, new_module: Callable[[str], types.ModuleType]) -> types.ModuleType:
-    """The fake ``attention_flydsl_impl`` module: the four wrappers under their upstream names."""
+def module(name: str, new_module: Callable[[str], types.ModuleType], build: TurboBuild = BUILD_A6A16CD
+           ) -> types.ModuleType:
+    """The fake ``attention_flydsl_impl`` module: the four wrappers under their upstream names, the
+    backward ones with PT #480's ``deterministic`` on a build that has it."""
     mod = new_module(name)
     for fn in WRAPPERS:
+        if build.flydsl_deterministic and fn.__name__.endswith("_backward_impl"):
+            fn = _deterministic_backward(fn.__name__, fn)
         setattr(mod, fn.__name__, fn)
     mod.__all__ = [fn.__name__ for fn in WRAPPERS]  # type: ignore[attr-defined]
     return mod
 
 
+def gate_module(name: str, new_module: Callable[[str], types.ModuleType], build: TurboBuild) -> types.ModuleType:
+    """The fake ``attention_impl``: the dispatcher's ``_gqa_group_ok`` with its build's signature, the
+    head dim a third argument since PT #509 (`primus_ext.backends.turbo_build` reads it)."""
+    mod = new_module(name)
+    if build.wide_gqa:
+        def _gqa_group_ok(num_heads_q: int, num_heads_kv: int, head_dim: int) -> bool:
+            return flydsl_group_ok(num_heads_q, num_heads_kv, head_dim, build)
+    else:
+        def _gqa_group_ok(num_heads_q: int, num_heads_kv: int) -> bool:  # type: ignore[misc]
+            return flydsl_group_ok(num_heads_q, num_heads_kv, 128, build)
+    mod._gqa_group_ok = _gqa_group_ok  # type: ignore[attr-defined]
+    return mod
+
+
 __all__ = ["OPS", "WRAPPERS", "flash_attn_sbhd_flydsl_backward_impl", "flash_attn_sbhd_flydsl_forward_impl",
-           "flash_attn_varlen_flydsl_backward_impl", "flash_attn_varlen_flydsl_forward_impl", "module", "register"]
+           "flash_attn_varlen_flydsl_backward_impl", "flash_attn_varlen_flydsl_forward_impl", "fixed_strides",
+           "gate_module", "module", "register"]

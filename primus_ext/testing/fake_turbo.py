@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ..backends.arch import presenting
+from ..backends.turbo_build import TurboBuild, build_named
 from . import _fake_backend_manager, _fake_gfx950, _fake_kernels
 from ._call_log import DEFAULT_CAPACITY, CallLog
 from ._fake_dispatch import DISPATCHED, Dispatcher, check_arch
@@ -111,6 +112,13 @@ class BuildOptions:
     """Known silent defects the fake reproduces; each one of `FAULTS`."""
     arch: Optional[str] = None
     """The GPU arch whose kernel dispatch is modelled ("gfx942" | "gfx950"); None: none is."""
+    kernels: str = "a6a16cd"
+    """The kernel build imitated (`primus_ext.backends.turbo_build.BUILDS`): its dispatcher's gates and
+    the signatures of its kernel layer (``_gqa_group_ok``, FlyDSL's backward ``deterministic``, Gluon)."""
+
+    @property
+    def build(self) -> TurboBuild:
+        return build_named(self.kernels)
 
 
 def entry_signatures(options: BuildOptions) -> dict[str, inspect.Signature]:
@@ -226,7 +234,7 @@ class FakeTurbo:
 
         routed = {}
         if self.options.arch is not None and name in DISPATCHED:
-            routed["dispatch"] = Dispatcher(self.options.arch, ran_on)
+            routed["dispatch"] = Dispatcher(self.options.arch, ran_on, self.options.build)
         body = _BODIES[name](name, faults=self.options.faults, **routed)
         classifier = self._classifier
         corrupted = {backend for fault, backend in CORRUPT_OUTPUT.items() if fault in self.options.faults}
@@ -269,11 +277,12 @@ class FakeTurbo:
         for name in self.signatures:  # re-exported one level up, as upstream does
             setattr(ops, name, getattr(self.module, name))
         core = _new_module(f"{_ROOT}.pytorch.core")
-        backend = _fake_backend_manager.module(f"{_ROOT}.pytorch.core.backend")
+        backend = _fake_backend_manager.module(f"{_ROOT}.pytorch.core.backend", gluon=self.options.build.gluon)
         pytorch.core, core.backend = core, backend  # type: ignore[attr-defined]
         _fake_backend_manager.GlobalBackendManager.reset()  # a fresh process: no backend set in code
         return {**dict(zip(_PACKAGES, (root, pytorch, ops, self.module))), core.__name__: core,
-                backend.__name__: backend, **_fake_gfx950.kernel_modules(root, pytorch, _new_module)}
+                backend.__name__: backend, **_fake_gfx950.kernel_modules(root, pytorch, _new_module,
+                                                                             self.options.build)}
 
 
 def _new_module(name: str) -> types.ModuleType:
@@ -309,7 +318,8 @@ BUILDS: dict[str, dict[str, bool]] = {
 def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True,
                       varlen_sink: bool = True, flex: bool = True,
                       faults: Iterable[str] = (), arch: Optional[str] = None,
-                      build: Optional[str] = None, log_size: int = DEFAULT_CAPACITY) -> Iterator[FakeTurbo]:
+                      build: Optional[str] = None, log_size: int = DEFAULT_CAPACITY,
+                      kernels: str = "a6a16cd") -> Iterator[FakeTurbo]:
     """Install the fake Primus-Turbo modules for the ``with`` block; yield the `FakeTurbo`.
 
     Knobs select the build imitated: ``flex=False`` is an old build without any flex
@@ -344,6 +354,10 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
     if its fault were listed in ``faults``: the real library is silently wrong there, and
     the fake must never be kinder than it.  `Call.backend` records which backend ran.
 
+    ``kernels`` names the kernel build imitated (``a6a16cd``, or ``pt509``: a6a16cd with PT #509, #480,
+    #469 and #481 merged; `primus_ext.backends.turbo_build.BUILDS`): FlyDSL's GQA gate, its backward's
+    ``deterministic`` argument and the Gluon backend follow it, as do the signatures that tell them apart.
+
     ``log_size`` bounds the call log (`FakeTurbo.calls` keeps the most recent calls, and
     `FakeTurbo.count` counts all of them), so a long run on the fake keeps no more than
     that many calls' tensors alive.
@@ -358,7 +372,8 @@ def fake_primus_turbo(*, flex_bshd: bool = True, flex_deterministic: bool = True
         flex_deterministic, varlen_sink = BUILDS[build]["flex_deterministic"], BUILDS[build]["varlen_sink"]
     fake = FakeTurbo(BuildOptions(flex_bshd=flex_bshd, flex_deterministic=flex_deterministic,
                                   varlen_sink=varlen_sink, flex=flex,
-                                  faults=tuple(sorted(check_faults(faults))), arch=check_arch(arch)),
+                                  faults=tuple(sorted(check_faults(faults))), arch=check_arch(arch),
+                                  kernels=build_named(kernels).name),
                      log_size=log_size)
     saved = {k: v for k, v in sys.modules.items() if _owned(k)}
     for key in saved:

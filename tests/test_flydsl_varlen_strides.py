@@ -117,12 +117,15 @@ def test_megatron_packed_calls_on_mi355_compute_right_with_megatrons_split_views
         call = fake.calls[-1]
         assert call.entry == "flash_attn_varlen_func" and call.backend == "FlyDSL"
         assert all(call.args[name].is_contiguous() for name in ("q", "k", "v"))
-        module.storage = "as-given"  # the views as megatron-core gives them, as the plan stored them before
-        wrong = module(q[:, None], k[:, None], v[:, None], None, packed_seq_params=params)
+        ops = fake.module  # the views as megatron-core gives them, straight to the entry: what MI355 computed
+        wrong = ops.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).reshape(S, 1, HQ * D)
         assert fake.calls[-1].backend == "FlyDSL"
+        module.core.storage = "as-given"  # as the plan stored them before: our call check refuses them now
+        with pytest.raises(UnsupportedInputError, match="token stride of Hq\\*D"):
+            module(q[:, None], k[:, None], v[:, None], None, packed_seq_params=params)
     want = oracle_thd(q, k, v, bounds).reshape(S, 1, HQ * D)
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-    assert (wrong.double() - want).abs().max() > 0.1  # what MI355 computed: no error, other numbers
+    assert (wrong.double() - want).abs().max() > 0.1  # no error, other numbers
 
 
 def test_a_drop_in_varlen_call_with_a_split_view_flydsl_could_take_is_refused_by_us():

@@ -109,19 +109,24 @@ def test_a_symmetric_alibi_hook_runs_on_turbo_for_every_mask_and_equals_the_hook
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_alibi_with_a_sink_runs_on_the_triton_kernels_and_equals_the_hook(symmetric):
-    """With a sink AITER runs Triton kernels, whose ALiBi is -slope * |q - kv| for every mask: the
-    causal hook and the symmetric hook both equal it on a causal layer, sink and all."""
+def test_alibi_with_a_sink_is_refused_where_aiters_sink_path_reads_b_h_slopes(symmetric, arch):
+    """With a sink AITER runs aiter's Triton kernels, which read ``alibi_slopes.stride(1)`` ([B, H] slopes,
+    aiter@0f3c58e6 ops/triton/attention/mha.py l.275-276) while Primus-Turbo passes the [H] slopes as given:
+    an IndexError on both archs (docs/fidelity.md, fact `aiter-sink-alibi`).  Refused at build; the fake raises
+    what upstream raises for such a call."""
     q, k, v = qkv(dtype=torch.float32)
     sink = torch.randn(HEADS, generator=torch.Generator().manual_seed(4))
-    with fake_primus_turbo(arch="gfx942") as fake:
-        run = adapter(settings(turbo_flex_attention_backend="turbo", use_sink_attention=True,
-                               **(SYMMETRIC if symmetric else ALIBI)), facts(head_dim=8, packed=False))
-        out = run(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, sink=sink)
-        assert fake.calls[-1].backend == "AITER"
-    want = hook_oracle(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, symmetric=symmetric, sink=sink.double())
-    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    keys = dict(turbo_flex_attention_backend="turbo", use_sink_attention=True, **(SYMMETRIC if symmetric else ALIBI))
+    with fake_primus_turbo(arch=arch) as fake:
+        with pytest.raises(UnsupportedConfigError, match="stride\\(1\\)") as err:
+            adapter(settings(**keys), facts(head_dim=8, packed=False))
+        assert "B33" in err.value.codes and "use_sink_attention" in err.value.settings
+        with pytest.raises(IndexError):
+            fake.module.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, sink=sink,
+                                        alibi_slopes=slopes())
+    adapter(settings(**{**keys, "turbo_flex_attention_backend": "reference"}), facts(head_dim=8, packed=False))
 
 
 def test_explicit_causal_alibi_slopes_run_on_turbo_as_on_the_reference():

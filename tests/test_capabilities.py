@@ -21,6 +21,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "capabilities.md"
 SEQ = 256
 MASKS = "primus_ext.attention.masks:"
 NO_MASK = {"causal": False, "attn_mask_type": "no_mask"}
+FP8_DIMS = {"head_dim": 32}  # the fp8 backward asserts head dims >= 32 and even (rule fp8-head-dim)
 
 
 def table() -> dict[str, list[str]]:
@@ -61,18 +62,18 @@ ROWS = {
         {"turbo_flex_attention_score_mod": "tests.hook_examples:symmetric_alibi"}, facts=NO_MASK, hook=True),
     "ALiBi score hook + learned sinks": Row({"turbo_flex_attention_score_mod": "tests.hook_examples:alibi",
                                              "use_sink_attention": True}, hook=True),
-    "fp8 + deterministic": Row({"enable_turbo_attention_float8": True, "deterministic_mode": True}),
+    "fp8 + deterministic": Row({"enable_turbo_attention_float8": True, "deterministic_mode": True}, facts=FP8_DIMS),
     "context parallel, non-causal": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a", **NO_MASK}),
     "context parallel + sinks + window": Row({"use_sink_attention": True, "sink_sliding_window": 128},
                                              facts={"context_parallel_size": 2, "cp_comm_type": "p2p"}),
-    "context parallel + fp8": Row({"enable_turbo_attention_float8": True}, facts={"context_parallel_size": 2}),
+    "context parallel + fp8": Row({"enable_turbo_attention_float8": True}, facts={"context_parallel_size": 2, **FP8_DIMS}),
     "context parallel + dropout": Row(facts={"context_parallel_size": 2, "attention_dropout": 0.1}),
     "context parallel + dropout, no RNG tracker": Row(facts={"context_parallel_size": 2, "attention_dropout": 0.1,
                                                              "rng_tracker": False}),
     "two-sided window on a causal layer": Row(facts={"window_size": (4, 4)}),
     "learned sinks": Row({"use_sink_attention": True}),
-    "learned sinks + fp8": Row({"use_sink_attention": True, "enable_turbo_attention_float8": True}),
-    "fp8": Row({"enable_turbo_attention_float8": True}),
+    "learned sinks + fp8": Row({"use_sink_attention": True, "enable_turbo_attention_float8": True}, facts=FP8_DIMS),
+    "fp8": Row({"enable_turbo_attention_float8": True}, facts=FP8_DIMS),
     "context parallel": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a"}),
     "packed + context parallel": Row(facts={"context_parallel_size": 2, "cp_comm_type": "a2a", "packed": True}),
     # Megatron's modules (megatron_mask): the core hands the adapter the mask's documents as THD
@@ -100,7 +101,7 @@ def outcome(row: Row, column: str) -> str:
     keys: dict[str, Any] = {"use_turbo_attention": True, "use_turbo_flex_attention": column != "direct",
                             "turbo_flex_attention_backend": column if column in ("turbo", "flex") else "reference",
                             **row.keys}
-    facts = LayerFacts(num_heads=4, num_kv_heads=2, head_dim=16, seq_length=SEQ, **row.facts)
+    facts = LayerFacts(**{"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "seq_length": SEQ, **row.facts})
     with fake_primus_turbo(build=row.build) as fake:
         try:
             plan = build_plan(TurboAttentionSettings.from_dict(keys), facts)

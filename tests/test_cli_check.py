@@ -138,7 +138,7 @@ def test_runnable_example_runs_on_both_archs_and_says_on_which_kernel(example, a
     """B33: each runnable example has a kernel on MI300 and MI355, and check --arch names it."""
     code, out, err = run(capsys, str(example), "--arch", arch)
     assert code == 0, err
-    assert re.search(rf"^kernels on {arch}: .*(FlyDSL|AITER|HipKittens)", out, re.M) or "backend reference" in out, out
+    assert re.search(rf"^kernels on {arch} \(Primus-Turbo build a6a16cd\): .*(FlyDSL|AITER|HipKittens)", out, re.M) or "backend reference" in out, out
 
 
 @pytest.mark.parametrize("example", [p for p in EXAMPLES if is_refused_example(p)], ids=lambda p: p.name)

@@ -117,6 +117,6 @@ def test_check_arch_answers_for_a_turbo_machine_without_primus_turbo(tmp_path, c
     assert "gfx950 (MI355)" in err and "equal length" in err
     config.write_text(config.read_text().replace("packed_sequences: true", "packed_sequences: false"))
     assert main(["check", str(config), "--arch", "gfx950"]) == 0
-    assert "kernels on gfx950: layers 1, 2: dense: FlyDSL" in capsys.readouterr().out
+    assert "kernels on gfx950 (Primus-Turbo build a6a16cd): layers 1, 2: dense: FlyDSL" in capsys.readouterr().out
     assert main(["check", str(config), "--arch", "gfx942"]) == 0
     assert "dense: AITER (slower fallback: FlyDSL runs only on gfx950)" in capsys.readouterr().out

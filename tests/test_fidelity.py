@@ -16,6 +16,7 @@ from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo
 from primus_ext.testing.fidelity import FIDELITY, markdown
 
+from .fidelity_round3_checks import CHECKS as ROUND_THREE_CHECKS
 from .helpers import adapter, facts, settings
 
 BF16 = torch.bfloat16
@@ -406,6 +407,9 @@ def _():
         os.environ.pop("PRIMUS_TURBO_ATTN_BACKEND", None)
         if saved is not None:
             os.environ["PRIMUS_TURBO_ATTN_BACKEND"] = saved
+
+
+CHECKS.update(ROUND_THREE_CHECKS)
 
 
 def test_every_fact_has_a_check_and_every_check_a_fact():

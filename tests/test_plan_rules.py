@@ -93,7 +93,8 @@ def test_direct_path_without_primus_turbo_is_refused():
 def test_direct_entries_follow_fp8_and_context_parallel(fp8, cp, dense, packed):
     with fake_primus_turbo():
         plan = build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=fp8),
-                          facts(context_parallel_size=cp, cp_comm_type="a2a", causal=False, attn_mask_type="no_mask"))
+                          facts(context_parallel_size=cp, cp_comm_type="a2a", causal=False, attn_mask_type="no_mask",
+                                head_dim=32))
     assert (plan.dense_entry, plan.packed_entry) == (dense, packed)
 
 
@@ -229,12 +230,13 @@ def test_user_window_wider_than_any_build_length_is_proven_at_its_width(tmp_path
 def test_fp8_with_deterministic_mode_is_refused_because_the_fp8_entries_drop_it():
     """flash_attn_fp8_func and flash_attn_fp8_usp_func take `deterministic` and never pass it to their
     kernel (upstream, with file and line in the reason): the backward would not be deterministic."""
-    layer = facts(causal=False, attn_mask_type="no_mask")
+    layer = facts(causal=False, attn_mask_type="no_mask", head_dim=32)
     for cp in (1, 2):
         with fake_primus_turbo():
             err = refused(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True,
                                    deterministic_mode=True), facts(context_parallel_size=cp, cp_comm_type="a2a",
-                                                                   causal=False, attn_mask_type="no_mask"))
+                                                                   causal=False, attn_mask_type="no_mask",
+                                                                   head_dim=32))
         assert "B24-fp8" in err.codes and "flash_attn_interface.py l.505-565" in str(err)
     with fake_primus_turbo():  # either switch alone still builds
         build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True), layer)

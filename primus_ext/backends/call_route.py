@@ -72,7 +72,9 @@ class CallRoutes:
         empty = q.numel() == 0
         sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" and not empty else (True, True, True)
         within = entry != "dense" or q.shape[1] <= k.shape[1]  # bshd: Sq <= Skv
-        thd = entry == "dense" or empty or (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+        # a dense call's documents are flattened to contiguous thd by the Turbo backend (`_documents_dense`)
+        thd = entry == "dense" or empty or q.dim() == 4 or (q.is_contiguous() and k.is_contiguous()
+                                                            and v.is_contiguous())
         key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, a.sink is not None,
                a.dropout_p > 0, a.deterministic, a.alibi is not None, a.bias is not None, a.scale, sbhd, contiguous,
                bshd, within, thd)

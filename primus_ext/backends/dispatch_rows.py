@@ -136,10 +136,13 @@ FLYDSL = KernelBackend(
         Check(lambda f: f.default_scale, "FlyDSL takes only the default softmax scale 1/sqrt(D)"),
         Check(lambda f: f.dropout == 0, "FlyDSL takes no dropout"),
         Check(lambda f: not f.bias and not f.alibi, "FlyDSL takes no bias or ALiBi"),
-        Check(lambda f: flydsl_group_ok(f.heads, f.kv_heads, f.head_dim, f.build),
-              "FlyDSL needs a GQA group (query heads per key/value head) that is a power of two in 8..256 (on builds "
-              "with PT #509: in 1..256, with query heads x head dim a multiple of 128)",
+        Check(lambda f: f.build.wide_gqa or flydsl_group_ok(f.heads, f.kv_heads, f.head_dim, f.build),
+              "FlyDSL needs a GQA group (query heads per key/value head) that is a power of two in 8..256",
               ("num_attention_heads", "num_query_groups"), "use 8 to 256 query heads per key/value group"),
+        Check(lambda f: not f.build.wide_gqa or flydsl_group_ok(f.heads, f.kv_heads, f.head_dim, f.build),
+              "FlyDSL (PT #509) needs a GQA group (query heads per key/value head) that is a power of two in 1..256, "
+              "with query heads x head dim a multiple of 128", ("num_attention_heads", "num_query_groups", "kv_channels"),
+              "use a power-of-two number of query heads per key/value group, with heads x head dim a multiple of 128"),
         Check(lambda f: f.entry != DENSE or f.sbhd_storage, "FlyDSL dense needs sbhd storage (or batch 1)"),
         Check(lambda f: f.entry != VARLEN or f.equal_documents is True,
               "FlyDSL varlen needs every document of the same length", ("packed_sequences", "packed_equal_documents"),

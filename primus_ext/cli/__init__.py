@@ -17,6 +17,10 @@ from typing import Optional, Sequence
 from ..errors import PrimusExtError
 from .convert import add_parser as add_convert_parser
 
+BUILD_NAMES = ("a6a16cd", "pt509")  # primus_ext.backends.turbo_build.BUILDS, kept literal: no torch import to parse
+BUILD_HELP = ("the Primus-Turbo build whose kernel dispatch --arch checks where none is installed: a6a16cd "
+              "(default), or pt509 (a6a16cd with PT #509, #480, #469, #481 merged)")
+
 # megatron-core announces at import that GPU-only packages are missing; on a laptop
 # that is expected and not the user's concern.
 _QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed")
@@ -31,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--picture", default=None, help="write the attention pattern of each layer kind to this PNG")
     check.add_argument("--arch", choices=("gfx942", "gfx950"), default=None,
                        help="check Primus-Turbo's kernel dispatch for this GPU (MI300 = gfx942, MI355 = gfx950)")
+    check.add_argument("--turbo-build", choices=BUILD_NAMES, default=None, help=BUILD_HELP)
     check.add_argument("--primus-root", default=None, metavar="DIR",
                        help="Primus checkout whose configs a Primus experiment YAML is merged from "
                             "(default: the installed primus package)")
@@ -40,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     selftest = sub.add_parser("selftest", help="run each distinct Turbo or FlexAttention route of a config once against the reference")
     selftest.add_argument("config", nargs="?", default=None, help="YAML (default: a small config of common kinds)")
     selftest.add_argument("--arch", choices=("gfx942", "gfx950"), default=None, help="plan for this GPU")
+    selftest.add_argument("--turbo-build", choices=BUILD_NAMES, default=None, help=BUILD_HELP)
     selftest.add_argument("--fault", action="append", default=[], metavar="NAME",
                           help="switch on a known silent defect of the CPU fake (sink_backward_ignores_right_window)")
     bench = sub.add_parser("bench", help="run the benchmarks of a source checkout (all, or the NAMEs given)")
@@ -57,11 +63,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "check":
             from .check import run_check
 
-            return run_check(args.config, args.seq_len, args.picture, arch=args.arch, primus_root=args.primus_root)
+            return run_check(args.config, args.seq_len, args.picture, arch=args.arch, primus_root=args.primus_root,
+                             turbo_build=args.turbo_build)
         if args.command == "selftest":
             from .selftest import run_selftest
 
-            return run_selftest(args.config, args.arch, args.fault)
+            return run_selftest(args.config, args.arch, args.fault, turbo_build=args.turbo_build)
         if args.command == "convert-checkpoint":
             from .convert import run_convert
 

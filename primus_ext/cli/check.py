@@ -40,6 +40,7 @@ from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_ma
 from ..testing import fake_primus_turbo
 from .check_primus import primus_merged, primus_refusal, primus_run_settings
 from .render import ascii_grid, layer_kinds, layer_list, write_png
+from .turbo_build_option import build_option_problem, stand_in_note
 
 PICTURE_LEN = 512
 """Sequence length of the pictures when the YAML has no seq_length (proofs need none)."""
@@ -243,15 +244,16 @@ def settings_for(config: dict, arch: Optional[str], err: Any,
 
 
 @contextlib.contextmanager
-def _turbo_for(arch: Optional[str]) -> Iterator[str]:
-    """With ``--arch`` and no Primus-Turbo here, plan against the CPU fake's entries."""
+def _turbo_for(arch: Optional[str], build: Optional[str] = None) -> Iterator[str]:
+    """With ``--arch`` and no Primus-Turbo here, plan against the CPU fake's entries, imitating the
+    kernel build ``build`` (``--turbo-build``; a6a16cd by default)."""
     if arch is None or not turbo_import_problem():
         yield ""
         return
-    with fake_primus_turbo(build="main"):
+    with fake_primus_turbo(build="main", kernels=build or "a6a16cd"):
         yield (f"--arch {arch}: Primus-Turbo is not installed here; planned against the entry "
                "signatures of Primus-Turbo main, the build Primus pins (the CPU fake), with that arch's "
-               "kernel dispatch")
+               f"kernel dispatch; {stand_in_note(build)}")
 
 
 def _kernel_notes(plans: Sequence[AttentionPlan]) -> list[str]:
@@ -259,9 +261,10 @@ def _kernel_notes(plans: Sequence[AttentionPlan]) -> list[str]:
     groups: dict[tuple, list[int]] = {}
     for plan in plans:
         if plan.kernels:
-            groups.setdefault((plan.arch, plan.kernels), []).append(plan.layer_number)
-    return [f"kernels on {arch}: {layer_list(layers)}: {'; '.join(kernels)}"
-            for (arch, kernels), layers in groups.items()]
+            groups.setdefault((plan.arch, plan.turbo_build.name, plan.kernels, plan.storage), []).append(
+                plan.layer_number)
+    return [f"kernels on {arch} (Primus-Turbo build {build}): {layer_list(layers)}: {'; '.join(kernels)}; "
+            f"q/k/v stored {storage}" for (arch, build, kernels, storage), layers in groups.items()]
 
 
 def _cp_notes(config: Mapping[str, Any], plans: Sequence[AttentionPlan]) -> list[str]:
@@ -292,16 +295,23 @@ def _tp_notes(config: Mapping[str, Any], ranks: Mapping[int, Sequence[AttentionP
 
 
 def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None,
-              out=None, err=None, arch: Optional[str] = None, primus_root: Optional[str] = None) -> int:
+              out=None, err=None, arch: Optional[str] = None, primus_root: Optional[str] = None,
+              turbo_build: Optional[str] = None) -> int:
     """Print the plan table and pattern pictures of ``path``; 0 when all layers run, else 2.
 
     ``arch`` (``--arch gfx942|gfx950``) answers for a Turbo machine from any machine: the
     kernel dispatch of that arch is checked, with the CPU fake standing in for a
     Primus-Turbo that is not installed here.  A Primus experiment YAML is checked as Primus
     merges it, from ``primus_root`` or the installed Primus (`primus_ext.cli.check_primus`).
+    ``turbo_build`` (``--turbo-build``) names the Primus-Turbo build whose dispatch ``arch`` is checked for
+    where none is installed (`primus_ext.cli.turbo_build_option`).
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    problem = build_option_problem(turbo_build, arch)
+    if problem:
+        print(problem, file=err)
+        return REFUSED
     config, primus = primus_merged(path, _load(path), primus_root, out)
     fragment = is_module_fragment(config)
     settings = settings_for(config, arch, err, primus_run_settings if primus else TurboAttentionSettings.from_dict)
@@ -332,7 +342,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
         return REFUSED
     try:
         ranks: dict[int, list[AttentionPlan]] = {}
-        with _turbo_for(arch) as note:
+        with _turbo_for(arch, turbo_build) as note:
             outcomes = _plans(settings, config, ranks)
     except (TypeError, ValueError, ImportError) as exc:
         raise PrimusExtError(f"cannot read the model keys of {path}: {exc}") from exc

@@ -18,6 +18,7 @@ from ..plan.plan import AttentionPlan
 from ..call.selftest import RouteResult, clear, refuse_failures, self_test
 from ..testing import fake_primus_turbo
 from .check import REFUSED, _load, _plans, format_table, settings_for
+from .turbo_build_option import build_option_problem, stand_in_note
 
 DEFAULT_CONFIG = {  # a small layer with a sink and a two-sided window (the route AITER gets wrong)
     "use_turbo_attention": True, "use_turbo_flex_attention": True, "turbo_flex_attention_backend": "turbo",
@@ -29,27 +30,31 @@ DEFAULT_CONFIG = {  # a small layer with a sink and a two-sided window (the rout
 
 
 @contextlib.contextmanager
-def _turbo(faults: Sequence[str], arch: Optional[str]) -> Iterator[str]:
+def _turbo(faults: Sequence[str], arch: Optional[str], build: Optional[str] = None) -> Iterator[str]:
     if not turbo_import_problem() and not faults:
         yield "installed Primus-Turbo"
         return
     # The fake presents --arch, so its calls are dispatched to the kernel backends that arch has.
-    with fake_primus_turbo(faults=tuple(faults), arch=arch):
+    with fake_primus_turbo(faults=tuple(faults), arch=arch, kernels=build or "a6a16cd"):
         yield (f"the CPU fake of Primus-Turbo{f' as {arch}' if arch else ''}"
-               + (f" with faults {', '.join(faults)}" if faults else ""))
+               + (f" with faults {', '.join(faults)}" if faults else "") + f"; {stand_in_note(build)}")
 
 
 def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequence[str] = (),
-                 out=None, err=None) -> int:
+                 out=None, err=None, turbo_build: Optional[str] = None) -> int:
     """Print one row per route (under autotune, per route and candidate backend, the route naming the
     backend it pinned); 0 when every route agrees with the reference, else 2."""
     out, err = out or sys.stdout, err or sys.stderr
+    problem = build_option_problem(turbo_build, arch)
+    if problem:
+        print(problem, file=err)
+        return REFUSED
     config = _load(path) if path else dict(DEFAULT_CONFIG)
     settings = settings_for(config, arch, err)
     if settings is None:
         return REFUSED
     clear()
-    with _turbo(faults, arch) as what:
+    with _turbo(faults, arch, turbo_build) as what:
         outcomes = _plans(settings, config)
         refused = [o for _, o in outcomes if isinstance(o, UnsupportedConfigError)]
         if refused:

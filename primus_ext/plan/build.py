@@ -290,11 +290,12 @@ def _storage(ctx: RuleInput, arch: Optional[str], routes: tuple) -> str:
     call's boundaries (any equal-document batch, one document included): wherever a varlen route may
     reach it, packed q, k and v are made contiguous (``contiguous-thd``; a dense call whose documents
     are flattened onto the varlen kernel gets contiguous sbhd, whose flattening is contiguous).  AITER
-    takes the zero-copy strided views.
+    takes the zero-copy strided views.  fp8 attention asserts contiguous inputs on every arch.
     """
     if not (ctx.on_turbo or ctx.on_direct):
         return "as-given"
-    if arch == "gfx942":
+    if arch == "gfx942" or (ctx.on_direct and ctx.settings.enable_turbo_attention_float8):
+        # the fp8 Triton attention asserts contiguous inputs (attention_triton_impl.py l.74-78 at a6a16cd)
         return "contiguous-bshd"
     if any(found.backend in ("FlyDSL", "HipKittens") and (found.features.entry == DENSE or kind.startswith("dense"))
            for kind, found in routes):

@@ -8,118 +8,12 @@ them in one error instead of fixing one per run.  Codes cite docs/behaviours.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Tuple
 
-from ..hooks.proof import MaskProof, ScoreProof
-from ..attention.pattern import pattern_from_flash_args
-from ..backends.base import BackendCapabilities
 from ..backends.context_parallel import CP_COMM_TYPES
-from ..backends.direct import DirectEntries
 from ..errors import Reason
-from ..settings import TurboAttentionSettings
-from .facts import LayerFacts
-
-
-@dataclass(frozen=True)
-class RuleInput:
-    """What the rules look at for one layer."""
-
-    settings: TurboAttentionSettings
-    facts: LayerFacts
-    backend: str
-    caps: Optional[BackendCapabilities]
-    backend_problem: str = ""
-    window: Optional[Tuple[int, int]] = None
-    mask_proof: Optional[MaskProof] = None
-    score_proof: Optional[ScoreProof] = None
-    direct: Optional[DirectEntries] = None
-    learned: int = 0
-    """Tensors the hooks capture that require grad (`primus_ext.backends.flex_masks.learned_tensors`)."""
-    learned_plain: int = 0
-    """Those of them that are no ``torch.nn.Parameter`` (a Megatron layer can register only parameters)."""
-    hook_range: str = ""
-    """What the hooks raise at the layer's heads (`primus_ext.hooks.crosscheck.range_problem`)."""
-
-    @property
-    def flex(self) -> bool:
-        return self.settings.use_turbo_flex_attention
-
-    @property
-    def turbo_path(self) -> bool:
-        """Any Primus-Turbo attention path (flex or direct) is in use."""
-        s = self.settings
-        return s.use_turbo_attention or s.use_turbo_flex_attention or self.facts.turbo_module
-
-    @property
-    def on_direct(self) -> bool:
-        """The direct (flex off) Turbo path is in use."""
-        return self.turbo_path and not self.flex
-
-    @property
-    def on_turbo(self) -> bool:
-        """The flex path runs on Primus-Turbo kernels (so masks must be recognised)."""
-        return self.flex and self.backend == "turbo" and self.caps is not None
-
-    @property
-    def sink(self) -> bool:
-        return self.settings.use_sink_attention or self.facts.softmax_type in ("learnable", "off-by-one")
-
-    @property
-    def may_pack(self) -> bool:
-        return self.facts.packed is not False
-
-    @property
-    def may_dense(self) -> bool:
-        return self.facts.packed is not True
-
-    def fields(self) -> dict[str, object]:
-        caps = self.caps
-        return {
-            "layer": self.facts.layer_number,
-            "mask": self.settings.turbo_flex_attention_mask_mod,
-            "mask_why": self.mask_proof.reason if self.mask_proof else "",
-            "score": self.settings.turbo_flex_attention_score_mod,
-            "score_why": self.score_proof.reason if self.score_proof else "",
-            "problem": self.backend_problem,
-            "dense_entry": caps.dense_entry if caps else None,
-            "packed_entry": caps.packed_entry if caps else None,
-            "window": self.window,
-            "cp": self.facts.context_parallel_size,
-            "tp": self.facts.tensor_model_parallel_size,
-            "head_dim": self.facts.head_dim,
-            "head_dim_v": self.facts.head_dim_v if self.facts.head_dim_v is not None else self.facts.head_dim,
-            "heads": self.facts.num_heads,
-            "kv_heads": self.facts.num_kv_heads if self.facts.num_kv_heads is not None else self.facts.num_heads,
-            "seq_length": self.facts.seq_length,
-            "dropout": self.facts.attention_dropout,
-            "mask_type": self.facts.attn_mask_type,
-            "cp_comm": self.facts.cp_comm_type,
-            "alibi_masks": "; ".join(_alibi_right_masks(self)),
-            "documents_problem": _documents_problem(self),
-            "direct_dense": self.direct.dense if self.direct else None,
-            "direct_packed": self.direct.packed if self.direct else None,
-            "dynamic": "; ".join(_dynamic_hooks(self)),
-            "learned": self.learned,
-            "learned_plain": self.learned_plain,
-            "hook_range": self.hook_range,
-            "backend": self.backend,
-        }
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One refusal: ``fails(input)`` is True when the configuration cannot run exactly."""
-
-    code: str
-    settings: Tuple[str, ...]
-    reason: str
-    alternative: str
-    fails: Callable[[RuleInput], bool]
-
-    def render(self, ctx: RuleInput) -> Reason:
-        fields = ctx.fields()
-        return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields), self.code)
+from .rule_input import Rule, RuleInput, alibi_right_masks, documents_problem, dynamic_hooks
+from .rules_fp8 import FP8_RULES
 
 
 def _documents_hook(c: "RuleInput") -> bool:
@@ -134,49 +28,9 @@ def _dense_documents(c: "RuleInput") -> bool:
     return bool(c.settings.reset_attention_mask) and c.facts.packed is not True and c.facts.megatron_mask
 
 
-def _documents_problem(c: "RuleInput") -> str:
-    """Why this layer cannot run Megatron's document mask on the varlen kernel, or ''."""
-    if c.flex and (c.settings.turbo_flex_attention_mask_mod or c.settings.turbo_flex_attention_score_mod):
-        return "this layer has a mask_mod / score_mod hook, which the varlen kernel does not take"
-    if not c.facts.causal:
-        return (f"this layer is not causal (attn_mask_type={c.facts.attn_mask_type}), while Megatron's document "
-                "mask is")
-    if c.settings.packed_equal_documents:
-        return ("packed_equal_documents declares documents of one length, which the documents of Megatron's mask "
-                "(and the empty tail of its fixed-size boundaries) are not")
-    packed = c.caps.packed_entry if c.flex and c.caps is not None else (
-        c.direct.packed if not c.flex and c.direct is not None else "")
-    if packed is None:
-        return "the installed Primus-Turbo has no packed (varlen) entry for this layer"
-    return ""
-
-
-def _alibi_right_masks(c: "RuleInput") -> list[str]:
-    """The masks of this layer's calls that reach right of the diagonal (where CK's ALiBi is symmetric)."""
-    inside = pattern_from_flash_args(c.facts.causal, c.window or (-1, -1))
-    proof = c.mask_proof
-    dense = proof.pattern if proof is not None and proof.pattern is not None else inside
-    found = []
-    if c.may_dense and dense.right != 0:
-        found.append(f"dense: {dense.describe()}")
-    if c.may_pack and inside.right != 0:
-        found.append(f"packed: {inside.describe()}")
-    return found
-
-
 def _on_flex(c: "RuleInput") -> bool:
     """The flex path runs on torch's FlexAttention (`primus_ext.backends.flex`)."""
     return c.flex and c.backend == "flex"
-
-
-def _dynamic_hooks(c: "RuleInput") -> list[str]:
-    """The hooks outside the provable subset, with the construct and its line."""
-    found = []
-    for kind, proof, key in (("mask_mod", c.mask_proof, "turbo_flex_attention_mask_mod"),
-                             ("score_mod", c.score_proof, "turbo_flex_attention_score_mod")):
-        if proof is not None and proof.outside is not None:
-            found.append(f"the {kind} {getattr(c.settings, key)} uses {proof.outside.describe()}")
-    return found
 
 
 def _score_kind(ctx: RuleInput) -> str:
@@ -267,33 +121,12 @@ RULES: Tuple[Rule, ...] = (
          "context_parallel_size, or set context_parallel_size: 1.",
          lambda c: _cp(c) and (c.facts.num_heads % c.facts.context_parallel_size != 0
                                or c.facts.kv_heads % c.facts.context_parallel_size != 0)),
-    Rule("cp-fp8", ("enable_turbo_attention_float8", "context_parallel_size"),
-         "enable_turbo_attention_float8 with context_parallel_size={cp}: Primus-Turbo's fp8 context-parallel entry "
-         "(flash_attn_fp8_usp_func) joins the sequence shards in rank order, not in Megatron's load-balanced "
-         "order, and the fp8 entry's quantisation depends on which heads and tokens one call holds, so Ulysses "
-         "around it is not known to compute the CP 1 layer's numbers.",
-         "set enable_turbo_attention_float8: false, or context_parallel_size: 1.",
-         lambda c: _cp(c) and c.on_direct and c.settings.enable_turbo_attention_float8),
     Rule("cp-packed", ("packed_sequences", "context_parallel_size"),
          "packed (thd) batches with context_parallel_size={cp}: megatron-core splits THD batches per document "
          "(each one padded and cut into 2 * CP chunks, cu_seqlens_*_padded), which the Ulysses exchange here does "
          "not put back in order; the documents would be attended in the wrong order.",
          "train unpacked (sbhd) with context parallelism, or packed at context_parallel_size: 1.",
          lambda c: _cp(c) and c.facts.packed is True),
-    Rule("B9", ("enable_turbo_attention_float8", "window_size", "sink_sliding_window"),
-         "the fp8 attention kernel only takes window_size=(-1, -1); the window {window} of layer "
-         "{layer} would be dropped.",
-         "set enable_turbo_attention_float8: false, or remove the window.",
-         # window_size=(-1, -1) is the one window the fp8 kernel computes: nothing is dropped.
-         lambda c: c.on_direct and c.settings.enable_turbo_attention_float8
-         and c.window is not None and c.window != (-1, -1)),
-    Rule("B24-fp8", ("deterministic_mode", "enable_turbo_attention_float8"),
-         "deterministic_mode with enable_turbo_attention_float8: flash_attn_fp8_func (and its context-parallel "
-         "twin) accept `deterministic` and never pass it to their kernel (Primus-Turbo "
-         "primus_turbo/pytorch/ops/attention/flash_attn_interface.py l.505-565 and flash_attn_usp_interface.py "
-         "l.823-884 at a6a16cd), so the backward would silently not be deterministic.",
-         "set enable_turbo_attention_float8: false, or deterministic_mode: false.",
-         lambda c: c.on_direct and c.settings.enable_turbo_attention_float8 and c.settings.deterministic_mode),
     Rule("B13-direct", ("use_sink_attention",),
          "a learned sink is configured but the direct entry {direct_dense} has no `sink` "
          "parameter (the fp8 entry lacks it); the sink would be dropped.",
@@ -365,7 +198,7 @@ RULES: Tuple[Rule, ...] = (
          "remove the hooks or packed_equal_documents (or reset_attention_mask) on this layer, or convert each "
          "micro-batch with primus_ext.megatron.pack_eod_micro_batch and set packed_sequences: true.",
          lambda c: c.turbo_path and _dense_documents(c) and c.facts.context_parallel_size == 1
-         and bool(_documents_problem(c))),
+         and bool(documents_problem(c))),
     Rule("B26", ("return_attn_probs",),
          "attention probabilities are never materialised by the Turbo kernels.",
          "do not request attention probabilities.",
@@ -402,7 +235,7 @@ RULES: Tuple[Rule, ...] = (
          "write the hook in the symmetric form, score - slope * |q_idx - kv_idx|, if that is what is meant (it runs "
          "on turbo for every mask); set turbo_flex_attention_backend: reference; or use this ALiBi only on causal "
          "layers (windows with right bound 0).",
-         lambda c: c.on_turbo and _score_kind(c) == "alibi" and bool(_alibi_right_masks(c))),
+         lambda c: c.on_turbo and _score_kind(c) == "alibi" and bool(alibi_right_masks(c))),
     Rule("B13", ("use_sink_attention",),
          "a learned sink is configured but the installed dense entry ({dense_entry}) has no "
          "`sink` parameter; the sink would be dropped.",
@@ -438,7 +271,7 @@ RULES: Tuple[Rule, ...] = (
          "it is no safer there than on a fixed kernel.",
          "set turbo_flex_attention_backend: reference (evaluates the hook as torch calls it) or auto (which does), "
          "or rewrite the hook inside the provable subset (docs/mask_hooks.md).",
-         lambda c: _on_flex(c) and bool(_dynamic_hooks(c))),
+         lambda c: _on_flex(c) and bool(dynamic_hooks(c))),
     Rule("hook-range", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod", "num_attention_heads"),
          "{hook_range} of layer {layer}: what the hook reads per head does not cover the layer's heads, so every "
          "call would fail or read past its table.",
@@ -481,6 +314,9 @@ RULES: Tuple[Rule, ...] = (
          lambda c: c.on_turbo and c.settings.deterministic_mode and c.may_pack
          and c.caps.packed_entry is not None and not c.caps.deterministic_packed),  # type: ignore[union-attr]
 )
+
+
+RULES = RULES + FP8_RULES
 
 
 def failing_reasons(ctx: RuleInput, rules: Tuple[Rule, ...] = RULES) -> list[Reason]:

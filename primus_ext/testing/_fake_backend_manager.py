@@ -115,10 +115,14 @@ class GlobalBackendManager:
 
     @classmethod
     def reset(cls) -> None:
-        """Forget code settings (a fresh process); the environment is read at each call anyway.  Upstream's
-        also clears its parse cache of the environment and every dispatcher's autotune cache (l.381-392),
-        which the fake does not keep."""
+        """Forget code settings (a fresh process) and every dispatcher's autotune cache, as upstream's does
+        (l.381-392); the environment is read at each call anyway."""
         cls._attn_backend = cls._auto_tune = None
+        TUNE_CACHE.clear()
+
+
+TUNE_CACHE: dict[tuple, str] = {}
+"""The dispatchers' autotune caches: (dispatcher, upstream's ``make_key``) -> the backend kept (`._fake_dispatch`)."""
 
 
 def selection_now() -> Selection:
@@ -139,4 +143,4 @@ def module(name: str, gluon: bool = False) -> types.ModuleType:
     return mod
 
 
-__all__ = ["BackendType", "GlobalBackendManager", "PrecisionType", "module", "selection_now"]
+__all__ = ["BackendType", "GlobalBackendManager", "PrecisionType", "TUNE_CACHE", "module", "selection_now"]

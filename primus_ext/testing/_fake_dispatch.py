@@ -14,6 +14,13 @@ backend takes it.  Then the fake behaves like real Primus-Turbo:
 * the chosen backend refuses it: what that backend raises (AITER asserts that
   deterministic and sink are not enabled together; its sink head-dim check is a
   ``ValueError``; FlyDSL asserts that q, k and v are contiguous sbhd);
+* under autotune (``PRIMUS_TURBO_AUTO_TUNE=1``), a tune cache keyed as upstream's ``make_key`` (shapes,
+  dtype, causal, window, layout, sink; varlen: token counts and ``max_seqlen``), which keeps the
+  fastest backend that takes the first call of a key (the fake times FlyDSL, then HipKittens, then
+  AITER) and runs every later call of that key on it without asking whether it takes the call, as
+  upstream's cache hit skips ``can_handle`` (core/backend.py l.552-554 at a6a16cd); a hit on a
+  backend that does not take the call raises ``NotImplementedError`` (the fake cannot reproduce what
+  it would compute unchecked) rather than computing a right answer;
 * the chosen backend has a known silent defect for it (AITER's sink backward ignores the
   window's right bound): the matching fault of `._fake_math` is switched on for that call,
   whatever ``faults`` says, because the real library is silently wrong there and the fake
@@ -35,10 +42,11 @@ import torch
 from torch import Tensor
 
 from ..attention.pattern import Pattern
-from ..backends.dispatch import (AITER_SINK_LEFT_ZERO, AITER_SINK_RIGHT_WINDOW, ARCHES, BUILD_A6A16CD, DENSE,
-                                 FLYDSL_VARLEN_STRIDES, VARLEN, CallFeatures, Route, TurboBuild, default_scale, route)
+from ..backends.dispatch import (AITER_DENSE, AITER_SINK_LEFT_ZERO, AITER_SINK_RIGHT_WINDOW, AITER_VARLEN, ARCHES,
+                                 BUILD_A6A16CD, DEFAULT_ORDER, DENSE, FLYDSL, FLYDSL_VARLEN_STRIDES, HIPKITTENS, VARLEN,
+                                 CallFeatures, Route, TurboBuild, default_scale, route, route_on)
 from ..backends.layout import LayoutError, infer_qkv_format, storage_features
-from ._fake_backend_manager import selection_now
+from ._fake_backend_manager import TUNE_CACHE, selection_now
 from ._fake_math import SINK_BACKWARD_IGNORES_RIGHT_WINDOW, SINK_LEFT_WINDOW_ZERO_UNBOUNDED
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -92,18 +100,22 @@ class Dispatcher:
         """A dense call with bshd views q, k, v; returns the faults its backend brings."""
         if pattern.documents:  # a flex documents mask: the flex layer hands it to the varlen kernel
             bounds = pattern.at_length(q.shape[1]).boundaries or (0, q.shape[1])
-            return self._run(self._features(VARLEN, a, q, k, v, pattern, scale, equal_documents=equal_lengths(bounds)))
-        _, sbhd, contiguous, bshd = storage_features(q, k, v)
+            longest = max(y - x for x, y in zip(bounds, bounds[1:]))
+            key = (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1], longest, longest)
+            return self._run(self._features(VARLEN, a, q, k, v, pattern, scale, equal_documents=equal_lengths(bounds)),
+                             key)
+        fmt, sbhd, contiguous, bshd = storage_features(q, k, v)
         return self._run(self._features(DENSE, a, q, k, v, pattern, scale, sbhd_storage=sbhd,
                                         contiguous_sbhd=contiguous, contiguous_bshd=bshd,
-                                        q_within_kv=q.shape[1] <= k.shape[1]))
+                                        q_within_kv=q.shape[1] <= k.shape[1]), (q.shape[0], q.shape[1], fmt))
 
     def varlen(self, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
                scale: Optional[float], bounds_q: Sequence[int], bounds_k: Sequence[int]) -> frozenset[str]:
         """A packed call with thd q, k, v and host boundaries (FlyDSL reads them on the host too)."""
         equal = equal_lengths(bounds_q) and equal_lengths(bounds_k)
+        key = (q.shape[0], k.shape[0], int(a["max_seqlen_q"]), int(a["max_seqlen_k"]))
         return self._run(self._features(VARLEN, a, q[None], k[None], v[None], pattern, scale, equal_documents=equal,
-                                        contiguous_thd=all(t.is_contiguous() for t in (q, k, v))))
+                                        contiguous_thd=all(t.is_contiguous() for t in (q, k, v))), key)
 
     def _features(self, entry: str, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
                   scale: Optional[float], **layout: Any) -> CallFeatures:
@@ -116,12 +128,40 @@ class Dispatcher:
             default_scale=default_scale(scale, int(q.shape[-1])), build=self.build, **layout,
         )
 
-    def _run(self, features: CallFeatures) -> frozenset[str]:
-        found = route(features, selection_now())  # re-read at every call, as upstream does
+    def _run(self, features: CallFeatures, shapes: tuple) -> frozenset[str]:
+        selection = selection_now()  # re-read at every call, as upstream does
+        found = self._tuned(features, shapes) if selection.autotune and selection.pin is None else None
+        if found is None:
+            found = route(features, DEFAULT_ORDER if selection.autotune and selection.pin is None else selection)
         if found.backend is not None:  # recorded before a refusal: the backend took the call, then failed it
             self.last = found.backend
             self.on_backend(found.backend)
         return faults_of(found)
+
+    def _tuned(self, features: CallFeatures, shapes: tuple) -> Optional[Route]:
+        """Autotune: the cached backend of this call's key, run unchecked on a hit; else None (no backend
+        takes the call: the default order says why)."""
+        key = (features.entry, shapes, features.heads, features.kv_heads, features.head_dim, features.dtype,
+               features.causal, features.window, features.sink)
+        cached = TUNE_CACHE.get(key)
+        if cached is None:
+            takes = [b for b in _TIMED[features.entry] if route_on(features, b) is not None]
+            if not takes:
+                return None
+            cached = TUNE_CACHE[key] = takes[0].name
+        backend = next(b for b in _TIMED[features.entry] if b.name == cached)
+        found = route_on(features, backend)
+        if found is None:
+            self.last = cached
+            self.on_backend(cached)
+            raise NotImplementedError(f"fake Primus-Turbo: the autotune cache holds {cached} for this call's key, and "
+                                      "a hit runs it without can_handle, though it does not take this call; the fake "
+                                      "cannot reproduce what it computes")
+        return found
+
+
+_TIMED = {DENSE: (FLYDSL, HIPKITTENS, AITER_DENSE), VARLEN: (FLYDSL, AITER_VARLEN)}
+"""The order the fake's autotune finds the backends fastest in (Gluon is never autotuned)."""
 
 
 def describe(features: CallFeatures) -> str:

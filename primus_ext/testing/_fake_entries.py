@@ -116,8 +116,8 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
         _check_no_probs(name, a)
         _check_dropout(name, a["dropout_p"])
         window = tuple(a["window_size"])
-        if fp8 and window != (-1, -1):
-            raise ValueError(f"{name}: the fp8 kernel only takes window_size=(-1, -1), got {window}")
+        if fp8:
+            _check_fp8(name, q, k, v, window)
         _check_bias(name, a["bias"], q, q_len, kv_len)
         _check_alibi(name, a["alibi_slopes"], hq)
         pattern = pattern_from_flash_args(bool(a["causal"]), window)  # type: ignore[arg-type]
@@ -127,13 +127,35 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
             from ._fake_hipkittens import flash_attn                # FlashAttnFunc runs them (zero-max softmax)
 
             return flash_attn(q, k, v, a["softmax_scale"], bool(a["causal"]), window, bool(a["return_lse"]))
-        return _fake_math.attention(
+        result = _fake_math.attention(
             q, k, v, window=pattern, scale=a["softmax_scale"], alibi_slopes=a["alibi_slopes"],
             bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
             return_lse=bool(a["return_lse"]), faults=faults | extra,
         )
+        return _fp8_output(result) if fp8 else result
 
     return body
+
+
+def _check_fp8(name: str, q: Tensor, k: Tensor, v: Tensor, window: tuple) -> None:
+    """What Primus-Turbo's fp8 Triton attention asserts (attention_triton_impl.py l.74-78, 350-351, 385-393
+    at a6a16cd): the full window, contiguous inputs, head dims of at least 32 and even (its backward; the
+    fake asserts in the forward, where the call starts)."""
+    if window != (-1, -1):
+        raise ValueError(f"{name}: the fp8 kernel only takes window_size=(-1, -1), got {window}")
+    if not all(t.is_contiguous() for t in (q, k, v)):
+        raise AssertionError(f"{name}: the fp8 attention kernel asserts contiguous q, k and v")
+    for t in (q, v):
+        if t.shape[-1] < 32 or t.shape[-1] % 2:
+            raise AssertionError(f"{name}: the fp8 attention backward asserts head dims >= 32 and even, got "
+                                 f"{t.shape[-1]}")
+
+
+def _fp8_output(result: Any) -> Any:
+    """fp8 attention returns bf16 whatever the input dtype (attention_triton_impl.py l.89-95 at a6a16cd)."""
+    if isinstance(result, tuple):
+        return (result[0].to(torch.bfloat16), *result[1:])
+    return result.to(torch.bfloat16)
 
 
 def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[int, int],
@@ -311,7 +333,9 @@ def _usp_groups(name: str, a: Args, *, fp8: bool, varlen: bool) -> tuple[Any, in
             f"{name}: ulysses_group is None ('NoneType' object has no attribute 'size'); the entry "
             "all-to-alls over it, so it is required: pass the context-parallel group"
         )
-    if ring is None:
+    if ring is None and varlen:
+        ring_size = 1  # the varlen entry takes None as no ring (flash_attn_usp_interface.py l.536-538 at a6a16cd)
+    elif ring is None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -331,18 +355,19 @@ def _usp_groups(name: str, a: Args, *, fp8: bool, varlen: bool) -> tuple[Any, in
         if fp8:
             raise AssertionError(f"{why}; the fp8 usp entry asserts a ring group of size 1")
         if varlen:
-            raise ValueError(f"{why}; the varlen usp entry is Ulysses only (a ring of size 1)")
+            raise NotImplementedError(f"{why}; the varlen usp entry is Ulysses only (a ring of size 1)")
         raise NotImplementedError(f"{why}; the fake models Ulysses with a ring of one only")
     return ulysses, int(ulysses.size()), int(ulysses.rank())
 
 
-def _usp_asserts(name: str, a: Args, hq: int, hkv: int, n: int) -> None:
-    """What every usp entry asserts (raised explicitly, so ``python -O`` keeps them)."""
+def _usp_asserts(name: str, a: Args, hq: int, hkv: int, n: int, fp8: bool = False) -> None:
+    """What every usp entry asserts (raised explicitly, so ``python -O`` keeps them); the fp8 one lets
+    return_attn_probs through (flash_attn_usp_interface.py l.315-360 at a6a16cd)."""
     if float(a["dropout_p"]) != 0.0:
         raise AssertionError(f"{name}: dropout_p must be 0 on the context-parallel entries, got {a['dropout_p']}")
     if a["bias"] is not None:
         raise AssertionError(f"{name}: bias must be None on the context-parallel entries")
-    if a.get("return_attn_probs"):
+    if a.get("return_attn_probs") and not fp8:
         raise AssertionError(f"{name}: return_attn_probs is not supported on the context-parallel entries")
     if hq % n or hkv % n:
         raise AssertionError(
@@ -359,7 +384,7 @@ def usp_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = ()) -> Bo
         q, k, v = a["q"], a["k"], a["v"]
         _check_dims(name, (q, k, v), 4, "bshd [B, S, H, D]")
         group, n, rank = _usp_groups(name, a, fp8=fp8, varlen=False)
-        _usp_asserts(name, a, q.shape[2], k.shape[2], n)
+        _usp_asserts(name, a, q.shape[2], k.shape[2], n, fp8)
         if n == 1:
             return local(a, classify)
         whole = dict(a, **{key: _GatherShards.apply(t, 1, group) for key, t in (("q", q), ("k", k), ("v", v))})

@@ -5,23 +5,16 @@ fake does about it, and what the plan and call path do (refused at build where i
 known, routed per call, or fixed by us).  ``tests/test_fidelity.py`` holds each row with a
 check of its own, and docs/fidelity.md is this table, rendered; a row without a check, or a
 check without a row, fails the tests.  Upstream is AMD-AGI/Primus-Turbo at ``a6a16cd`` (PT),
-ROCm/aiter at ``e4048607`` and ROCm/composable_kernel at ``fe6e4fb`` unless a row says otherwise.
+ROCm/aiter at ``e4048607`` and ROCm/composable_kernel at ``fe6e4fb`` unless a row says otherwise; the
+rows read again on 2026-12-02 cite aiter at ``0f3c58e6`` (v0.1.14.post1, the tag Primus-Turbo pins,
+primus_turbo/common/aiter_utils.py l.18-21), Primus at ``fd1eeab`` (P) and the Primus-Turbo pull requests
+merged after a6a16cd by number.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Fact:
-    """One row: an upstream fact and how the fake and the plan follow it."""
-
-    id: str
-    fact: str
-    source: str
-    fake: str
-    plan: str
+from .fidelity_fact import Fact
+from .fidelity_round3 import ROUND_THREE
 
 
 _AITER = "PT primus_turbo/pytorch/kernels/attention/attention_aiter_impl.py"
@@ -81,7 +74,8 @@ FIDELITY: tuple[Fact, ...] = (
          "modules copy to contiguous sbhd where FlyDSL runs; drop-in calls refused per call (B33)"),
     Fact("flydsl-window-64", "Windows with left bound in [0, 64) are not FlyDSL's (its backward gives NaN there).",
          f"{_IMPL} l.46-50", "routes them to AITER", "the dispatch model's FlyDSL row"),
-    Fact("flydsl-gqa-group", "FlyDSL takes a GQA group that is a power of two in [8, 256].", f"{_IMPL} l.64-71",
+    Fact("flydsl-gqa-group", "FlyDSL takes a GQA group that is a power of two in [8, 256] (a6a16cd; see "
+         "pt509-gqa-gate for the builds after PT #509).", f"{_IMPL} l.64-71",
          "routes others to AITER", "the dispatch model's FlyDSL row"),
     Fact("flydsl-scale", "FlyDSL takes softmax_scale None or within 1e-6 (absolute) of 1/sqrt(D).",
          f"{_IMPL} _scale_ok", "the same test", "dispatch.default_scale is that test"),
@@ -99,12 +93,15 @@ FIDELITY: tuple[Fact, ...] = (
          "refused at build (B33)"),
     Fact("autotune-any", "Autotune keeps the fastest backend that takes a call.", f"{_BACKEND} l.662-667",
          "takes the worst of them (never kinder)", "the plan holds for every backend that takes the call"),
-    Fact("autotune-cache-key", "Autotune caches the backend per key (shapes, dtype, causal, window, layout, sink, "
-         "return_softmax: not dropout, scale, ALiBi, bias, deterministic or Dv) and returns a hit without "
-         "can_handle; FlyDSL's and HipKittens' entries read neither dropout, ALiBi nor bias.",
-         f"{_IMPL} l.283-312; {_BACKEND} l.550-554; {_IFACE} l.102-151",
-         "refuses to compute a call a cached backend would run unchecked",
-         "a backend any call of the key may cache counts as a candidate (B33)"),
+    Fact("autotune-cache-key", "Autotune caches the backend per key (q's shape, Hkv, dtype, causal, window, layout, "
+         "sink, return_softmax; varlen: token counts and max_seqlen. Not dropout, scale, ALiBi, bias, deterministic, "
+         "Dv, the kv length, contiguity or the document count) and returns a hit without can_handle; FlyDSL's and "
+         "HipKittens' entries read neither dropout, ALiBi nor bias.",
+         f"{_IMPL} l.283-312, l.436-454; {_BACKEND} l.550-554; {_IFACE} l.102-151",
+         "a tune cache keyed so: a hit on a backend that does not take the call raises NotImplementedError rather "
+         "than computing it right",
+         "a backend any call of the key may cache counts as a candidate (B33); a packed layer without "
+         "packed_equal_documents is refused under autotune where FlyDSL may be cached"),
     Fact("flydsl-dv", "FlyDSL's gate reads q's head dim only, and its forward allocates out like q and reads v "
          "with q's head dim.", f"{_IMPL} l.87-92; {_FLYDSL} l.51-68, l.376-398",
          "refuses to compute it (cannot reproduce the out-of-bounds read)", "refused at build and per call (B33)"),
@@ -120,7 +117,8 @@ FIDELITY: tuple[Fact, ...] = (
          "computes that", "a hook slope*(kv-q) runs on right-bound-0 masks only (B35)"),
     Fact("triton-alibi", "aiter's Triton attention (the sink path): -slope*|q + Sk - Sq - kv| for every mask, "
          "forward and backward.", "aiter aiter/ops/triton/_triton_kernels/attention/mha.py _compute_alibi_block; "
-         "mha_onekernel_bwd.py l.249-252", "computes that", "ALiBi with a sink runs where the formulas agree (B35)"),
+         "mha_onekernel_bwd.py l.249-252", "computes that (no arch modelled)",
+         "not reached: ALiBi with a sink is refused on gfx942 and gfx950 (aiter-sink-alibi, B33)"),
     Fact("cp-shard-order", "The usp all-to-all concatenates the shards in rank order; Megatron's own split is "
          "load-balanced (chunks r and 2*CP-1-r).",
          "PT primus_turbo/pytorch/ops/attention/usp/attention_a2a_helper.py l.82-101; megatron-core utils.py "
@@ -141,7 +139,7 @@ FIDELITY: tuple[Fact, ...] = (
          f"{_BACKEND} l.290-306, l.381-392",
          "the same (it keeps no parse or autotune cache)",
          "kernel_selection reads the manager, so the plan sees the environment's pin again"),
-)
+) + ROUND_THREE
 """Every row; ids are unique and each has a check in tests/test_fidelity.py."""
 
 

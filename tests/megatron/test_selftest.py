@@ -133,7 +133,8 @@ def test_selftest_cli_runs_the_fake_as_the_arch_asked(tmp_path, capsys):
 # -- under autotune each candidate kernel backend is pinned for its own run (issue: autotune reach) ------
 AUTOTUNED = [  # (packed, flex, backends that take the self-test's calls on gfx950 under autotune)
     (False, False, {"FlyDSL", "AITER", "HipKittens"}),  # dense, GQA 8, D 64: all three take it
-    (True, False, {"FlyDSL", "AITER"}),                 # packed: FlyDSL (equal documents), AITER; HipKittens: no varlen
+    (True, False, {"FlyDSL", "AITER"}),                 # packed (equal documents declared: autotune's key has no
+                                                        # document count): FlyDSL, AITER; HipKittens: no varlen
     (False, True, {"FlyDSL", "AITER", "HipKittens"}),
 ]
 
@@ -146,8 +147,9 @@ def test_under_autotune_the_selftest_pins_and_catches_each_candidate_backend(pac
     candidate, pinned: a corruption in any of them refuses the build, the healthy fake passes, and a
     backend no call reaches (HipKittens has no varlen kernel) is not blamed."""
     selftest.clear()
+    keys = dict(use_turbo_autotune=True, packed_equal_documents=packed)
     with fake_primus_turbo(arch="gfx950") as fake:
-        layer = build_on("gfx950", packed, GQA8_D64, flex, use_turbo_autotune=True)
+        layer = build_on("gfx950", packed, GQA8_D64, flex, **keys)
         assert layer.plan.selection.autotune and layer.plan.selection.pin is None
         assert {c.backend for c in fake.calls} == reached
     for backend, fault in CORRUPT.items():
@@ -155,10 +157,10 @@ def test_under_autotune_the_selftest_pins_and_catches_each_candidate_backend(pac
         with fake_primus_turbo(arch="gfx950", faults=(fault,)):
             if backend in reached:
                 with pytest.raises(UnsupportedConfigError, match=f"pinned {backend} ") as err:
-                    build_on("gfx950", packed, GQA8_D64, flex, use_turbo_autotune=True)
+                    build_on("gfx950", packed, GQA8_D64, flex, **keys)
                 assert "turbo_selftest" in err.value.settings
             else:
-                build_on("gfx950", packed, GQA8_D64, flex, use_turbo_autotune=True)
+                build_on("gfx950", packed, GQA8_D64, flex, **keys)
 
 
 def test_selftest_cli_under_autotune_catches_a_fault_in_every_candidate(tmp_path, capsys):
@@ -296,3 +298,28 @@ def test_a_flex_layer_is_self_tested_at_build_forward_only_on_the_cpu(monkeypatc
             build(gpt.settings(turbo_selftest="true", **FLEX))
             assert seen[0].ok and not seen[0].unchecked and seen[0].backward_error < 1e-5
     selftest.clear()
+
+
+# -- FlyDSL varlen takes any equal-document batch, one document included, on the detected build ---------------
+MHA_D128 = dict(hidden_size=1024, num_attention_heads=8, num_query_groups=8, kv_channels=128)
+
+
+@pytest.mark.parametrize("build, shape, reached", [
+    ("a6a16cd", GQA8_D64, {"FlyDSL", "AITER"}),
+    ("a6a16cd", MHA_D128, {"AITER"}),            # group 1: AITER only before PT #509
+    ("pt509", MHA_D128, {"FlyDSL", "AITER"}),    # PT #509: FlyDSL takes MHA (Hq*D = 1024)
+])
+def test_the_selftest_reaches_flydsl_varlen_on_one_document_batches_of_the_detected_build(build, shape, reached):
+    selftest.clear()
+    with fake_primus_turbo(arch="gfx950", kernels=build) as fake:
+        layer = build_on("gfx950", True, shape, False)
+        assert layer.plan.turbo_build.name == build
+        varlen = [c for c in fake.calls if c.entry == "flash_attn_varlen_func"]
+    assert {c.backend for c in varlen} == reached
+    one = [c for c in varlen if c.args["cu_seqlens_q"].numel() == 2]
+    assert one and {c.backend for c in one} == ({"FlyDSL"} if "FlyDSL" in reached else {"AITER"})
+    if "FlyDSL" in reached:
+        selftest.clear()
+        with fake_primus_turbo(arch="gfx950", kernels=build, faults=("flydsl_corrupt_output",)):
+            with pytest.raises(UnsupportedConfigError, match="turbo_selftest"):
+                build_on("gfx950", True, shape, False)

@@ -14,7 +14,7 @@ One forward call is counted after a warm-up call (hooks verified).
 
 Goals: 0 host syncs of ours on the flex dense and packed paths; 0 copies of ours on
 the bshd dense path where the device takes strided input (CPU, gfx950 on AITER); exactly 3
-(q, k, v made contiguous) in gfx942 mode; exactly 1 in gfx950 FlyDSL mode with
+(q, k, v made contiguous) in gfx942 mode; exactly 1 in gfx950 FlyDSL mode (dense or varlen) with
 megatron-core's own tensors (the value, a split view of the fused QKV; q and k come
 contiguous out of RoPE).
 
@@ -165,12 +165,17 @@ def scenarios() -> list[tuple[str, str, Optional[str], Callable[[], Callable[[],
                                               packed_seq_params=params)
             if layout == "split":  # megatron-core's own tensors: RoPE'd q and k, value a split view
                 return lambda: module.forward(sq, sk, split_v, None)
+            if layout == "split-thd":  # the same for a packed batch
+                params = packed_params(x)
+                return lambda: module.forward(tq.unsqueeze(1), tk.unsqueeze(1), split_tv.unsqueeze(1), None,
+                                              packed_seq_params=params)
             return lambda: module.forward(sq, sk, sv, None)
         return build
 
     # value as megatron-core 0.16.1 hands it over: a torch.split view of the fused QKV projection
     fused = torch.cat([sq.reshape(S, B, HKV, -1), sk, sv], dim=-1)
     split_v = fused.split([HQ // HKV * D, D, D], dim=-1)[2]
+    split_tv = torch.cat([tq.reshape(B * S, HKV, -1), tk, tv], dim=-1).split([HQ // HKV * D, D, D], dim=-1)[2]
 
     fake, stub = "fake", "stub"
     return [
@@ -200,6 +205,10 @@ def scenarios() -> list[tuple[str, str, Optional[str], Callable[[], Callable[[],
          megatron(None, "contiguous-sbhd", "split")),
         ("gfx950 AITER mode, Megatron sbhd core (split value), direct", "stub turbo: flash_attn_func", stub,
          megatron(None, "as-given", "split")),
+        ("gfx950 FlyDSL varlen mode, Megatron thd core (split value), flex", "stub turbo: flash_attn_varlen_func",
+         stub, megatron("turbo", "contiguous-thd", "split-thd")),
+        ("gfx950 FlyDSL varlen mode, Megatron thd core (split value), direct", "stub turbo: flash_attn_varlen_func",
+         stub, megatron(None, "contiguous-thd", "split-thd")),
     ]
 
 

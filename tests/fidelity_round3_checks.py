@@ -1,6 +1,7 @@
-"""The checks of the fidelity rows read on 2026-12-02 (`primus_ext.testing.fidelity_round3`); tests/test_fidelity.py
-runs them with the others.  Each holds what its row says: the fake does what upstream does, the plan what the
-row's last column says.  The fuller tests are named where they live."""
+"""The registry of the fidelity table's checks (`check`, `CHECKS`), and the checks of the rows read on 2026-12-02
+(`primus_ext.testing.fidelity_round3`); tests/test_fidelity.py adds the others and runs them all.  Each holds
+what its row says: the fake does what upstream does, the plan what the row's last column says.  The fuller
+tests are named where they live."""
 
 from __future__ import annotations
 
@@ -119,15 +120,19 @@ def _():
     assert "B33" in err.value.codes
 
 
+def _fp8_refusal(head_dim: int, dtype: str) -> UnsupportedConfigError:
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True),
+                   facts(head_dim=head_dim, dtype=dtype, causal=False, attn_mask_type="no_mask"))
+    return err.value
+
+
 @check("fp8-bf16-output")
 def _():
     q, k, v = qkv(d=64, dtype=torch.float16)
     with fake_primus_turbo() as fake:
         assert fake.module.flash_attn_fp8_func(q, k, v).dtype == BF16
-        with pytest.raises(UnsupportedConfigError) as err:
-            build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True),
-                       facts(head_dim=64, dtype="fp16", causal=False, attn_mask_type="no_mask"))
-    assert "fp8-dtype" in err.value.codes
+        assert "fp8-dtype" in _fp8_refusal(64, "fp16").codes
 
 
 @check("fp8-head-dims")
@@ -135,10 +140,7 @@ def _():
     with fake_primus_turbo() as fake:
         with pytest.raises(AssertionError, match=">= 32"):
             fake.module.flash_attn_fp8_func(*qkv(d=16, dtype=BF16))
-        with pytest.raises(UnsupportedConfigError) as err:
-            build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True),
-                       facts(head_dim=16, dtype="bf16", causal=False, attn_mask_type="no_mask"))
-    assert "fp8-head-dim" in err.value.codes
+        assert "fp8-head-dim" in _fp8_refusal(16, "bf16").codes
 
 
 @check("autotune-profile")

@@ -5,35 +5,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
-from primus_ext.backends.dispatch import DENSE, VARLEN, CallFeatures, Selection, default_scale, route
+from primus_ext.backends.dispatch import VARLEN, Selection, default_scale, route
 from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo
 from primus_ext.testing.fidelity import FIDELITY, markdown
 
-from .fidelity_round3_checks import CHECKS as ROUND_THREE_CHECKS
+from .fidelity_round3_checks import CHECKS, check, features
 from .helpers import adapter, facts, settings
 
 BF16 = torch.bfloat16
 DOC = Path(__file__).resolve().parent.parent / "docs" / "fidelity.md"
-CHECKS: dict[str, Callable[[], None]] = {}
-
-
-def check(fact_id: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def register(fn: Callable[[], None]) -> Callable[[], None]:
-        CHECKS[fact_id] = fn
-        return fn
-    return register
-
-
-def features(**over) -> CallFeatures:
-    base = dict(arch="gfx950", entry=DENSE, dtype="bf16", head_dim=64, head_dim_v=64, heads=16, kv_heads=2)
-    return CallFeatures(**{**base, **over})
 
 
 def sbhd(s: int = 8, b: int = 2, hq: int = 4, hkv: int = 2, d: int = 16, dtype=BF16, seed: int = 0):
@@ -407,9 +393,6 @@ def _():
         os.environ.pop("PRIMUS_TURBO_ATTN_BACKEND", None)
         if saved is not None:
             os.environ["PRIMUS_TURBO_ATTN_BACKEND"] = saved
-
-
-CHECKS.update(ROUND_THREE_CHECKS)
 
 
 def test_every_fact_has_a_check_and_every_check_a_fact():

@@ -174,3 +174,39 @@ def test_gluon_is_registered_on_pt469_only_and_takes_no_training_call():
     assert route(CallFeatures(**common, build=BUILD_PT509, needs_backward=False), Selection(pin="GLUON")).ok
     assert route(CallFeatures(**common, build=BUILD_PT509)).backend == "AITER"  # opt-in: never by default
     assert "Gluon" not in route(CallFeatures(**common, build=BUILD_PT509), Selection(autotune=True)).candidates
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["direct", "flex-turbo"])
+@pytest.mark.parametrize("bounds", [(0, 64), (0, 32, 64)], ids=["one-document", "two-equal"])
+def test_compiled_packed_calls_on_mi355_reach_flydsl_varlen_contiguous_and_right(bounds, flex,
+                                                                                  megatron_without_tp_group_warning):
+    """The compiled step binds FlyDSL's varlen pair for megatron-core's split views: the kernel level gets
+    contiguous q, k and v (FlyDSL reads fixed strides) and the output is the float64 oracle's."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_ext.megatron import PrimusTurboLocalAttention
+
+    from ..megatron import gpt
+    from ..test_flydsl_varlen_strides import HKV, HQ, oracle_thd, split_thd
+
+    tokens, d = 64, 64
+    cfg = gpt.config(hidden_size=HQ * d, num_attention_heads=HQ, num_query_groups=HKV, kv_channels=d,
+                     params_dtype=BF16, bf16=True)
+    q, k, v = (t.detach().requires_grad_(True) for t in split_thd(seed=1, tokens=tokens))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    torch._dynamo.reset()
+    with fake_primus_turbo(arch="gfx950") as fake:
+        module = PrimusTurboLocalAttention(cfg, 1, AttnMaskType.causal, "self", settings=gpt.settings(
+            packed_sequences=True, use_turbo_flex_attention=flex, turbo_flex_attention_backend="turbo"))
+        out = torch.compile(module, backend="aot_eager")(q[:, None], k[:, None], v[:, None], None,
+                                                          packed_seq_params=params)
+        out.float().sum().backward()
+        calls = [c for c in fake.calls if c.entry.startswith("flash_attn_varlen_flydsl")]
+        assert [c.entry for c in calls] == ["flash_attn_varlen_flydsl_forward", "flash_attn_varlen_flydsl_backward"]
+        assert all(c.args[n].is_contiguous() for c in calls for n in ("q", "k", "v"))
+    want = oracle_thd(q.detach(), k.detach(), v.detach(), bounds).reshape(tokens, 1, HQ * d)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)

@@ -20,6 +20,7 @@ from ..attention.pattern import FULL, Pattern, pattern_from_flash_args
 from . import _fake_math
 from ._fake_dispatch import check_cu_seqlens, check_layout
 from ._fake_flydsl import fixed_strides
+from ._fake_fp8 import check_fp8, fp8_output
 from ._fake_masks import MaskClassifier, score_mod_is_identity
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
         _check_dropout(name, a["dropout_p"])
         window = tuple(a["window_size"])
         if fp8:
-            _check_fp8(name, q, k, v, window)
+            check_fp8(name, q, k, v, window)
         _check_bias(name, a["bias"], q, q_len, kv_len)
         _check_alibi(name, a["alibi_slopes"], hq)
         pattern = pattern_from_flash_args(bool(a["causal"]), window)  # type: ignore[arg-type]
@@ -132,30 +133,9 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
             bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
             return_lse=bool(a["return_lse"]), faults=faults | extra,
         )
-        return _fp8_output(result) if fp8 else result
+        return fp8_output(result) if fp8 else result
 
     return body
-
-
-def _check_fp8(name: str, q: Tensor, k: Tensor, v: Tensor, window: tuple) -> None:
-    """What Primus-Turbo's fp8 Triton attention asserts (attention_triton_impl.py l.74-78, 350-351, 385-393
-    at a6a16cd): the full window, contiguous inputs, head dims of at least 32 and even (its backward; the
-    fake asserts in the forward, where the call starts)."""
-    if window != (-1, -1):
-        raise ValueError(f"{name}: the fp8 kernel only takes window_size=(-1, -1), got {window}")
-    if not all(t.is_contiguous() for t in (q, k, v)):
-        raise AssertionError(f"{name}: the fp8 attention kernel asserts contiguous q, k and v")
-    for t in (q, v):
-        if t.shape[-1] < 32 or t.shape[-1] % 2:
-            raise AssertionError(f"{name}: the fp8 attention backward asserts head dims >= 32 and even, got "
-                                 f"{t.shape[-1]}")
-
-
-def _fp8_output(result: Any) -> Any:
-    """fp8 attention returns bf16 whatever the input dtype (attention_triton_impl.py l.89-95 at a6a16cd)."""
-    if isinstance(result, tuple):
-        return (result[0].to(torch.bfloat16), *result[1:])
-    return result.to(torch.bfloat16)
 
 
 def _varlen_core(name: str, a: Args, q_key: str, *, causal: bool, window: tuple[int, int],

@@ -198,8 +198,9 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     # the Megatron modules
     "B29": lambda: megatron()(*sbhd(), None, attention_bias=torch.zeros(1, 4, 16, 16)),
     "B34.mask-type": lambda: megatron()(*sbhd(), None, AttnMaskType.no_mask),
-    "B21.no-packed-entry": lambda: megatron(keys=dict(enable_turbo_attention_float8=True))(
-        *thd(), None, packed_seq_params=thd_params()),
+    "B21.no-packed-entry": lambda: PrimusTurboLocalAttention(
+        gpt.fp8_config(), 1, AttnMaskType.causal, "self", settings=gpt.settings(enable_turbo_attention_float8=True))(
+        *gpt.fp8_tensors(*thd()), None, packed_seq_params=thd_params()),
     "B21": lambda: megatron()(*sbhd(), None, packed_seq_params=thd_params(qkv_format="sbhd")),
     "B34.thd-bounds": lambda: megatron()(*thd(), None, packed_seq_params=PackedSeqParams(qkv_format="thd")),
     "B19.type": lambda: megatron()(*thd(), None, packed_seq_params=thd_params(cu_seqlens_q_padded=[0, 5, 12])),

@@ -263,6 +263,10 @@ def expect_build(case: Case) -> BuildExpectation:
         "cp-fp8": on_direct and cp > 1 and fp8,
         "cp-packed": turbo_path and cp > 1 and packed is True,
         "B24-fp8": on_direct and fp8 and s["deterministic_mode"],
+        # fp8 returns bf16 and its backward asserts head dims >= 32 and even (docs/fidelity.md); the adapter's
+        # facts carry no dtype, a megatron-core layer's do.
+        "fp8-dtype": on_direct and fp8 and case.level == "megatron" and not layer["params_bf16"],
+        "fp8-head-dim": on_direct and fp8 and any(d < 32 or d % 2 for d in (layer["head_dim"], layer["head_dim_v"])),
         # megatron-core gives a causal layer's two-sided window three meanings (B8).
         "B8": layer_causal(case) and config_window(case) is not None and window != (-1, -1) and window[1] != 0,
         "cp-heads": turbo_path and cp > 1 and bool(layer["num_heads"] % cp or layer["num_kv_heads"] % cp),

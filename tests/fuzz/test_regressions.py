@@ -94,9 +94,9 @@ def test_regression_fp8_refused_the_unbounded_window():
     (-1, -1) is exactly what the fp8 kernel computes, so it builds; a real window is refused."""
     fp8 = dict(use_turbo_flex_attention=False, enable_turbo_attention_float8=True)
     with fake_primus_turbo():
-        plan = build_plan(settings(**fp8), facts(window_size=(-1, -1)))
+        plan = build_plan(settings(**fp8), facts(window_size=(-1, -1), head_dim=32))
         assert plan.dense_entry == "flash_attn_fp8_func"
-        assert "B9" in refused(fp8, facts(window_size=(4, 0))).codes
+        assert "B9" in refused(fp8, facts(window_size=(4, 0), head_dim=32)).codes
 
 
 def test_regression_hook_that_raises_on_the_recognition_grid():

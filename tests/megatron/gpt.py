@@ -27,6 +27,16 @@ def config(**overrides: Any) -> TransformerConfig:
     return TransformerConfig(**base)
 
 
+def fp8_config(**overrides: Any) -> TransformerConfig:
+    """A config fp8 attention can train: bf16 (fp8 returns bf16) and head dims of 32 (its backward's floor)."""
+    return config(**{"kv_channels": 32, "bf16": True, "params_dtype": torch.bfloat16, **overrides})
+
+
+def fp8_tensors(*tensors: torch.Tensor) -> tuple:
+    """q, k, v as a layer built by `fp8_config` receives them: bf16, head dim 32."""
+    return tuple(torch.cat([t, t], dim=-1).bfloat16() for t in tensors)
+
+
 def settings(**keys: Any) -> TurboAttentionSettings:
     return TurboAttentionSettings.from_dict({"use_turbo_attention": True, **keys})
 

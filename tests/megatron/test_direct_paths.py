@@ -79,10 +79,10 @@ def test_heads_not_divisible_by_the_context_parallel_size_are_refused(settings, 
 
 def test_a_packed_call_never_reaches_a_kernel_without_its_entry():
     """B21 with fp8 (no varlen entry): packed params are refused, not ignored."""
-    q, k, v = qkv_sbhd()
+    q, k, v = gpt.fp8_tensors(*qkv_sbhd())
     bounds = torch.tensor([0, 16], dtype=torch.int32)
     with fake_primus_turbo() as fake:
-        module = PrimusTurboLocalAttention(gpt.config(kv_channels=16), 1, AttnMaskType.no_mask, "self",
+        module = PrimusTurboLocalAttention(gpt.fp8_config(), 1, AttnMaskType.no_mask, "self",
                                            settings=gpt.settings(enable_turbo_attention_float8=True))
         with pytest.raises(UnsupportedInputError, match="packed_seq_params"):
             module(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=PackedSeqParams(

@@ -148,8 +148,8 @@ def test_sink_window_on_even_layers_only_is_refused_per_layer():
     keys = dict(enable_turbo_attention_float8=True, sink_sliding_window=8, sink_window_even_layers_only=True)
     with fake_primus_turbo():
         with pytest.raises(UnsupportedConfigError, match="layer 1"):
-            local(gpt.settings(**keys), layer_number=1)
-        assert local(gpt.settings(**keys), layer_number=2).plan.dense_entry == "flash_attn_fp8_func"
+            local(gpt.settings(**keys), gpt.fp8_config(), layer_number=1)
+        assert local(gpt.settings(**keys), gpt.fp8_config(), layer_number=2).plan.dense_entry == "flash_attn_fp8_func"
 
 
 def test_several_refusals_give_one_error_listing_every_reason():
@@ -241,9 +241,9 @@ def test_padded_cu_seqlens_that_differ_are_refused(path):
 def test_packed_params_on_a_path_without_a_packed_kernel_are_refused(params):
     """Direct fp8 has no varlen entry: packed params (even empty ones, B21) are refused, not ignored."""
     with fake_primus_turbo() as fake:
-        module = local(gpt.settings(enable_turbo_attention_float8=True))
+        module = local(gpt.settings(enable_turbo_attention_float8=True), gpt.fp8_config())
         assert module.plan.packed_entry is None
-        q, k, v = qkv_thd() if params.qkv_format == "thd" else qkv_sbhd()
+        q, k, v = gpt.fp8_tensors(*(qkv_thd() if params.qkv_format == "thd" else qkv_sbhd()))
         with pytest.raises(UnsupportedInputError) as info:
             module(q, k, v, None, packed_seq_params=params)
         assert fake.calls == []

@@ -114,9 +114,11 @@ def _():
 @check("ck-head-dims")
 def _():
     assert not route(features(arch="gfx942", head_dim=264, head_dim_v=264)).ok
+    assert route(features(arch="gfx942", head_dim=12, head_dim_v=12)).ok  # padded to 16 before CK sees it
     with fake_primus_turbo(arch="gfx942"):
         with pytest.raises(UnsupportedConfigError) as err:
-            build_plan(settings(turbo_flex_attention_backend="turbo"), facts(head_dim=12, dtype="bf16"))
+            build_plan(settings(turbo_flex_attention_backend="turbo"), facts(head_dim=288, dtype="bf16"))
+        build_plan(settings(turbo_flex_attention_backend="turbo"), facts(head_dim=12, dtype="bf16"))
     assert "B33" in err.value.codes
 
 
@@ -141,12 +143,23 @@ def _():
         with pytest.raises(AssertionError, match=">= 32"):
             fake.module.flash_attn_fp8_func(*qkv(d=16, dtype=BF16))
         assert "fp8-head-dim" in _fp8_refusal(16, "bf16").codes
+        q, k, v = qkv(d=64, dtype=BF16)
+        sbhd = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)]
+        assert not torch.allclose(fake.module.flash_attn_fp8_func(*sbhd).float(),
+                                  fake.module.flash_attn_fp8_func(q, k, v).float(), atol=1e-1)
 
 
 @check("autotune-profile")
 def _():
     tuned = route(features(deterministic=True, sink=True, kv_heads=2), Selection(autotune=True))
     assert "FlyDSL" in tuned.candidates and "AITER" in tuned.candidates and not tuned.ok  # AITER asserts: refused
+    # FlyDSL takes a strided sbhd view and asserts contiguity while timed: skipped, AITER cached and run.
+    fused = torch.randn(16, 2, 16 * 64 + 2 * 2 * 64, generator=torch.Generator().manual_seed(0)).to(BF16)
+    q, k, v = (t.unflatten(-1, (-1, 64)).transpose(0, 1) for t in fused.split([16 * 64, 128, 128], dim=-1))
+    with pytest.MonkeyPatch.context() as env, fake_primus_turbo(arch="gfx950") as fake:
+        env.setenv("PRIMUS_TURBO_AUTO_TUNE", "1")
+        fake.module.flash_attn_func(q, k, v, causal=True)
+    assert [c.backend for c in fake.calls] == ["AITER"]
 
 
 @check("usp-varlen-ring")

@@ -49,13 +49,25 @@ def test_ck_rejects_a_bias_with_alibi_and_the_fake_raises_as_it_does():
                                         alibi_slopes=torch.ones(4))
 
 
-@pytest.mark.parametrize("head_dim, ok", [(256, True), (264, False), (12, False), (40, True)])
+@pytest.mark.parametrize("head_dim, ok", [(256, True), (264, False), (257, False), (12, True), (250, True),
+                                          (40, True)])
 @pytest.mark.parametrize("entry", [DENSE, VARLEN])
-def test_ck_head_dims_are_at_most_256_and_multiples_of_8(head_dim, ok, entry):
+def test_ck_head_dims_are_at_most_256_after_primus_turbos_padding_to_a_multiple_of_8(head_dim, ok, entry):
+    """Primus-Turbo pads head dims up to a multiple of 8 before CK sees them: 12 runs (as 16), 257 does not."""
     found = route(features(entry=entry, head_dim=head_dim, head_dim_v=head_dim))
     assert found.ok is ok, found.problem()
     if not ok:
         assert "at most 256 that are multiples of 8" in found.problem()
+
+
+def test_a_head_dim_primus_turbo_pads_runs_on_the_fake_and_matches_the_oracle():
+    q, k, v = qkv(d=12, dtype=BF16)
+    with fake_primus_turbo(arch="gfx942") as fake:
+        out = fake.module.flash_attn_func(q, k, v, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (q, torch.repeat_interleave(k, 2, 2), torch.repeat_interleave(v, 2, 2))),
+        is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_a_layer_with_head_dims_ck_does_not_take_is_refused_at_build():
@@ -89,8 +101,23 @@ def test_fp8_returns_bf16_so_a_fp16_layer_is_refused_and_the_fake_returns_bf16()
         assert fake.module.flash_attn_fp8_func(q, k, v).dtype == BF16
         with pytest.raises(AssertionError, match="head dims >= 32"):
             fake.module.flash_attn_fp8_func(*qkv(d=16, dtype=torch.float16))
-        with pytest.raises(AssertionError, match="contiguous"):
-            fake.module.flash_attn_fp8_func(*(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)))
+        with pytest.raises(AssertionError, match="contiguous"):  # bshd-ordered but strided: the kernel asserts
+            fake.module.flash_attn_fp8_func(*(torch.cat([t, t], -1)[..., :64] for t in (q, k, v)))
+
+
+def test_fp8_on_sbhd_memory_computes_another_attention_upstream_and_in_the_fake_so_the_plan_stores_bshd():
+    """flash_attn_fp8_func permutes sbhd memory and its kernel reads the copy as bshd: the batch takes the
+    sequence's place, silently.  The fake computes that; the plan hands fp8 contiguous bshd q/k/v."""
+    q, k, v = qkv(b=2, s=16, d=64, dtype=BF16)
+    as_sbhd = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)]
+    with fake_primus_turbo() as fake:
+        right = fake.module.flash_attn_fp8_func(q, k, v, causal=True)
+        wrong = fake.module.flash_attn_fp8_func(*as_sbhd, causal=True)
+    assert wrong.shape == right.shape and not torch.allclose(wrong.float(), right.float(), atol=1e-1)
+    layer = facts(head_dim=64, dtype="bf16")
+    with fake_primus_turbo():
+        plan = build_plan(settings(use_turbo_flex_attention=False, enable_turbo_attention_float8=True), layer)
+    assert plan.storage == "contiguous-bshd"
 
 
 # -- autotune's cache key --------------------------------------------------------------------------------

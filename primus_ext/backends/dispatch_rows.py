@@ -206,11 +206,14 @@ AITER_CK_BIAS_ALIBI = Check(
     "aiter's CK forward rejects a bias and ALiBi together (csrc/py_itfs_ck/mha_fwd_kernels.cu l.275)", (),
     "pass either a bias or ALiBi slopes, not both", raises=("RuntimeError", "cannot apply bias and alibi at the same time"))
 AITER_CK_HEAD_DIMS = Check(
-    lambda f: f.sink or all(d <= 256 and d % 8 == 0 for d in (f.head_dim, f.head_dim_v)),
+    # Primus-Turbo pads q/k and v head dims up to a multiple of 8 before aiter sees them
+    # (flash_attn_interface.py, AiterFlashAttnFunc and AiterFlashAttnVarlenFunc at a6a16cd): only the bound binds.
+    lambda f: f.sink or all(-(-d // 8) * 8 <= 256 for d in (f.head_dim, f.head_dim_v)),
     "aiter's CK kernels take head dims of at most 256 that are multiples of 8, forward and backward "
-    "(mha_fwd_kernels.cu l.247-251, mha_bwd_kernels.cu l.74-75, asm_mha_bwd.cu l.70-71)", ("kv_channels",),
-    "choose kv_channels (and the value head dim) a multiple of 8 of at most 256, or set "
-    "turbo_flex_attention_backend: reference", raises=("RuntimeError", "CK FlashAttention only supports head dimension "
+    "(mha_fwd_kernels.cu l.247-251, mha_bwd_kernels.cu l.74-75, asm_mha_bwd.cu l.70-71), and Primus-Turbo pads "
+    "each head dim up to a multiple of 8 first, so head dims above 256 (after that padding) are refused",
+    ("kv_channels",),
+    "choose kv_channels (and the value head dim) of at most 256, or set turbo_flex_attention_backend: reference", raises=("RuntimeError", "CK FlashAttention only supports head dimension "
                                                        "at most 256 and a multiple of 8"))
 AITER_DENSE = KernelBackend(
     "AITER", (DENSE,),

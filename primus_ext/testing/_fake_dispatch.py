@@ -16,8 +16,8 @@ backend takes it.  Then the fake behaves like real Primus-Turbo:
   ``ValueError``; FlyDSL asserts that q, k and v are contiguous sbhd);
 * under autotune (``PRIMUS_TURBO_AUTO_TUNE=1``), a tune cache keyed as upstream's ``make_key`` (shapes,
   dtype, causal, window, layout, sink; varlen: token counts and ``max_seqlen``), which keeps the
-  fastest backend that takes the first call of a key (the fake times FlyDSL, then HipKittens, then
-  AITER) and runs every later call of that key on it without asking whether it takes the call, as
+  fastest backend that takes the first call of a key and does not raise while timed (the fake times
+  FlyDSL, then HipKittens, then AITER; with none left, nothing is cached and the default order runs) and runs every later call of that key on it without asking whether it takes the call, as
   upstream's cache hit skips ``can_handle`` (core/backend.py l.552-554 at a6a16cd); a hit on a
   backend that does not take the call raises ``NotImplementedError`` (the fake cannot reproduce what
   it would compute unchecked) rather than computing a right answer;
@@ -145,10 +145,14 @@ class Dispatcher:
                features.causal, features.window, features.sink)
         cached = TUNE_CACHE.get(key)
         if cached is None:
-            takes = [b for b in _TIMED[features.entry] if route_on(features, b) is not None]
-            if not takes:
+            # Profiling times each backend whose can_handle takes the call and skips one that raises while
+            # timed (core/backend.py l.561-566 at a6a16cd); with none left nothing is cached and the call
+            # goes the default way.
+            timed = [b for b in _TIMED[features.entry]
+                     if (r := route_on(features, b)) is not None and not r.failure]
+            if not timed:
                 return None
-            cached = TUNE_CACHE[key] = takes[0].name
+            cached = TUNE_CACHE[key] = timed[0].name
         backend = next(b for b in _TIMED[features.entry] if b.name == cached)
         found = route_on(features, backend)
         if found is None:

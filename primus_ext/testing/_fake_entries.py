@@ -20,7 +20,7 @@ from ..attention.pattern import FULL, Pattern, pattern_from_flash_args
 from . import _fake_math
 from ._fake_dispatch import check_cu_seqlens, check_layout
 from ._fake_flydsl import fixed_strides
-from ._fake_fp8 import check_fp8, fp8_output
+from ._fake_fp8 import check_fp8, fp8_layout, fp8_output, fp8_unpermute
 from ._fake_masks import MaskClassifier, score_mod_is_identity
 
 if TYPE_CHECKING:
@@ -111,6 +111,9 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
         if a.get("qkv_format") not in (None, "bshd"):
             raise NotImplementedError(f"{name}: the fake only models qkv_format='bshd'")
         check_layout(name, q, k, v)
+        perm = None
+        if fp8:
+            q, k, v, perm = fp8_layout(q, k, v)
         _, q_len, hq, d_qk = q.shape
         kv_len, hkv, d_v = k.shape[1], k.shape[2], v.shape[3]
         _check_heads(name, hq, hkv)
@@ -133,7 +136,7 @@ def dense_flash(name: str, *, fp8: bool = False, faults: Iterable[str] = (),
             bias=a["bias"], sink=a.get("sink"), dropout_p=float(a["dropout_p"]),
             return_lse=bool(a["return_lse"]), faults=faults | extra,
         )
-        return fp8_output(result) if fp8 else result
+        return fp8_unpermute(fp8_output(result), perm) if fp8 else result
 
     return body
 

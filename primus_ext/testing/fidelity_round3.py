@@ -46,21 +46,31 @@ ROUND_THREE: tuple[Fact, ...] = (
          "[Sq, Sk] and ALiBi [H] or [B, H].", f"{_AITER} csrc/py_itfs_ck/mha_fwd_kernels.cu l.80-94, l.275",
          "RuntimeError", "refused at build and per call (B33)"),
     Fact("ck-head-dims", "aiter's CK forward takes head dims of at most 256 that are multiples of 8 (and "
-         "Hq % Hkv == 0); the CK and asm backwards cap head dims at 256 too.",
+         "Hq % Hkv == 0); the CK and asm backwards cap head dims at 256 too; Primus-Turbo pads each head dim "
+         "up to a multiple of 8 before aiter sees it.",
          f"{_AITER} csrc/py_itfs_ck/mha_fwd_kernels.cu l.247-251, mha_bwd_kernels.cu l.74-75, "
-         "py_itfs_cu/asm_mha_bwd.cu l.70-71", "RuntimeError where AITER's CK path takes the call",
-         "refused at build and per call (B33), or run on turbo_flex_attention_backend: reference"),
+         f"py_itfs_cu/asm_mha_bwd.cu l.70-71; {_PT}/ops/attention/flash_attn_interface.py (AiterFlashAttnFunc, "
+         "AiterFlashAttnVarlenFunc: the pad to a multiple of 8)",
+         "RuntimeError where AITER's CK path takes a head dim above 256 (after the padding); 12 runs as 16",
+         "head dims above 256 refused at build and per call (B33), or run on turbo_flex_attention_backend: "
+         "reference"),
     Fact("fp8-bf16-output", "The fp8 Triton attention returns bf16 whatever the input dtype, and its backward "
          "asserts a bf16 do.", f"{_PT}/kernels/attention/attention_triton_impl.py l.89-95; "
          f"{_PT}/ops/attention/flash_attn_interface.py l.415", "returns bf16",
          "fp8 on a layer that computes in another dtype refused at build (fp8-dtype)"),
-    Fact("fp8-head-dims", "The fp8 backward asserts head dims >= 32 and even, and the kernel contiguous inputs.",
-         f"{_PT}/kernels/attention/attention_triton_impl.py l.74-78, l.350-351, l.385-393",
-         "AssertionError (in its forward, where the call starts)",
-         "refused at build (fp8-head-dim); the direct fp8 path stores q/k/v contiguous bshd"),
+    Fact("fp8-head-dims", "The fp8 backward asserts head dims >= 32 and even, and the kernel contiguous inputs; "
+         "the fp8 wrapper permutes sbhd and bhsd memory contiguous and its kernel reads the copy as bshd, so "
+         "the batch (or the heads) takes the sequence's place: another attention, silently.",
+         f"{_PT}/kernels/attention/attention_triton_impl.py l.74-78, l.350-351, l.385-393; "
+         f"{_PT}/ops/attention/flash_attn_interface.py l.505-565",
+         "AssertionError for head dims (in its forward, where the call starts) and for strided bshd-ordered "
+         "inputs; the wrong attention for sbhd and bhsd memory, as upstream",
+         "refused at build (fp8-head-dim); the direct fp8 path stores q/k/v contiguous bshd, the one layout "
+         "the wrapper leaves as it is"),
     Fact("autotune-profile", "Profiling swallows a backend's exception and skips it; autotune is skipped while a "
          "CUDA graph is captured.", "PT primus_turbo/pytorch/core/backend.py l.498-507, l.561-566, l.606, l.661",
-         "times every backend that takes the call (none raises while timed)",
+         "times the backends that take the call and caches the fastest that does not raise while timed; "
+         "with none left, nothing is cached and the default order runs",
          "the plan holds for every backend that takes a call: one skipped while timed only narrows them"),
     Fact("usp-varlen-ring", "The varlen usp entry takes ring_group=None as no ring and raises NotImplementedError "
          "only for a ring of more than one rank; the fp8 usp entry asserts no dropout and allows "

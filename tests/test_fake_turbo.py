@@ -152,7 +152,7 @@ def test_dense_argument_checks() -> None:
     q, k, v = qkv()
     with fake_primus_turbo() as fake:
         ops = fake.module
-        with pytest.raises(ValueError, match="window_size"):
+        with pytest.raises(AssertionError, match="window_size_left and window_size_right must be -1"):
             ops.flash_attn_fp8_func(q, k, v, window_size=(4, 0))
         with pytest.raises(RuntimeError, match="bias"):
             ops.flash_attn_func(q, k, v, bias=torch.zeros(1, 2, 8, 8))

@@ -82,17 +82,18 @@ class CallRoutes:
         found = _routed(self.arch, self.selection, self.build, promised, key)
         if entry == "varlen" and not promised and found[1] is None:
             # upstream's FlyDSL gate reads each call's boundaries: equal documents (one included) may reach it
-            equal = _routed(self.arch, self.selection, self.build, True, key)
+            equal = _routed(self.arch, self.selection, self.build, True, key, possible=True)
             if equal[1] is not None:
                 return equal
         return found
 
 
 @functools.lru_cache(maxsize=1024)
-def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents: bool, key: tuple
-            ) -> tuple[Route, Optional[UnsupportedInputError]]:
+def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents: bool, key: tuple,
+            possible: bool = False) -> tuple[Route, Optional[UnsupportedInputError]]:
     """The dispatch model's verdict on one call's features: a pure function of its arguments, so its
-    memo is keyed by all of them (a call site's own cache is `primus_ext.call.prepared`)."""
+    memo is keyed by all of them (a call site's own cache is `primus_ext.call.prepared`).  ``possible``:
+    equal documents are not known, only possible (the refusal then says "when")."""
     (entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd,
      within, thd) = key
     found = route(CallFeatures(
@@ -104,7 +105,9 @@ def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents:
         contiguous_sbhd=contiguous, contiguous_bshd=bshd, q_within_kv=within, contiguous_thd=thd, build=build), selection)
     layout = () if entry != "dense" or sbhd else (
         "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
-    reason = found.reason("this call", alternatives=layout)
+    what = ("this call, whenever its documents are of one length (one document included: upstream's gate reads "
+            "each call's boundaries, which the check does not)" if possible else "this call")
+    reason = found.reason(what, alternatives=layout)
     if reason is None:
         return found, None
     # The dispatch model's wording, raised as the catalogue's B33 (its settings: the blocking checks').

@@ -42,7 +42,9 @@ class TurboBuild:
     def describe(self) -> str:
         changes = [pr for pr, on in (("#509", self.wide_gqa), ("#480", self.flydsl_deterministic),
                                      ("#469", self.gluon)) if on]
-        return f"{self.name} (PT {', '.join(changes)})" if changes else f"{self.name} (before PT #509, #480, #469)"
+        # PT #481 changes no default route on gfx942/gfx950, so the builds differ only in the three
+        return (f"{self.name} (PT {', '.join(changes)} and #481)" if changes
+                else f"{self.name} (before PT #509, #480, #469, #481)")
 
 
 BUILD_A6A16CD = TurboBuild("a6a16cd")

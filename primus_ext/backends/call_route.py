@@ -12,7 +12,7 @@ with the same dispatch model, once, and refused with our error when it would fai
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -55,7 +55,7 @@ class CallRoutes:
             return
         problem = self._lookup(entry, a, causal, window)[1]
         if problem is not None:
-            raise problem
+            raise problem()
 
     def backend(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]) -> Optional[str]:
         """The kernel backend this call reaches and runs right on, or None (unknown arch, or refused)."""
@@ -65,7 +65,7 @@ class CallRoutes:
         return None if problem is not None else found.backend
 
     def _lookup(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]
-                ) -> tuple[Route, Optional[UnsupportedInputError]]:
+                ) -> tuple[Route, Optional[Callable[[], UnsupportedInputError]]]:
         q, k, v = a.q, a.k, a.v
         # a call without queries reaches no kernel (the core returns the empty result), and an empty
         # tensor's strides say nothing of a layout
@@ -90,10 +90,13 @@ class CallRoutes:
 
 @functools.lru_cache(maxsize=1024)
 def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents: bool, key: tuple,
-            possible: bool = False) -> tuple[Route, Optional[UnsupportedInputError]]:
+            possible: bool = False) -> tuple[Route, Optional[Callable[[], UnsupportedInputError]]]:
     """The dispatch model's verdict on one call's features: a pure function of its arguments, so its
     memo is keyed by all of them (a call site's own cache is `primus_ext.call.prepared`).  ``possible``:
-    equal documents are not known, only possible (the refusal then says "when")."""
+    equal documents are not known, only possible (the refusal then says "when").
+
+    A refusal is kept as what makes the error, never as the error: a raised exception keeps the frames
+    it passed through, and with them the refused call's tensors, for as long as the memo keeps it."""
     (entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd,
      within, thd) = key
     found = route(CallFeatures(
@@ -111,7 +114,8 @@ def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents:
     if reason is None:
         return found, None
     # The dispatch model's wording, raised as the catalogue's B33 (its settings: the blocking checks').
-    return found, refuse_naming(ROUTE, reason.settings, reason=reason.reason, alternative=reason.alternative)
+    return found, functools.partial(refuse_naming, ROUTE, reason.settings, reason=reason.reason,
+                                    alternative=reason.alternative)
 
 
 def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:

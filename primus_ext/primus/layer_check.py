@@ -28,6 +28,7 @@ from ..settings.primus_owner import gives_key_to_primus, primus_flex_path
 
 _ATTENTION_MODULE = "megatron.core.transformer.attention"
 _state: dict[str, Any] = {"condition": None}
+_CONTEXT = "Primus run, model built"
 
 
 def note_condition(wanted: bool) -> None:
@@ -71,7 +72,9 @@ class LayerCheck:
     def __init__(self, experiment_flag: Callable[[], bool]) -> None:
         self._experiment_flag = experiment_flag
         self._seen: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-        self._refusal: Optional[UnsupportedConfigError] = None
+        # The refusal's reasons, not the error: a re-raised exception would keep every refused
+        # forward's frames (and their inputs) alive on its traceback.
+        self._refusal: Optional[Reason] = None
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         self.checked: list[torch.nn.Module] = []
         """The module trees checked so far (each holding attention layers)."""
@@ -88,7 +91,7 @@ class LayerCheck:
         if torch.compiler.is_compiling():
             return
         if self._refusal is not None:
-            raise self._refusal
+            raise UnsupportedConfigError(self._refusal, context=_CONTEXT)
         if module in self._seen:
             return
         attention_type = getattr(sys.modules.get(_ATTENTION_MODULE), "Attention", None)
@@ -104,8 +107,8 @@ class LayerCheck:
         foreign = [(name or type(module).__name__, type(getattr(m, "core_attention", None)))
                    for name, m in layers if not _ours(getattr(m, "core_attention", None))]
         if foreign and self.wanted():
-            self._refusal = UnsupportedConfigError(_reason(foreign, len(layers)), context="Primus run, model built")
-            raise self._refusal
+            self._refusal = _reason(foreign, len(layers))
+            raise UnsupportedConfigError(self._refusal, context=_CONTEXT)
 
     def remove(self) -> None:
         self._handle.remove()

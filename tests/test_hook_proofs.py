@@ -63,7 +63,8 @@ def test_unprovable_mask_is_refused_on_turbo_with_what_it_reads(name):
         with pytest.raises(UnsupportedConfigError) as err:
             build_plan(mask_settings(name, "turbo"), facts())
     text = str(err.value)
-    assert UNSOUND_MASKS[name] in text and {r.code for r in err.value.reasons} == {"B31"}
+    # a hook that also raises as torch calls it is refused for that too (rule torch-call)
+    assert UNSOUND_MASKS[name] in text and {r.code for r in err.value.reasons} - {"torch-call"} == {"B31"}
     assert "turbo_flex_attention_backend: reference" in text
 
 

@@ -252,3 +252,33 @@ def test_packed_sequences_is_the_layers_packing_on_every_reader():
     # reset_attention_mask runs as EOD documents once the batches are declared packed (B25)
     assert build_plan(settings(reset_attention_mask=True, packed_sequences=True), facts()).eod_documents
     assert "B25" in refused(settings(reset_attention_mask=True), facts()).codes
+
+
+# -- what build_plan once refused inline, now rules of the table: collected with the others -----------------
+@pytest.mark.parametrize("window", [(4,), (4, 0, 5), (12.5, 0), (4, -2), (True, 0), 128, "ab"])
+def test_a_malformed_window_is_rule_window_shape(window):
+    err = refused(settings(), facts(window_size=window))
+    assert err.codes == ("window-shape",) and tuple(err.settings) == ("window_size",)
+
+
+def test_inline_refusals_are_collected_with_every_other_reason():
+    """A malformed window, a packing given twice and a bad dropout: one error naming all three."""
+    err = refused(settings(packed_sequences=False), facts(window_size=(4, 0, 1), packed=True, attention_dropout=1.5))
+    assert {"window-shape", "packed-sources", "dropout"} <= set(err.codes), err.codes
+
+
+def test_a_packed_attribute_of_another_type_is_rule_packed_type():
+    err = refused(settings(), facts(packed="yes"))
+    assert err.codes == ("packed-type",) and "str 'yes'" in str(err)
+
+
+def test_an_arch_the_dispatch_model_lacks_is_rule_arch_unmodelled(monkeypatch):
+    import primus_ext.plan.build as build
+
+    monkeypatch.setattr(build, "resolve_arch", lambda setting: ("gfx90a", "the device (gfx90a)"))
+    with fake_primus_turbo():
+        err = refused(settings(turbo_flex_attention_backend="turbo"))
+        assert err.codes == ("arch-unmodelled",) and "gfx90a" in str(err) and "turbo_arch" in err.settings
+        err = refused(settings(use_turbo_flex_attention=False))  # the direct path too
+        assert err.codes == ("arch-unmodelled",)
+    assert build_plan(settings(turbo_flex_attention_backend="reference"), facts()).backend == "reference"

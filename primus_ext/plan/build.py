@@ -15,16 +15,17 @@ from ..attention.library import is_library_mask
 from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import BackendCapabilities
-from ..backends.dispatch import ARCHES, DENSE, VARLEN, Selection, TurboBuild
+from ..backends.dispatch import DENSE, VARLEN, Selection, TurboBuild
 from ..backends.flex_masks import learned_tables
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import kernel_build, kernel_selection, load_ops
-from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError, short_repr
+from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
 from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
 from .facts import LayerFacts
 from .plan import AttentionPlan
 from .routes import arch_reasons, describe_routes, layer_routes, resolve_arch, route_reasons
+from .rule_input import window_problem
 from .rules import RuleInput, failing_reasons
 
 log = logging.getLogger("primus_ext")
@@ -37,11 +38,9 @@ def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optiona
     (1, 3, 5, ...), i.e. the even 0-indexed ones, as GPT-OSS does (B14).
     """
     if facts.window_size is not None:
+        if window_problem(facts.window_size):
+            return None  # refused by rule window-shape
         window = tuple(facts.window_size)
-        if len(window) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window):
-            raise UnsupportedConfigError(Reason(("window_size",), f"window_size={short_repr(facts.window_size)}: a window is "
-                                                "two ints, each -1 (unbounded) or >= 0.",
-                                                "use (-1, -1) for none, (W, 0) for a causal sliding window."))
         return (window[0], window[1])
     width = settings.sink_sliding_window
     if width > 0 and (not settings.sink_window_even_layers_only or facts.layer_number % 2 == 1):
@@ -49,22 +48,14 @@ def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optiona
     return None
 
 
-def _declared_packing(settings: TurboAttentionSettings, facts: LayerFacts, reasons: list[Reason]) -> LayerFacts:
+def _declared_packing(settings: TurboAttentionSettings, facts: LayerFacts) -> LayerFacts:
     """``facts`` with ``packed`` from the ``packed_sequences`` setting: one key, read the same way by
-    ``check``, the demo and the modules.  A model config that says otherwise is refused (two sources)."""
+    ``check``, the demo and the modules.  A model config that says otherwise is refused (rules packed-type,
+    packed-sources, which read the config's own value)."""
     declared = settings.packed_sequences
-    if facts.packed is not None and not isinstance(facts.packed, bool):  # a TransformerConfig attribute, unchecked
-        reasons.append(Reason(("packed_sequences",), f"packed_sequences must be true, false or null, got "
-                              f"{type(facts.packed).__name__} {short_repr(facts.packed)} in the model config.",
-                              "set packed_sequences: true (packed THD batches only), false (dense only), or leave "
-                              "it out."))
+    if facts.packed is not None and not isinstance(facts.packed, bool):
         return dataclasses.replace(facts, packed=None)
-    if declared is None or facts.packed is declared:
-        return facts
-    if facts.packed is not None:
-        reasons.append(Reason(("packed_sequences",), f"packed_sequences is {declared} in the Turbo settings but "
-                              f"{facts.packed} in the model config; two sources for one fact.",
-                              "set it in one place (the Turbo attention settings)."))
+    if declared is None or facts.packed is not None:
         return facts
     return dataclasses.replace(facts, packed=declared)
 
@@ -152,10 +143,11 @@ def build_plan(
     """
     flex = settings.use_turbo_flex_attention
     reasons: list[Reason] = []
-    facts = _declared_packing(settings, facts, reasons)
+    packed_given = facts.packed
+    facts = _declared_packing(settings, facts)
     mask_mod = score_mod = None
     mask_proof = score_proof = None
-    learned, learned_plain, ranges = 0, 0, ""
+    learned, learned_plain, ranges, torch_calls = 0, 0, "", []
     direct: Optional[DirectEntries] = None
     if flex:
         name, why, problem, caps = _backend_for(settings, backend)
@@ -172,8 +164,8 @@ def build_plan(
         learned = len(tables)
         learned_plain = sum(1 for t in tables if not isinstance(t, torch.nn.Parameter))
         ranges = _range_problems(settings, facts, {"mask_mod": mask_mod, "score_mod": score_mod})
-        mask_mod = _torch_convention(mask_mod, mask_proof, "mask_mod", settings, reasons)
-        score_mod = _torch_convention(score_mod, score_proof, "score_mod", settings, reasons)
+        mask_mod = _torch_convention(mask_mod, mask_proof, "mask_mod", settings, torch_calls)
+        score_mod = _torch_convention(score_mod, score_proof, "score_mod", settings, torch_calls)
         if backend is None and settings.turbo_flex_attention_backend == "auto":
             name, why, problem, caps = _auto_for_hooks(settings, facts, (name, why, problem, caps),
                                                        mask_proof, score_proof, learned)
@@ -182,22 +174,19 @@ def build_plan(
         if settings.use_turbo_attention or facts.turbo_module:
             direct, problem = _direct_for(settings, facts)
     window = layer_window(settings, facts)
+    arch, _ = resolve_arch(settings.turbo_arch)
     ctx = RuleInput(
         settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
         window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct, learned=learned,
-        learned_plain=learned_plain, hook_range=ranges,
+        learned_plain=learned_plain, hook_range=ranges, torch_call="; ".join(torch_calls),
+        packed_given=packed_given, arch=arch,
     )
     reasons.extend(failing_reasons(ctx))
-    arch, _ = resolve_arch(settings.turbo_arch)
     reasons.extend(arch_reasons(settings.turbo_arch))
     selection = kernel_selection(settings.use_turbo_autotune)
     build = kernel_build()
     routes = _kernel_routes(ctx, arch, mask_proof, score_proof, selection, build)
     reasons.extend(route_reasons(routes, facts.packed))
-    if routes == () and arch is not None and arch not in ARCHES and (ctx.on_turbo or ctx.on_direct):
-        reasons.append(Reason(("turbo_arch",), f"the device is {arch}; Primus-Turbo's kernel dispatch is "
-                              f"modelled for {' and '.join(ARCHES)} only, so no route can be checked.",
-                              "run on gfx942 (MI300) or gfx950 (MI355).", "B33"))
     if reasons:
         raise UnsupportedConfigError(reasons, context=f"layer {facts.layer_number}" + (
             f", {head_range(facts.head_offset, facts.num_heads)} (this tensor-parallel rank's)"
@@ -336,19 +325,16 @@ def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts, backend: O
 
 
 def _torch_convention(hook: Optional[Callable], proof: Optional[MaskProof | ScoreProof], kind: str,
-                      settings: TurboAttentionSettings, reasons: list[Reason]) -> Optional[Callable]:
+                      settings: TurboAttentionSettings, problems: list[str]) -> Optional[Callable]:
     """A user hook is called as torch calls it, under ``torch.vmap`` with 0-d indices, wherever primus_ext
     evaluates it: a hook that tells the calls apart (a type check; a narrow table meeting a 0-d tensor, which
-    promotes differently on broadcast grids) computes what torch's FlexAttention would."""
+    promotes differently on broadcast grids) computes what torch's FlexAttention would, and is refused
+    (rule torch-call, from what this adds to ``problems``)."""
     if hook is None or proof is None or is_library_mask(hook):
         return hook
     problem = torch_call_problem(hook, kind)
     if problem:
-        key = f"turbo_flex_attention_{kind}"
-        reasons.append(Reason((key,), f"the {kind} {getattr(settings, key)} {problem}; torch's FlexAttention "
-                              "calls it that way, so no backend can compute what it means (B31).",
-                              "write the hook with tensor operations on the index arguments only "
-                              "(docs/mask_hooks.md, the provable subset).", "B31"))
+        problems.append(f"the {kind} {getattr(settings, f'turbo_flex_attention_{kind}')} {problem}")
         return hook
     return as_torch_calls(hook, kind)
 

@@ -8,7 +8,7 @@ from typing import Callable, Optional, Tuple
 from ..attention.pattern import pattern_from_flash_args
 from ..backends.base import BackendCapabilities
 from ..backends.direct import DirectEntries
-from ..errors import Reason
+from ..errors import Reason, short_repr
 from ..hooks.proof import MaskProof, ScoreProof
 from ..settings import TurboAttentionSettings
 from .facts import LayerFacts
@@ -33,6 +33,12 @@ class RuleInput:
     """Those of them that are no ``torch.nn.Parameter`` (a Megatron layer can register only parameters)."""
     hook_range: str = ""
     """What the hooks raise at the layer's heads (`primus_ext.hooks.crosscheck.range_problem`)."""
+    torch_call: str = ""
+    """What tells torch's way of calling a hook apart from ours (`primus_ext.hooks.crosscheck.torch_call_problem`)."""
+    packed_given: object = None
+    """``packed`` as the model config gave it, before the ``packed_sequences`` setting is merged in."""
+    arch: Optional[str] = None
+    """The arch the layer is planned for (`primus_ext.plan.routes.resolve_arch`), None where unknown."""
 
     @property
     def flex(self) -> bool:
@@ -96,6 +102,12 @@ class RuleInput:
             "learned": self.learned,
             "learned_plain": self.learned_plain,
             "hook_range": self.hook_range,
+            "torch_call": self.torch_call,
+            "window_given": short_repr(self.facts.window_size),
+            "packed_given": short_repr(self.packed_given),
+            "packed_type": type(self.packed_given).__name__,
+            "packed_declared": self.settings.packed_sequences,
+            "arch": self.arch,
             "backend": self.backend,
             "dtype": self.facts.dtype,
         }
@@ -114,6 +126,25 @@ class Rule:
     def render(self, ctx: RuleInput) -> Reason:
         fields = ctx.fields()
         return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields), self.code)
+
+
+def window_problem(window: object) -> bool:
+    """True when a model config's ``window_size`` is not two ints, each -1 (unbounded) or >= 0."""
+    try:
+        bounds = tuple(window)  # type: ignore[call-overload]
+    except TypeError:
+        return True
+    return len(bounds) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in bounds)
+
+
+def packing_conflict(c: "RuleInput") -> str:
+    """How the model config's ``packed`` disagrees with the ``packed_sequences`` setting: 'type', 'sources' or ''."""
+    given, declared = c.packed_given, c.settings.packed_sequences
+    if given is not None and not isinstance(given, bool):  # a TransformerConfig attribute, unchecked
+        return "type"
+    if given is not None and declared is not None and given is not declared:
+        return "sources"
+    return ""
 
 
 def documents_problem(c: "RuleInput") -> str:
@@ -156,4 +187,5 @@ def dynamic_hooks(c: "RuleInput") -> list[str]:
     return found
 
 
-__all__ = ["Rule", "RuleInput", "alibi_right_masks", "documents_problem", "dynamic_hooks"]
+__all__ = ["Rule", "RuleInput", "alibi_right_masks", "documents_problem", "dynamic_hooks", "packing_conflict",
+           "window_problem"]

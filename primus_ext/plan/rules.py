@@ -12,7 +12,9 @@ from typing import Tuple
 
 from ..backends.context_parallel import CP_COMM_TYPES
 from ..errors import Reason
-from .rule_input import Rule, RuleInput, alibi_right_masks, documents_problem, dynamic_hooks
+from ..backends.dispatch import ARCHES
+from .rule_input import (Rule, RuleInput, alibi_right_masks, documents_problem, dynamic_hooks, packing_conflict,
+                         window_problem)
 from .rules_fp8 import FP8_RULES
 
 
@@ -73,6 +75,19 @@ RULES: Tuple[Rule, ...] = (
          lambda c: min(c.facts.num_heads, c.facts.head_dim, c.facts.v_dim) < 1 or any(
              given is not None and given < 1 for given in (c.facts.num_kv_heads, c.facts.head_dim_v)) or (
              c.facts.seq_length is not None and c.facts.seq_length < 1)),
+    Rule("window-shape", ("window_size",),
+         "window_size={window_given}: a window is two ints, each -1 (unbounded) or >= 0.",
+         "use (-1, -1) for none, (W, 0) for a causal sliding window.",
+         lambda c: c.facts.window_size is not None and window_problem(c.facts.window_size)),
+    Rule("packed-type", ("packed_sequences",),
+         "packed_sequences must be true, false or null, got {packed_type} {packed_given} in the model config.",
+         "set packed_sequences: true (packed THD batches only), false (dense only), or leave it out.",
+         lambda c: packing_conflict(c) == "type"),
+    Rule("packed-sources", ("packed_sequences",),
+         "packed_sequences is {packed_declared} in the Turbo settings but {packed_given} in the model config; two "
+         "sources for one fact.",
+         "set it in one place (the Turbo attention settings).",
+         lambda c: packing_conflict(c) == "sources"),
     Rule("window-bound", ("window_size", "sink_sliding_window"),
          "the layer's window {window} has a bound past 2**31 - 1: the kernels take bounds as int32, and no sequence "
          "is that long.", "use -1 for an unbounded side of the window.",
@@ -217,6 +232,12 @@ RULES: Tuple[Rule, ...] = (
          "call; pack per-batch documents as THD (packed_seq_params with cu_seqlens); or write "
          "the mask with primus_ext.attention.masks.",
          lambda c: c.on_turbo and c.mask_proof is not None and c.mask_proof.pattern is None),
+    Rule("torch-call", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
+         "{torch_call}; torch's FlexAttention calls a hook that way (under torch.vmap, with 0-d indices), so no "
+         "backend can compute what it means (B31).",
+         "write the hook with tensor operations on the index arguments only (docs/mask_hooks.md, the provable "
+         "subset).",
+         lambda c: bool(c.torch_call)),
     Rule("softcap", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
          "the score hook {score} is a logit softcap ({score_why}); no Primus-Turbo dense or varlen backward "
          "supports softcap.",
@@ -313,6 +334,11 @@ RULES: Tuple[Rule, ...] = (
          "turbo_flex_attention_backend: reference, or deterministic_mode: false.",
          lambda c: c.on_turbo and c.settings.deterministic_mode and c.may_pack
          and c.caps.packed_entry is not None and not c.caps.deterministic_packed),  # type: ignore[union-attr]
+    Rule("arch-unmodelled", ("turbo_arch",),
+         "the device is {arch}; Primus-Turbo's kernel dispatch is modelled for " + " and ".join(ARCHES)
+         + " only, so no route can be checked (B33).",
+         "run on gfx942 (MI300) or gfx950 (MI355).",
+         lambda c: c.arch is not None and c.arch not in ARCHES and (c.on_turbo or c.on_direct)),
 )
 
 

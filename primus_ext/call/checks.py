@@ -23,7 +23,7 @@ from .. import refusals as R
 from ..attention.pattern import Pattern
 from ..backends.check_op import assert_on_device, check_same_boundaries, tensor_version  # noqa: F401 (re-exported)
 from ..errors import short_repr
-from ..refusals import CallRule, refuse
+from ..refusals import Refusal, refuse
 from .facts import FACTS
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -103,7 +103,7 @@ def check_bias(bias: Any, q: Tensor, k: Tensor, *, kernel_shape: bool) -> None:
         raise refuse(R.BIAS_SHAPE, shape=tuple(bias.shape), full=list(full))
 
 
-def _per_head(t: Any, q: Tensor, kind: CallRule, shape: CallRule) -> None:
+def _per_head(t: Any, q: Tensor, kind: Refusal, shape: Refusal) -> None:
     """``t`` is a floating tensor of one value per query head, on q's device (else ``kind`` or
     ``shape`` refuses it)."""
     heads = q.shape[-2]

@@ -44,9 +44,9 @@ class MaskRules:
     """The refusals of one kind of layer's masks: on a layer that is not causal, of the wrong
     shape or dtype, of other values."""
 
-    on_layer: R.CallRule
-    shape: R.CallRule
-    values: R.CallRule
+    on_layer: R.Refusal
+    shape: R.Refusal
+    values: R.Refusal
 
 
 CAUSAL_MASK = MaskRules(R.MASK_ON_LAYER, R.MASK_SHAPE, R.MASK_VALUES)

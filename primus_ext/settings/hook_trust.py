@@ -17,8 +17,6 @@ from typing import Any, Optional
 from ..hooks.subset import combined_parts
 from ..attention.library import is_hook_factory, is_library_mask
 
-TRUST_CODE = "B32"
-
 # C-level callables: they have no Python body to read and may do anything (os.system).
 _C_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
                 types.MethodDescriptorType, types.ClassMethodDescriptorType)
@@ -63,4 +61,4 @@ def untrusted(obj: Any) -> Optional[str]:
     return f"a callable `{type(obj).__name__}` instance"
 
 
-__all__ = ["TRUST_CODE", "is_stdlib", "untrusted"]
+__all__ = ["is_stdlib", "untrusted"]

@@ -34,8 +34,9 @@ from torch import Tensor
 
 from ..attention.library import is_hook_factory
 from ..attention.pattern import index_grid
-from ..errors import Reason, UnsupportedConfigError, short_repr
-from .hook_trust import TRUST_CODE, is_stdlib as _is_stdlib, untrusted as _untrusted
+from .. import refusals as R
+from ..errors import Reason, short_repr
+from .hook_trust import is_stdlib as _is_stdlib, untrusted as _untrusted
 from .settings import HOOK_PATTERN, TurboAttentionSettings
 
 HookKind = Literal["mask_mod", "score_mod"]
@@ -114,22 +115,23 @@ class _Resolver:
         self.spec, self.kind, self.setting, self.kwargs, self.device = spec, kind, setting, kwargs, device
         self.kwargs_key = f"{setting}_kwargs"
 
-    def refuse(self, reason: str, alternative: str, *, with_kwargs: bool = False, code: str = "") -> _Refused:
-        keys = (self.setting, self.kwargs_key) if with_kwargs else (self.setting,)
-        return _Refused(Reason(settings=keys, reason=f"{self.setting} = {short_repr(self.spec)}: {reason}",
-                               alternative=alternative, code=code))
+    def refuse(self, reason: str, alternative: str, *, with_kwargs: bool = False, trust: bool = False) -> _Refused:
+        """Rule B2 (the hook cannot be resolved) or, with ``trust``, B32 (a config may not name it)."""
+        found = R.HOOK_UNTRUSTED if trust else R.HOOK_UNRESOLVED
+        return _Refused(found.reason_for(setting=self.setting, kwargs_key=self.kwargs_key if with_kwargs else "",
+                                         spec=short_repr(self.spec), what=reason, alternative=alternative))
 
     def run(self) -> Callable[..., Tensor]:
         module_name, attr_path = self.split()
         if _is_stdlib(module_name):  # refused before import: importing already runs its code
             raise self.refuse(f"`{module_name}` is a standard-library, builtins or torch module; a config may "
                               "only name a hook from your own code or from primus_ext, so it was not "
-                              "imported (B32).", f"{self.own_function()}.", code=TRUST_CODE)
+                              "imported (B32).", f"{self.own_function()}.", trust=True)
         if "__main__" in module_name.split("."):  # refused before import: it would run the program
             raise self.refuse(f"`{module_name}` is a `__main__` module: importing it runs that package's command "
                               "line with this process's arguments, so it was not imported (B32).",
                               "name the function in a regular module of the package (\"my_pkg.hooks:"
-                              f"my_{self.kind}\"), not in its `__main__`.", code=TRUST_CODE)
+                              f"my_{self.kind}\"), not in its `__main__`.", trust=True)
         target = self.follow(self.import_module(module_name), module_name, attr_path)
         self.check_named(target, attr_path)
         hook = self.call_factory(target, attr_path) if self.kwargs is not None else self.as_hook(target, attr_path)
@@ -148,7 +150,7 @@ class _Resolver:
             raise self.refuse(f"`{attr_path}` is {what}; a config may only name a plain Python function "
                               "defined outside the standard library, or a primus_ext library mask or "
                               "@hook_factory, because nothing else is ever called (B32).",
-                              f"{self.own_function()}.", code=TRUST_CODE)
+                              f"{self.own_function()}.", trust=True)
 
     def as_hook(self, target: Callable[..., Any], attr_path: str) -> Callable[..., Any]:
         """``_kwargs: null``: the attribute is the hook, unless it is a marked factory."""
@@ -225,7 +227,7 @@ class _Resolver:
                               "decorate the factory with `@primus_ext.hook_factory` (a factory you do not "
                               f"own: call it from your own decorated one), or set {self.kwargs_key}: null "
                               f"if `{self.spec}` is itself the {self.kind}.",
-                              with_kwargs=True, code=TRUST_CODE)
+                              with_kwargs=True, trust=True)
         try:
             hook = factory(**dict(self.kwargs or {}))
         except KeyboardInterrupt:
@@ -248,7 +250,7 @@ class _Resolver:
                               "Python function defined outside the standard library, or a primus_ext "
                               "library mask (B32).",
                               f"return a nested `def {self.kind}({', '.join(ARITY[self.kind])})` "
-                              "from the factory.", with_kwargs=True, code=TRUST_CODE)
+                              "from the factory.", with_kwargs=True, trust=True)
         return hook
 
     def check_arity(self, hook: Callable[..., Any]) -> None:
@@ -350,7 +352,7 @@ def resolve_hook(spec: str, *, kind: HookKind, setting: str,
     """
     hook, reason = _resolve(spec, kind, setting, kwargs, device)
     if reason is not None:
-        raise UnsupportedConfigError(reason, context="attention hook")
+        raise R.refuse_all([reason], context="attention hook")
     assert hook is not None
     return hook
 
@@ -371,7 +373,7 @@ def resolve_hooks(settings: TurboAttentionSettings, *, device: Union[str, torch.
                                      settings.turbo_flex_attention_score_mod_kwargs, device)
         reasons += [reason] if reason else []
     if reasons:
-        raise UnsupportedConfigError(reasons, context="attention hooks")
+        raise R.refuse_all(reasons, context="attention hooks")
     return mask_mod, score_mod
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
 
+from .. import refusals as R
 from ..errors import Reason
 from .settings import type_name
 
@@ -113,23 +114,19 @@ def model_key_problems(config: Mapping[str, Any]) -> list[Reason]:
     reasons = []
     for key in REQUIRED:
         if config.get(key) is None:
-            reasons.append(Reason((key,), f"{key} is not set; the plans need it (for example {key}: 8)."))
+            reasons.append(R.MODEL_KEY_MISSING.reason_for(key=key))
     if config.get("multi_latent_attention") is True and any(
             config.get(key) is None for key in ("qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")):
-        reasons.append(Reason(("multi_latent_attention", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"),
-                              "multi_latent_attention needs qk_head_dim, qk_pos_emb_head_dim and v_head_dim: its "
-                              "head dims come from them (for example qk_head_dim: 128, qk_pos_emb_head_dim: 64, "
-                              "v_head_dim: 128)."))
+        reasons.append(R.MODEL_KEY_MLA.reason_for())
     if config.get("kv_channels") is None and config.get("hidden_size") is None:
-        reasons.append(Reason(("kv_channels", "hidden_size"), "kv_channels or hidden_size must be set: the head dim "
-                              "comes from one (for example kv_channels: 128)."))
+        reasons.append(R.MODEL_KEY_HEAD_DIM.reason_for())
     for key, read in READERS.items():
         value = config.get(key)
         if value is None:
             continue
         why = read(key, value, config)
         if why is not None:
-            reasons.append(Reason((key,), f"{why}; got {type_name(value)}."))
+            reasons.append(R.MODEL_KEY_VALUE.reason_for(key=key, why=why, got=type_name(value)))
     return reasons
 
 

@@ -95,8 +95,9 @@ class SharedKey:
         return type(self.primus) is not type(self.ours) or self.primus != self.ours
 
 
-def _refuse(settings: tuple[str, ...], reason: str, alternative: str) -> UnsupportedConfigError:
-    return UnsupportedConfigError(Reason(settings, reason, alternative), context="Primus experiment")
+def _refuse(settings: tuple[str], reason: str, alternative: str) -> UnsupportedConfigError:
+    return R.refuse_build(R.PRIMUS_EXPERIMENT, "Primus experiment", key=settings[0], what=reason,
+                          alternative=alternative)
 
 
 def is_experiment(config: Mapping[str, Any]) -> bool:
@@ -357,11 +358,7 @@ def switch_reasons(enable_primus_turbo: Any, environ: Optional[Mapping[str, str]
     that runs was not dropped; `check` and the launcher ask)."""
     reasons = []
     if not enable_primus_turbo:
-        reasons.append(Reason(
-            ("enable_primus_turbo", "use_turbo_flex_attention"),
-            "use_turbo_flex_attention is true but enable_primus_turbo is not: Primus then does not install its spec "
-            "provider, and the layers would be built with TransformerEngine's attention, not primus_ext's.",
-            "set enable_primus_turbo: true (Primus's switch) with use_turbo_attention: true.", "primus-enable"))
+        reasons.append(R.PRIMUS_TURBO_OFF.reason_for())
     ids = (PRIMUS_PROVIDER_PATCH, PATCH_ID) if ours else (PRIMUS_PROVIDER_PATCH,)
     return reasons + patch_filter_reasons(environ, where, ids)
 
@@ -380,24 +377,12 @@ def run_reasons(values: Mapping[str, Any]) -> list[Reason]:
     reasons = []
     spec = values.get("spec")
     if spec and not (isinstance(spec, (list, tuple)) and spec and spec[0] == SPECS_MODULE):
-        reasons.append(Reason(
-            ("spec", "use_turbo_flex_attention"), f"spec={short_repr(spec)} names the layers' modules itself, so "
-            "Primus's spec provider, which the patch makes build primus_ext's attention, builds none of them.",
-            f"remove spec, or name primus_ext's own: spec: [{SPECS_MODULE}, gpt_layer_te_spec].", "primus-layers"))
+        reasons.append(R.PRIMUS_FOREIGN_SPEC.reason_for(spec=short_repr(spec), specs=SPECS_MODULE))
     if values.get("transformer_impl", "transformer_engine") == "local" and not spec:
-        reasons.append(Reason(
-            ("transformer_impl", "use_turbo_flex_attention"), "transformer_impl is local: megatron-core builds its "
-            "local layer spec (LocalSpecProvider), not through Primus's spec provider, so no layer would be "
-            "primus_ext's.", f"set transformer_impl: transformer_engine, or spec: [{SPECS_MODULE}, "
-            "gpt_layer_local_spec].", "primus-layers"))
+        reasons.append(R.PRIMUS_LOCAL_IMPL.reason_for(specs=SPECS_MODULE))
     window = values.get("sink_sliding_window") or 0
     if isinstance(window, int) and window > 0 and not values.get("use_sink_attention"):
-        reasons.append(Reason(
-            ("sink_sliding_window", "use_sink_attention"), f"sink_sliding_window={window} without use_sink_attention: "
-            "Primus's attention applies that window only with sinks (none here), so the key would mean a window "
-            "under primus_ext and none under Primus.",
-            "set use_sink_attention: true for GPT-OSS sinks with the window, or remove sink_sliding_window (a "
-            "window without sinks: a mask hook such as primus_ext.attention.masks:sliding_window).", "primus-window"))
+        reasons.append(R.PRIMUS_WINDOW.reason_for(window=window))
     if values.get("reset_attention_mask") and values.get("create_attention_mask_in_dataloader") is False:
         reasons.append(R.DOCUMENT_MASK_MISSING.reason_for())
     return reasons

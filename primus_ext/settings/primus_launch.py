@@ -30,6 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
+from .. import refusals as R
 from ..errors import Reason
 
 PATCH_ID = "primus_ext.turbo_flex_attention"
@@ -119,13 +120,8 @@ def patch_filter_reasons(environ: Optional[Mapping[str, str]] = None, where: str
     missing = [pid for pid in ids if pid not in enabled]
     if not missing:
         return []
-    return [Reason(
-        ("PRIMUS_PATCHES", "use_turbo_flex_attention"),
-        f"PRIMUS_PATCHES={value!r} ({where}) leaves out {' and '.join(missing)}: Primus drops a filtered-out patch "
-        "before any condition runs, so Primus's spec provider would not build primus_ext's attention, and the "
-        "layers would be Primus's own (or TransformerEngine's).",
-        f"add {PATCH_ID} and {PRIMUS_PROVIDER_PATCH} to PRIMUS_PATCHES, or unset it (in the shell and in the "
-        "experiment's env: block).", "primus-enable")]
+    return [R.PATCHES_FILTERED.reason_for(value=repr(value), where=where, missing=" and ".join(missing),
+                                          ours=PATCH_ID, provider=PRIMUS_PROVIDER_PATCH)]
 
 
 __all__ = ["PATCH_ID", "PRIMUS_PROVIDER_PATCH", "config_argument", "enabled_patch_ids", "experiment_env",

@@ -24,6 +24,7 @@ from typing import Optional
 
 import yaml
 
+from .. import refusals as R
 from ..errors import Reason
 from .settings import TurboAttentionSettings
 
@@ -83,22 +84,9 @@ def owner_reasons(settings: TurboAttentionSettings, primus_flex: Optional[str]) 
         return []
     owner = settings.turbo_flex_attention_owner
     if primus_flex is not None and owner is None:
-        return [Reason(
-            ("use_turbo_flex_attention", "turbo_flex_attention_owner"),
-            f"this Primus has its own use_turbo_flex_attention path ({primus_flex}), and the key turns on either: "
-            "with primus_ext's patch the layers are primus_ext's (its plan, hooks and refusals), without it Primus's "
-            "own (Primus-Turbo's flex entries, Primus's rules). Which one would run depends on how the job is "
-            "launched, not on the config.",
-            "set turbo_flex_attention_owner: primus_ext (primus_ext's layers, launched through python -m "
-            "primus_ext.primus) or turbo_flex_attention_owner: primus (Primus's own path; primus_ext stays out).",
-            "primus-owner")]
+        return [R.OWNER_UNNAMED.reason_for(primus_flex=primus_flex)]
     if primus_flex is None and owner == "primus":
-        return [Reason(
-            ("turbo_flex_attention_owner",),
-            "turbo_flex_attention_owner is primus, and this Primus has no flex attention path of its own "
-            f"({PRIMUS_FLEX_MODULE} is not there): its attention would ignore use_turbo_flex_attention.",
-            "set turbo_flex_attention_owner: primus_ext (or null) for primus_ext's layers, or use a Primus that "
-            "has its own flex path.", "primus-owner")]
+        return [R.OWNER_PRIMUS_WITHOUT_PATH.reason_for(module=PRIMUS_FLEX_MODULE)]
     return []
 
 

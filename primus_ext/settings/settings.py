@@ -28,7 +28,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 
-from ..errors import Reason, UnsupportedConfigError, short_repr
+from .. import refusals as R
+from ..errors import Reason, short_repr
 
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "turbo", "reference", "flex")
 """``turbo_flex_attention_backend``: the one list of its choices."""
@@ -168,7 +169,7 @@ class TurboAttentionSettings:
         values = {name: getattr(self, name) for name in SETTING_KEYS}
         reasons = _problems(values)
         if reasons:
-            raise UnsupportedConfigError(reasons, context="Turbo attention settings")
+            raise R.refuse_all(reasons, context="Turbo attention settings")
         for name in _KWARGS_KEYS:  # private copies: later edits of the caller's dict do not leak in
             value = getattr(self, name)
             if value is not None:
@@ -185,9 +186,7 @@ class TurboAttentionSettings:
     def from_dict(cls, mapping: Mapping[str, Any]) -> "TurboAttentionSettings":
         """Build from a flat mapping; foreign keys are ignored, look-alikes of ours refused."""
         if not isinstance(mapping, Mapping):
-            raise UnsupportedConfigError(Reason(
-                settings=(), reason=f"settings must be a mapping of keys to values, got {type(mapping).__name__}.",
-                alternative="write the keys as a flat YAML mapping (key: value per line)."))
+            raise R.refuse_build(R.SETTINGS_MAPPING, got=type(mapping).__name__)
         ours = {k: v for k, v in mapping.items() if k in _KEY_SET}
         others = [k for k in mapping if k not in _KEY_SET and isinstance(k, str)]
         return cls._build(ours, lookalike_reasons(others))
@@ -219,7 +218,7 @@ class TurboAttentionSettings:
         values = {**_DEFAULTS, **ours}
         reasons = extra + _problems(values)
         if reasons:
-            raise UnsupportedConfigError(reasons, context="Turbo attention settings")
+            raise R.refuse_all(reasons, context="Turbo attention settings")
         return cls(**values)
 
     # ---------------------------------------------------------------------- helpers
@@ -264,108 +263,65 @@ def type_name(value: Any) -> str:
     return f"{type(value).__name__} {short_repr(value)}"
 
 
-def _check_bool(key: str, value: Any) -> Optional[Reason]:
-    if isinstance(value, bool):
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be true or false, got {type_name(value)}.",
-                  alternative=f"write '{key}: true' or '{key}: false' (a YAML boolean, unquoted).")
-
-
-def _check_optional_bool(key: str, value: Any) -> Optional[Reason]:
-    if value is None or isinstance(value, bool):
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be true, false or null, got {type_name(value)}.",
-                  alternative=f"write '{key}: true' (packed THD batches only), 'false' (dense only) or leave it out.")
-
-
-def _check_window(key: str, value: Any) -> Optional[Reason]:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return Reason(settings=(key,), reason=f"{key} must be an integer, got {type_name(value)}.",
-                      alternative=f"write '{key}: 0' for no window or a window width such as 128.")
-    if value < 0 or value > 2 ** 31 - 1:
-        return Reason(settings=(key,), reason=f"{key} must be >= 0 and below 2**31, got {value}.",
-                      alternative="use 0 for no window, or W > 0 for a causal window of W keys "
-                                  "to the left of each token.")
-    return None
-
-
-def _choice(choices: tuple[str, ...], advice: str) -> Callable[[str, Any], Optional[Reason]]:
-    """A check that the value is one of ``choices`` (strings), with ``advice`` as the alternative."""
-    def check(key: str, value: Any) -> Optional[Reason]:
-        if isinstance(value, str) and value in choices:
-            return None
-        return Reason(settings=(key,), reason=f"{key} must be one of {', '.join(choices)}; "
-                                              f"got {type_name(value)}.",
-                      alternative=advice.format(key=key))
-    return check
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 ARCH_CHOICES = ("auto", "gfx942", "gfx950")
-_check_backend = _choice(BACKEND_CHOICES, "write '{key}: auto' unless you need a specific backend.")
-_check_arch = _choice(ARCH_CHOICES, "write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto.")
-def _check_owner(key: str, value: Any) -> Optional[Reason]:
-    if value is None or (isinstance(value, str) and value in OWNER_CHOICES):
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be null, primus_ext or primus; got {type_name(value)}.",
-                  alternative=f"write '{key}: primus_ext' (primus_ext's layers) or '{key}: primus' (Primus's own "
-                              "flex path), or leave it null outside a Primus that has one.")
+_BOOL = (lambda v: isinstance(v, bool), "true or false", "write '{key}: true' or '{key}: false' (a YAML boolean, unquoted).")
 
 
-_check_call_flags = _choice(CALL_FLAG_CHOICES, "write '{key}: plan' (calls run the layer's causal / window), or "
-                                               "'{key}: drop_in' for calls that pass their own.")
+def _one_of(choices: tuple[str, ...], example: str, *, null: bool = False) -> tuple[Callable[[Any], bool], str, str]:
+    return ((lambda v: (null and v is None) or (isinstance(v, str) and v in choices)),
+            f"{'null, ' if null else ''}one of {', '.join(choices)}", example)
 
 
-def _check_optional_count(key: str, value: Any) -> Optional[Reason]:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be null or a positive integer, got {type_name(value)}.",
-                  alternative=f"write '{key}: null' (one boundary per token), or a bound such as 64.")
+def _hook_string(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and bool(HOOK_PATTERN.match(value)))
 
 
-def _check_selftest(key: str, value: Any) -> Optional[Reason]:
-    if value in ("auto", "true", "false", True, False):
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be auto, true or false; got {type_name(value)}.",
-                  alternative=f"write '{key}: auto' (on when a GPU is present).")
-
-
-def _check_hook(key: str, value: Any) -> Optional[Reason]:
-    if value is None or (isinstance(value, str) and HOOK_PATTERN.match(value)):
-        return None
-    return Reason(settings=(key,), reason=f"{key} must be null or a 'package.module:attr' string, "
-                                          f"got {type_name(value)}.",
-                  alternative=f"for example {key}: \"primus_ext.attention.masks:prefix_lm\".")
-
-
-def _check_kwargs(key: str, value: Any) -> Optional[Reason]:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        return Reason(settings=(key,), reason=f"{key} must be null or a mapping of keyword "
-                                              f"arguments, got {type_name(value)}.",
-                      alternative=f"for example {key}: {{prefix_length: 64}}.")
-    bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
-    if bad:
-        return Reason(settings=(key,), reason=f"{key} keys must be Python identifiers "
-                                              f"(keyword-argument names); got {short_repr(bad)}.",
-                      alternative="use keyword-argument names such as prefix_length.")
-    return None
-
-
-_CHECKS: dict[str, Callable[[str, Any], Optional[Reason]]] = {
-    "turbo_flex_attention_mask_mod": _check_hook,
-    "turbo_flex_attention_mask_mod_kwargs": _check_kwargs,
-    "turbo_flex_attention_score_mod": _check_hook,
-    "turbo_flex_attention_score_mod_kwargs": _check_kwargs,
-    "turbo_flex_attention_backend": _check_backend,
-    "turbo_flex_attention_call_flags": _check_call_flags,
-    "turbo_flex_attention_owner": _check_owner,
-    "turbo_arch": _check_arch,
-    "turbo_selftest": _check_selftest,
-    "sink_sliding_window": _check_window,
-    "packed_sequences": _check_optional_bool,
-    "reset_attention_mask_max_documents": _check_optional_count,
+_HOOK = (_hook_string, "null or a 'package.module:attr' string",
+         "for example {key}: \"primus_ext.attention.masks:prefix_lm\".")
+_KWARGS = (lambda v: v is None or isinstance(v, Mapping), "null or a mapping of keyword arguments",
+           "for example {key}: {{prefix_length: 64}}.")
+_READERS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "turbo_flex_attention_mask_mod": _HOOK,
+    "turbo_flex_attention_mask_mod_kwargs": _KWARGS,
+    "turbo_flex_attention_score_mod": _HOOK,
+    "turbo_flex_attention_score_mod_kwargs": _KWARGS,
+    "turbo_flex_attention_backend": _one_of(BACKEND_CHOICES, "write '{key}: auto' unless you need a specific backend."),
+    "turbo_flex_attention_call_flags": _one_of(
+        CALL_FLAG_CHOICES, "write '{key}: plan' (calls run the layer's causal / window), or '{key}: drop_in' for "
+        "calls that pass their own."),
+    "turbo_flex_attention_owner": _one_of(
+        OWNER_CHOICES, "write '{key}: primus_ext' (primus_ext's layers) or '{key}: primus' (Primus's own flex path), "
+        "or leave it null outside a Primus that has one.", null=True),
+    "turbo_arch": _one_of(ARCH_CHOICES, "write '{key}: gfx942' for MI300, 'gfx950' for MI355, or auto."),
+    "turbo_selftest": (lambda v: v in ("auto", "true", "false", True, False), "auto, true or false",
+                       "write '{key}: auto' (on when a GPU is present)."),
+    "sink_sliding_window": (lambda v: _is_int(v) and 0 <= v <= 2 ** 31 - 1, "an integer >= 0 and below 2**31",
+                            "write '{key}: 0' for no window, or a width W such as 128 (a causal window of W keys to "
+                            "the left of each token)."),
+    "packed_sequences": (lambda v: v is None or isinstance(v, bool), "true, false or null",
+                         "write '{key}: true' (packed THD batches only), 'false' (dense only) or leave it out."),
+    "reset_attention_mask_max_documents": (lambda v: v is None or (_is_int(v) and v >= 1),
+                                           "null or a positive integer",
+                                           "write '{key}: null' (one boundary per token), or a bound such as 64."),
 }
+"""Each key's typed reader: what it accepts, what the message says it must be, and a right value
+(rule setting-value); a key not listed is a boolean."""
+
+
+def _key_problem(key: str, value: Any) -> Optional[Reason]:
+    accepts, expected, example = _READERS.get(key, _BOOL)
+    if not accepts(value):
+        return R.SETTING_VALUE.reason_for(key=key, expected=expected, got=type_name(value),
+                                          example=example.format(key=key))
+    if key.endswith("_kwargs") and value is not None:
+        bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
+        if bad:
+            return R.SETTING_KWARGS_NAMES.reason_for(key=key, got=short_repr(bad))
+    return None
 
 
 def _problems(values: Mapping[str, Any]) -> list[Reason]:
@@ -379,7 +335,7 @@ def _problems(values: Mapping[str, Any]) -> list[Reason]:
     reasons: list[Reason] = []
     ok: dict[str, Any] = {}
     for key in SETTING_KEYS:
-        reason = _CHECKS.get(key, _check_bool)(key, values[key])
+        reason = _key_problem(key, values[key])
         if reason is None:
             ok[key] = values[key]
         else:
@@ -388,10 +344,7 @@ def _problems(values: Mapping[str, Any]) -> list[Reason]:
     for hook in ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"):
         kw = f"{hook}_kwargs"
         if ok.get(hook, "set") is None and ok.get(kw) is not None:
-            reasons.append(Reason(
-                settings=(kw, hook),
-                reason=f"{kw} is set but {hook} is null, so the arguments would be ignored.",
-                alternative=f"name the factory in {hook}, or remove {kw}."))
+            reasons.append(R.SETTING_KWARGS_UNUSED.reason_for(kw=kw, hook=hook))
     return reasons
 
 
@@ -401,9 +354,10 @@ def _suggest(key: str) -> Optional[str]:
 
 
 def _unknown_reason(key: str, suggestion: Optional[str]) -> Reason:
-    hint = f"did you mean `{suggestion}`?" if suggestion else ""
-    return Reason(settings=(key,), reason=f"unknown Turbo attention key `{key}`; {hint}".rstrip("; "),
-                  alternative=f"rename it to `{suggestion}`, or remove it." if suggestion else "remove the key.")
+    if suggestion:
+        return R.SETTING_UNKNOWN.reason_for(key=key, hint=f"; did you mean `{suggestion}`?",
+                                            alternative=f"rename it to `{suggestion}`, or remove it.")
+    return R.SETTING_UNKNOWN.reason_for(key=key, hint="", alternative="remove the key.")
 
 
 def _similarity(a: str, b: str) -> float:

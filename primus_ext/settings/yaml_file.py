@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 import yaml
 
-from ..errors import Reason, UnsupportedConfigError, short_repr
+from .. import refusals as R
+from ..errors import UnsupportedConfigError, short_repr
 
 MAX_YAML_NODES = 100_000
 """Most nodes (scalars, lists, mappings, keys included) a YAML file may hold once every
@@ -68,7 +69,7 @@ def fragment_note(path: str, settings: Any) -> str:
 
 
 def _refuse(path: str, reason: str, alternative: str) -> UnsupportedConfigError:
-    return UnsupportedConfigError(Reason(settings=(path,), reason=f"the file {reason}.", alternative=alternative))
+    return R.refuse_build(R.YAML_FILE, path=path, what=reason, alternative=alternative)
 
 
 def _expanded_size(root: yaml.Node, limit: int) -> Optional[int]:

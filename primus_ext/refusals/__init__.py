@@ -3,7 +3,7 @@
 Build-time rules are a table too (`primus_ext.plan.rules.RULES`), evaluated together when a
 layer is built.  A call is refused for what only the call shows (a tensor's dtype, the
 boundaries passed, a flag the plan did not approve), so these are raised one at a time, but
-from one place: each is a `CallRule` here, with its code, the settings and arguments it
+from one place: each is a `Refusal` here, with its code, the settings and arguments it
 names, its one wording and the alternative; a raise site only fills in the values
 (``raise refuse(RULE, got=...)``).  ``err.codes`` always holds the rule's code, and
 docs/refusals.md lists every code (``tests/test_docs.py`` holds both ways).
@@ -15,77 +15,12 @@ causes, each with its own wording.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-
-from .errors import Reason, UnsupportedInputError
-
-
-@dataclass(frozen=True)
-class CallRule:
-    """One call-time refusal; ``settings``, ``reason`` and ``alternative`` are format templates."""
-
-    code: str
-    settings: tuple[str, ...]
-    reason: str
-    alternative: str = ""
-
-    def reason_for(self, **values: Any) -> Reason:
-        """The `Reason` with ``values`` filled in."""
-        return Reason(tuple(s.format(**values) for s in self.settings), self.reason.format(**values),
-                      self.alternative.format(**values), self.code)
-
-
-CALL_RULES: dict[str, CallRule] = {}
-"""Every call-time rule, by code."""
-
-
-def rule(code: str, settings: tuple[str, ...], reason: str, alternative: str = "") -> CallRule:
-    """Declare a call-time rule (once per code)."""
-    if code in CALL_RULES:
-        raise ValueError(f"call-time rule {code} declared twice")
-    found = CALL_RULES[code] = CallRule(code, settings, reason, alternative)
-    return found
-
-
-def refuse(found: CallRule, context: str = "", **values: Any) -> UnsupportedInputError:
-    """The error of ``found`` with ``values`` filled in (raise it).
-
-    While ``torch.compile`` traces a call, the error is raised here, as `CompiledCallRefusal`:
-    Dynamo cannot trace the construction of an exception of ours, and re-raises only an
-    ``AssertionError`` unchanged (it wraps anything else in its own error)."""
-    if torch.compiler.is_compiling():
-        _refuse_traced(found.code, context, tuple((key, _constant(value)) for key, value in values.items()), ())
-    return UnsupportedInputError(found.reason_for(**values), context=context)
-
-
-class CompiledCallRefusal(UnsupportedInputError, AssertionError):
-    """A call refused while ``torch.compile`` traces it: our `UnsupportedInputError`, with its reasons.
-
-    Dynamo re-raises an ``AssertionError`` raised during tracing as it is, and wraps any other
-    error in its own ``InternalTorchDynamoError``; so this is what reaches the user.
-    """
-
-
-def _constant(value: Any) -> Any:
-    """A value as a graph constant: plain values as they are, anything else as its text."""
-    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
-
-
-@torch.compiler.assume_constant_result  # run for real while a call is traced
-def _refuse_traced(code: str, context: str, values: tuple, settings: tuple) -> None:
-    raise CompiledCallRefusal([_naming(CALL_RULES[code].reason_for(**dict(values)), settings)], context=context)
-
-
-def _naming(reason: Reason, settings: tuple[str, ...]) -> Reason:
-    """``reason`` also naming ``settings`` (after its own, without repeats)."""
-    if not settings:
-        return reason
-    named = tuple(dict.fromkeys(reason.settings + tuple(settings)))
-    return Reason(named, reason.reason, reason.alternative, reason.code)
-
+from .catalogue import (BUILD_REFUSALS, CALL_RULES, CompiledCallRefusal, Refusal, build_rule, refuse, refuse_all,
+                        refuse_build, refuse_naming, rule)
+from .build import *  # noqa: F401,F403 - the catalogue is one namespace
+from .build import __all__ as _BUILD
+from .megatron_calls import *  # noqa: F401,F403
+from .megatron_calls import __all__ as _MEGATRON_CALLS
 
 # -- the flash-attn-compatible entries (`primus_ext.call.entries`) --------------------------
 ATTN_PROBS = rule("B26", ("return_attn_probs",), "attention probabilities are never materialised (B26).",
@@ -440,107 +375,7 @@ LEARNED_COMPILE = rule(
     "run the layer eagerly (the reference backend trains the table through autograd), or freeze the table "
     "(requires_grad=False).")
 
-# -- what Megatron hands core attention (`primus_ext.megatron.call_contract`) ------------------
-_MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader); the layer "
-                     "applies its configured causal / window / document mask itself. For document masks, pack "
-                     "batches as THD (packed_seq_params with cu_seqlens).")
-QKV_FORMAT = rule("B34.qkv-format", ("packed_seq_params",),
-                  "qkv_format={fmt!r} is not one of Megatron's {formats}.",
-                  "use 'sbhd' (Megatron's default), 'bshd' or 'thd' (packed, with cu_seqlens).")
-MASK_OBJECT = rule("B34.mask-object", ("attention_mask",), "attention_mask must be a tensor or None, got {kind}.",
-                   _MASK_ALTERNATIVE)
-MASK_ON_LAYER = rule(
-    "B34.mask-on-layer", ("attention_mask",),
-    "an attention_mask tensor reached a layer whose attention is {what}; the layer cannot apply a mask tensor, and "
-    "it would be ignored.", _MASK_ALTERNATIVE)
-MASK_SHAPE = rule(
-    "B34.mask-shape", ("attention_mask",),
-    "attention_mask of dtype {dtype} and shape {shape} is not Megatron's causal mask (bool [B or 1, 1, {q_len}, "
-    "{kv_len}]); it would be ignored.", _MASK_ALTERNATIVE)
-MASK_VALUES = rule(
-    "B34.mask-values", ("attention_mask", "reset_attention_mask"),
-    "attention_mask is not Megatron's causal mask (a document mask from reset_attention_mask, or another mask); the "
-    "layer would ignore it (B25, B34).", _MASK_ALTERNATIVE)
 
-# -- context parallelism of a Megatron layer (`primus_ext.megatron.context_parallel`) ----------
-_CP_MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader), or the "
-                        "causal mask split by get_batch_on_this_cp_rank; the layer applies its own causal / window "
-                        "mask.")
-CP_PACKED = rule(
-    "cp-packed", ("packed_seq_params", "context_parallel_size"),
-    "a packed (thd) call at context_parallel_size={cp}: megatron-core splits THD batches per document (each padded "
-    "and cut into 2 * CP chunks, cu_seqlens_*_padded), which this layer's Ulysses exchange does not put back in "
-    "order; the documents would be attended in the wrong order.",
-    "train unpacked (sbhd) with context parallelism, or packed at context_parallel_size: 1.")
-CP_MASK_ON_LAYER = rule(
-    "B34.cp-mask-on-layer", ("attention_mask",),
-    "an attention_mask tensor reached a layer whose attention is {what}; the layer cannot apply a mask tensor, and "
-    "it would be ignored.", _CP_MASK_ALTERNATIVE)
-CP_MASK_SHAPE = rule(
-    "B34.cp-mask-shape", ("attention_mask", "context_parallel_size"),
-    "attention_mask of dtype {dtype} and shape {shape} is not this context-parallel rank's rows of Megatron's "
-    "causal mask (bool [B or 1, 1, {q_len}, {kv_len}]); it would be ignored.", _CP_MASK_ALTERNATIVE)
-CP_MASK_VALUES = rule(
-    "B34.cp-mask-values", ("attention_mask", "reset_attention_mask"),
-    "attention_mask is not this context-parallel rank's rows of Megatron's causal mask (a document mask from "
-    "reset_attention_mask, or another mask); the layer would ignore it (B25, B34).", _CP_MASK_ALTERNATIVE)
-
-# -- what the ranks of one layer agree on (`primus_ext.megatron.rank_agreement`) ---------------
-RANK_REFUSED = rule(
-    "B34.rank", ("tensor_model_parallel_size", "context_parallel_size"),
-    "rank {rank} of this layer's tensor-and-context-parallel group refused this call ({code}): its inputs "
-    "(attention mask, boundaries) are not what the layer takes. Every rank of the group refuses the call together, "
-    "before its first collective, so none waits alone in an exchange.",
-    "read rank {rank}'s error, which names its setting or argument and the alternative; give every rank of the group "
-    "inputs the layer takes (Megatron's own get_batch and get_batch_on_this_cp_rank do).")
-
-DROPOUT_TRACKER_GONE = rule(
-    "B30.rng", ("attention_dropout", "tensor_model_parallel_size", "context_parallel_size"),
-    "a training call with attention_dropout={dropout} on a layer of a tensor-and-context-parallel group of "
-    "{ranks} ranks, but megatron-core's model-parallel RNG tracker, seeded when the layer was built, has no "
-    "model-parallel state now (reset since): the ranks' default generators would draw the same positions.",
-    "seed the tracker again before training (tensor_parallel.model_parallel_cuda_manual_seed(seed)), or set "
-    "attention_dropout: 0.0.")
-
-DROPOUT_COMPILED = rule(
-    "B30.compiled", ("attention_dropout", "tensor_model_parallel_size", "context_parallel_size"),
-    "a training call with attention_dropout={dropout} under torch.compile on a layer of a tensor-and-context-"
-    "parallel group of {ranks} ranks: it must draw from megatron-core's model-parallel RNG tracker, whose fork "
-    "(a host-side swap of generator states) a compiled graph cannot hold; on the default generator the ranks "
-    "would draw the same positions.",
-    "run this layer eagerly in training (compile it for evaluation, where dropout is 0), or set "
-    "attention_dropout: 0.0.")
-
-# -- the Ulysses exchange (`primus_ext.backends.context_parallel`) ------------------------------
-CP_LENGTH = rule(
-    "B22", ("context_parallel_size",),
-    "the {what} has {tokens} tokens on this context-parallel rank; megatron-core's get_batch_on_this_cp_rank gives "
-    "each of the {cp} ranks two equal chunks, so this is not a part of a sequence split that way and its token "
-    "order is unknown.",
-    "give each rank its part of the sequence with get_batch_on_this_cp_rank (seq_length divisible by "
-    "2 * context_parallel_size = {chunks}).")
-
-# -- EOD documents as packed micro-batches (`primus_ext.megatron.eod_packing`) -----------------
-EOD_TOKENS = rule("B25.tokens", ("tokens",), "tokens must be an integer [B, S] tensor, got {got}.",
-                  "pass the micro-batch's token ids as Megatron's get_batch returns them.")
-EOD_MAX_DOCUMENTS = rule(
-    "B25.max-documents", ("max_documents",),
-    "max_documents must be an int >= the micro-batch size ({batch}), got {got!r}.",
-    "bound it by the most documents a micro-batch can hold.")
-EOD_TOO_MANY = rule(
-    "B25.too-many-documents", ("max_documents",),
-    "a micro-batch holds more documents than max_documents={max_documents}; they would be merged (B25).",
-    "raise max_documents (e.g. to seq_length // 2 times the micro-batch size) or use longer documents.")
-
-
-def refuse_naming(found: CallRule, settings: tuple[str, ...], context: str = "", **values: Any
-                  ) -> UnsupportedInputError:
-    """`refuse`, also naming ``settings`` (after the rule's own, without repeats): for a rule whose
-    settings only the call knows, such as the checks that block a kernel route."""
-    if torch.compiler.is_compiling():
-        _refuse_traced(found.code, context, tuple((key, _constant(value)) for key, value in values.items()),
-                       tuple(settings))
-    return UnsupportedInputError(_naming(found.reason_for(**values), settings), context=context)
-
-
-__all__ = ["CALL_RULES", "CallRule", "CompiledCallRefusal", "refuse", "refuse_naming", "rule"]
+__all__ = ["BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "refuse",
+           "refuse_all", "refuse_build", "refuse_naming", "rule",
+           "ATTN_PROBS", "HOOK_ASSUMPTION", "HOOK_CHANGED", "MASK_LENGTH", "UNEQUAL_LENGTHS", "UNPLANNED_SINK", "MISSING_SINK", "ALIBI_GRAD", "ALIBI_TWICE", "DENSE_RANK", "PACKED_RANK", "PACKED_EXTRAS", "ATTENTION_BIAS", "MASK_TYPE", "NO_PACKED_ENTRY", "BOUNDS_NOT_THD", "THD_WITHOUT_BOUNDS", "PADDED_TYPE", "PADDED", "MASK_WITH_THD", "WINDOW_ALIGNMENT", "BOTTOM_RIGHT", "TOP_LEFT", "HEADS", "QKV_TYPE", "QKV_DTYPE", "MIXED_DTYPES", "MIXED_DEVICES", "MIXED_RANKS", "QKV_SHAPES", "HEAD_DIM", "PLANNED_DIMS", "BIAS_TYPE", "BIAS_KERNEL", "BIAS_SHAPE", "SINK_TYPE", "SINK_SHAPE", "ALIBI_TYPE", "ALIBI_SHAPE", "ALIBI_DTYPE", "ALIBI_RIGHT", "ALIBI_LENGTHS", "ALIBI_LSE", "PACKED_CALL", "DENSE_CALL", "EOD_DENSE_CALL", "DOCUMENT_MASK_MISSING", "DOCUMENT_MASK_SHAPE", "DOCUMENT_MASK_VALUES", "DOCUMENT_MASK_COUNT", "DROPOUT", "WINDOW", "WINDOW_BOUND", "CU_TYPE", "CU_SHAPE", "CU_DTYPE", "CU_DEVICE", "MAX_SEQLEN_TRACED", "MAX_SEQLEN_TENSOR", "MAX_SEQLEN", "SHARED_BOUNDARIES", "DOCUMENT_COUNT", "EQUAL_MAX_TENSOR", "EQUAL_LENGTHS", "BOUNDARIES", "SCALE", "CAUSAL_FLAG", "DROP_IN_TYPE", "HOOK_FLAGS", "CALL_FLAGS", "TRACED_FLAGS", "LAYOUT", "ROUTE", "DOCUMENTS_BIAS", "DOCUMENT_ALIGNMENT", "FLEX_UNSUPPORTED", "FLEX_DEVICE", "FLEX_TRACE", "FLEX_CPU_GRAD", "FLEX_LEARNED", "HOOK_RAISED", "HOOK_ERRORS", "LEARNED_COMPILE", *_MEGATRON_CALLS, *_BUILD]

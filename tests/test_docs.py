@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from primus_ext.plan import RULES
-from primus_ext.refusals import CALL_RULES
+from primus_ext.refusals import BUILD_REFUSALS, CALL_RULES
 from primus_ext.settings import SETTING_KEYS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -32,6 +32,16 @@ def test_call_time_table_matches_the_catalogue():
     assert len(documented) == len(set(documented)), "a code has two rows"
     assert set(documented) == set(CALL_RULES), (sorted(set(CALL_RULES) - set(documented)),
                                                 sorted(set(documented) - set(CALL_RULES)))
+
+
+def test_build_refusal_tables_match_the_catalogue():
+    """Every code of the build-time catalogue outside a layer's table (`BUILD_REFUSALS`) has its row in the
+    sections after the call-time one, and every row there is a code of it."""
+    text = (DOCS / "refusals.md").read_text().split("## Refused at call time")[1].split("\n## ", 1)[1]
+    documented = re.findall(r"^\| `([\w.-]+)` \|", text, flags=re.M)
+    assert len(documented) == len(set(documented)), "a code has two rows"
+    assert set(documented) == set(BUILD_REFUSALS), (sorted(set(BUILD_REFUSALS) - set(documented)),
+                                                    sorted(set(documented) - set(BUILD_REFUSALS)))
 
 
 def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():

@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-from ..errors import Reason, UnsupportedConfigError
+from .. import refusals as R
+from ..errors import Reason
 
 
 # Answers per entry object: ``inspect.signature`` costs ~10 us, more than the rest of
@@ -77,13 +78,7 @@ def entry_name(entry: Optional[Callable[..., Any]]) -> str:
 
 
 def sink_reason(entry: Callable[..., Any], *, where: str) -> Reason:
-    return Reason(
-        settings=("use_sink_attention",),
-        reason=f"a learned sink is configured but the {where} kernel entry "
-        f"`{entry_name(entry)}` of the installed Primus-Turbo has no `sink` parameter.",
-        alternative="upgrade Primus-Turbo to a build whose entry takes `sink`, "
-        "or set use_sink_attention: false.",
-    )
+    return R.SINK_ENTRY.reason_for(where=where, entry=entry_name(entry))
 
 
 def sink_kwargs_for(entry: Callable[..., Any], sink: Any, *, where: str) -> dict[str, Any]:
@@ -97,18 +92,11 @@ def sink_kwargs_for(entry: Callable[..., Any], sink: Any, *, where: str) -> dict
         return {"sink": sink}
     if sink is None:
         return {}
-    raise UnsupportedConfigError(sink_reason(entry, where=where))
+    raise R.refuse_all([sink_reason(entry, where=where)])
 
 
 def deterministic_reason(entry: Callable[..., Any], *, where: str) -> Reason:
-    return Reason(
-        settings=("deterministic_mode",),
-        reason=f"deterministic_mode is on but the {where} kernel entry "
-        f"`{entry_name(entry)}` has no `deterministic` parameter, so determinism "
-        "cannot be requested from it.",
-        alternative="use a Primus-Turbo build whose flex entries take `deterministic`, "
-        "set turbo_flex_attention_backend: reference, or set deterministic_mode: false.",
-    )
+    return R.DETERMINISTIC_ENTRY.reason_for(where=where, entry=entry_name(entry))
 
 
 def deterministic_kwargs_for(entry: Callable[..., Any], deterministic: bool, *, where: str) -> dict[str, Any]:
@@ -117,7 +105,7 @@ def deterministic_kwargs_for(entry: Callable[..., Any], deterministic: bool, *, 
         return {"deterministic": bool(deterministic)}
     if not deterministic:
         return {}
-    raise UnsupportedConfigError(deterministic_reason(entry, where=where))
+    raise R.refuse_all([deterministic_reason(entry, where=where)])
 
 
 __all__ = [

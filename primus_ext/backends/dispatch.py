@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple
 
+from .. import refusals as R
 from ..errors import Reason
 # re-exported: parts of the model
 from .dispatch_rows import (AITER_DENSE, AITER_GFX942_STRIDED, AITER_SINK_LEFT_ZERO, AITER_SINK_RIGHT_WINDOW,
@@ -113,8 +114,8 @@ class Route:
         if self.selection != DEFAULT_ORDER:
             ways.append("unset PRIMUS_TURBO_ATTN_BACKEND and set use_turbo_autotune: false (PRIMUS_TURBO_AUTO_TUNE=0) "
                         "for attention, so Primus-Turbo picks FlyDSL and its fallbacks in order")
-        return Reason(tuple(dict.fromkeys(names)), f"{what}: {problem}.",
-                      "; or ".join(dict.fromkeys(ways)) or "change the configuration", "B33")
+        return R.ROUTE_BLOCKED.reason_for(names=tuple(dict.fromkeys(names)), what=what, problem=problem,
+                                          ways="; or ".join(dict.fromkeys(ways)) or "change the configuration")
 
 
 def route_on(features: CallFeatures, backend: KernelBackend) -> Optional[Route]:

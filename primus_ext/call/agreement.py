@@ -141,7 +141,7 @@ def _traced_verdict(handle: int, causal: Any, window_size: Any, odd_flag: str, o
             raise agreement.opaque(odd_flag, odd_window)
         return agreement.verdict(causal, window_size)
     except UnsupportedInputError as exc:
-        raise CompiledCallRefusal(list(exc.reasons), context=exc.context) from None
+        raise R.refuse_compiled(exc) from None
 
 
 __all__ = ["DROP_IN", "PLAN", "CallAgreement", "CompiledCallRefusal", "flash_args"]

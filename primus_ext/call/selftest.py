@@ -41,7 +41,7 @@ from ..backends.dispatch import route as dispatch_route
 from ..backends.flex import FlexBackend
 from ..backends.layout import kernel_views, storage_features, thd_views
 from ..backends.turbo import load_ops
-from ..errors import Reason, UnsupportedConfigError
+from .. import refusals as R
 from ..plan.plan import AttentionPlan
 from . import selftest_flex as flex_test
 
@@ -374,13 +374,11 @@ def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] 
 
 def refuse_failures(results: Sequence[RouteResult], layer: int) -> None:
     """Raise `UnsupportedConfigError` naming every route that failed its self-test."""
-    reasons = [Reason(("turbo_selftest",), f"the self-test of route [{r.route}] (kernels: {r.kernels}) failed: "
-                      f"{r.error} (forward {r.forward_error:.2g}, backward {r.backward_error:.2g}).",
-                      "report it with the route; set turbo_flex_attention_backend: reference meanwhile, "
-                      "or turbo_selftest: false to train anyway.", "B33")
+    reasons = [R.SELFTEST_FAILED.reason_for(route=r.route, kernels=r.kernels, error=r.error,
+                                            forward=f"{r.forward_error:.2g}", backward=f"{r.backward_error:.2g}")
                for r in results if not r.ok]
     if reasons:
-        raise UnsupportedConfigError(reasons, context=f"layer {layer} self-test")
+        raise R.refuse_all(reasons, context=f"layer {layer} self-test")
 
 
 def selftest_enabled(setting: object) -> bool:

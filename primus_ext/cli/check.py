@@ -28,7 +28,8 @@ from ..attention.heads import head_range
 from ..backends import turbo_import_problem
 from ..call.agreement import DROP_IN, PLAN
 from ..backends.context_parallel import describe_comm
-from ..errors import PrimusExtError, Reason, UnsupportedConfigError, short_repr
+from .. import refusals as R
+from ..errors import Reason, UnsupportedConfigError
 from ..megatron.facts import layer_facts
 from ..megatron.validate import transformer_config_problems
 from ..plan import build_plan
@@ -116,10 +117,8 @@ def _across_ranks(layer: int, outcomes: Sequence[Outcome]) -> Outcome:
     for rank, exc in refused:
         for reason in exc.reasons:
             where.setdefault(reason, []).append(rank)
-    reasons = [r if len(on) == len(outcomes) else dataclasses.replace(
-        r, reason=f"on tensor-parallel rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}: {r.reason}")
-        for r, on in where.items()]
-    return UnsupportedConfigError(reasons, context=f"layer {layer}")
+    reasons = [r if len(on) == len(outcomes) else R.on_ranks(r, on) for r, on in where.items()]
+    return R.refuse_all(reasons, context=f"layer {layer}")
 
 
 # ----------------------------------------------------------------------------- table
@@ -211,7 +210,7 @@ def _refusal_text(refused: Sequence[tuple[int, UnsupportedConfigError]]) -> list
     groups: dict[tuple[Reason, ...], list[int]] = {}
     for layer, exc in refused:
         groups.setdefault(tuple(exc.reasons), []).append(layer)
-    return [str(UnsupportedConfigError(reasons, context=layer_list(layers)))
+    return [str(R.refuse_all(reasons, context=layer_list(layers)))
             for reasons, layers in groups.items()]
 
 
@@ -332,7 +331,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
         return 0
     if seq_len is not None:
         if not 1 <= seq_len <= 2 ** 31 - 1:
-            raise PrimusExtError(f"--seq-len must be a positive integer below 2**31, got {seq_len}")
+            raise R.refuse_build(R.CLI_OPTION, option="--seq-len", what=f"--seq-len must be a positive integer below "
+                                 f"2**31, got {seq_len}", alternative="give the training sequence length, such as 4096.")
         config["seq_length"] = seq_len
     problems = _model_problems(config)
     if problems:
@@ -345,7 +345,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
         with _turbo_for(arch, turbo_build) as note:
             outcomes = _plans(settings, config, ranks)
     except (TypeError, ValueError, ImportError) as exc:
-        raise PrimusExtError(f"cannot read the model keys of {path}: {exc}") from exc
+        raise R.refuse_build(R.MODEL_KEYS_UNREAD, path=path, error=exc) from exc
     plans = [o for _, o in outcomes if isinstance(o, AttentionPlan)]
     refused = [(layer, o) for layer, o in outcomes if isinstance(o, UnsupportedConfigError)]
     seq_length = int(config.get("seq_length") or PICTURE_LEN)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, TextIO
 
-from ..errors import PrimusExtError, UnsupportedConfigError, short_repr
+from .. import refusals as R
+from ..errors import UnsupportedConfigError, short_repr
 from ..settings import TurboAttentionSettings
 from ..settings.primus_config import (PrimusExperiment, configs_dir, is_experiment, primus_settings, read_experiment,
                                       run_reasons, shared_keys, switch_reasons)
@@ -69,8 +70,9 @@ def primus_merged(path: str, config: dict[str, Any], primus_root: Optional[str],
     after printing `describe`; any other YAML unchanged."""
     if not is_experiment(config):
         if primus_root is not None:
-            raise PrimusExtError(f"--primus-root is for a Primus experiment YAML (one with modules:); {path} has no "
-                                 "modules: mapping: leave --primus-root out, or give the experiment YAML.")
+            raise R.refuse_build(R.CLI_OPTION, option="--primus-root", what=f"--primus-root is for a Primus experiment "
+                                 f"YAML (one with modules:); {path} has no modules: mapping",
+                                 alternative="leave --primus-root out, or give the experiment YAML.")
         return config, False
     experiment = read_experiment(path, primus_root)
     for line in describe(experiment):
@@ -98,7 +100,7 @@ def primus_refusal(path: str, config: dict[str, Any], settings: TurboAttentionSe
         environ, where = patch_environment(path)
         reasons += switch_reasons(config.get("enable_primus_turbo", False), environ, True, where)
         reasons += run_reasons(config)
-    return UnsupportedConfigError(reasons, context="Primus patch") if reasons else None
+    return R.refuse_all(reasons, context="Primus patch") if reasons else None
 
 
 __all__ = ["describe", "primus_merged", "primus_refusal", "primus_run_settings"]

@@ -28,7 +28,8 @@ import torch
 import yaml
 
 from ..backends import turbo_import_problem
-from ..errors import PrimusExtError, UnsupportedConfigError, UnsupportedInputError
+from .. import refusals as R
+from ..errors import UnsupportedConfigError, UnsupportedInputError
 from ..settings import TurboAttentionSettings
 from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
 from . import demo_model as dm
@@ -58,7 +59,8 @@ def load_config(path: Optional[str]) -> tuple[dict, str]:
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise PrimusExtError(f"{origin} is not valid YAML: {exc}") from exc
+            raise R.refuse_build(R.YAML_FILE, path=origin, what=f"is not valid YAML: {exc}",
+                                 alternative="fix the YAML syntax.") from exc
         return dict(data), origin
     return load_yaml_mapping(path, allow_empty=False), path
 
@@ -219,11 +221,13 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
         return 2
     seq_length = int(config.get("seq_length") or 0)
     if seq_length < 2:
-        raise PrimusExtError("the demo needs seq_length >= 2 in the YAML")
+        raise R.refuse_build(R.DEMO_KEY, key="seq_length", what="the demo needs seq_length >= 2 in the YAML",
+                             alternative="set seq_length: 64 or more.")
     opts = dm.DemoOptions.from_mapping(config.get("demo"), seq_length)
     if steps is not None:
         if steps < 1:
-            raise PrimusExtError(f"--steps must be >= 1, got {steps}")
+            raise R.refuse_build(R.CLI_OPTION, option="--steps", what=f"--steps must be >= 1, got {steps}",
+                                 alternative="give a step count such as --steps 20.")
         opts = dataclasses.replace(opts, steps=steps)
     packed = bool(config.get("packed_sequences"))
 
@@ -314,7 +318,7 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
                 _print_kernels(label, fake)
     except UnsupportedConfigError as exc:
         # Rebuilt from its reasons: megatron-core appends "when instantiating ..." to the text.
-        print(UnsupportedConfigError(list(exc.reasons), context=exc.context), file=sys.stderr)
+        print(R.refuse_all(exc.reasons, context=exc.context), file=sys.stderr)
         return 2
     finally:
         torch.set_num_threads(threads)

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from ..errors import PrimusExtError, short_repr
+from .. import refusals as R
+from ..errors import UnsupportedConfigError, short_repr
 from ..settings import TurboAttentionSettings
 
 STRIDES = (1, 2, 3)
@@ -32,6 +33,11 @@ _FORCED = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
 )
 _DEFAULTS = dict(hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _demo(key: str, what: str,
+          alternative: str = "see docs/getting_started.md for the demo's keys.") -> UnsupportedConfigError:
+    return R.refuse_build(R.DEMO_KEY, key=key, what=what, alternative=alternative)
 
 
 @dataclass(frozen=True)
@@ -53,29 +59,30 @@ class DemoOptions:
         if mapping is None:
             mapping = {}
         if not isinstance(mapping, Mapping):
-            raise PrimusExtError(f"the `demo` key must be a mapping, got {type(mapping).__name__}")
+            raise _demo("demo", f"the `demo` key must be a mapping, got {type(mapping).__name__}")
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(mapping) - set(names))
         if unknown:
-            raise PrimusExtError(f"unknown key(s) under `demo`: {', '.join(map(str, unknown))}; "
-                                 f"known: {', '.join(names)}")
+            raise _demo("demo", f"unknown key(s) under `demo`: {', '.join(map(str, unknown))}; known: "
+                        f"{', '.join(names)}")
         values = {}
         for key, value in mapping.items():
             if key == "eod_documents":
                 if not isinstance(value, bool):
-                    raise PrimusExtError(f"demo.eod_documents must be true or false, got {short_repr(value)}")
+                    raise _demo("demo.eod_documents", f"demo.eod_documents must be true or false, got "
+                                f"{short_repr(value)}")
                 values[key] = value
                 continue
             kind = float if key == "lr" else int
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                raise PrimusExtError(f"demo.{key} must be a number ({kind.__name__}), got {short_repr(value)}")
+                raise _demo(f"demo.{key}", f"demo.{key} must be a number ({kind.__name__}), got {short_repr(value)}")
             values[key] = kind(value)
         opts = cls(**values)
         if opts.steps < 1 or opts.tokens_per_step < 2 or opts.lr <= 0 or opts.vocab_size < 4:
-            raise PrimusExtError("demo: steps >= 1, tokens_per_step >= 2, lr > 0 and vocab_size >= 4 are needed")
+            raise _demo("demo", "demo: steps >= 1, tokens_per_step >= 2, lr > 0 and vocab_size >= 4 are needed")
         if not 2 <= opts.min_doc_len <= opts.max_doc_len <= seq_length:
-            raise PrimusExtError(f"demo: need 2 <= min_doc_len <= max_doc_len <= seq_length ({seq_length}), got "
-                                 f"{opts.min_doc_len}..{opts.max_doc_len}")
+            raise _demo("demo", f"demo: need 2 <= min_doc_len <= max_doc_len <= seq_length ({seq_length}), got "
+                        f"{opts.min_doc_len}..{opts.max_doc_len}")
         return opts
 
 
@@ -117,7 +124,7 @@ def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
 
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if int(yaml_config.get(key) or 1) != 1:
-            raise PrimusExtError(f"the demo runs in one process; set {key}: 1 (got {yaml_config[key]})")
+            raise _demo(key, f"the demo runs in one process; {key} is {yaml_config[key]}", f"set {key}: 1.")
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     values = {**_DEFAULTS, **{k: v for k, v in yaml_config.items() if k in fields}, **_FORCED}
     if values.get("window_size") is not None:

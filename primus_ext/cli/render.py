@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..attention.library import library_name
 from ..backends.exact import mask_from_mask_mod
-from ..errors import PrimusExtError
+from .. import refusals as R
 from ..plan.plan import AttentionPlan
 
 GRID_SIZE = 16
@@ -44,8 +44,7 @@ def _plan_mask(plan: AttentionPlan, positions: Sequence[int]) -> Tensor:
     pos = torch.tensor(positions, dtype=torch.int64)
     if plan.pattern is not None:
         return plan.pattern.allows(pos[:, None], pos[None, :])
-    if plan.mask_mod is None:  # pragma: no cover - build_plan always gives one or the other
-        raise PrimusExtError(f"layer {plan.layer_number}: the plan has neither a pattern nor a mask_mod")
+    assert plan.mask_mod is not None, "build_plan gives a pattern or a mask_mod"
     user_mod = plan.mask_mod
 
     def sampled(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -154,11 +153,11 @@ def write_png(kinds: Sequence[LayerKind], path: str) -> None:
         from matplotlib.colors import ListedColormap
         from matplotlib.patches import Patch
     except ImportError as exc:
-        raise PrimusExtError(
-            f"--picture needs matplotlib ({exc}); install it with pip install 'primus-ext[cli]'"
-        ) from exc
+        raise R.refuse_build(R.CLI_OPTION, option="--picture", what=f"--picture needs matplotlib ({exc})",
+                             alternative="install it with pip install 'primus-ext[cli]'.") from exc
     if not kinds:
-        raise PrimusExtError("--picture: no layer can run, so there is no pattern to draw")
+        raise R.refuse_build(R.CLI_OPTION, option="--picture", what="--picture: no layer can run, so there is no "
+                             "pattern to draw", alternative="fix the refusals check prints first.")
     colours = ["#f2f2f2", "#2b6cb0", "#d69e2e"]  # masked, allowed, sink
     cols = min(len(kinds), 3)
     rows = math.ceil(len(kinds) / cols)

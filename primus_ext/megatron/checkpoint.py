@@ -33,7 +33,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import Reason, UnsupportedConfigError
+from .. import refusals as R
+from ..errors import UnsupportedConfigError
 
 PRIMUS_SINKS = "core_attention.sinks"
 PRIMUS_EXT_SINKS = "core_attention.softmax_offset"
@@ -58,10 +59,7 @@ def primus_to_primus_ext(sinks: Tensor, *, tp_rank: int, tp_size: int, dtype: to
     Exact only for sinks Primus trained at TP 1 (`convert_checkpoint` checks that)."""
     heads = sinks.shape[-1]
     if tp_size < 1 or heads % tp_size or not 0 <= tp_rank < tp_size:
-        raise UnsupportedConfigError(Reason(
-            ("tensor_model_parallel_size", "num_attention_heads"),
-            f"{heads} sink entries cannot be split into {tp_size} tensor-parallel slices (rank {tp_rank}).",
-            "choose a tensor_model_parallel_size that divides num_attention_heads.", "primus-checkpoint-tp"))
+        raise R.refuse_build(R.CHECKPOINT_TP_SPLIT, "checkpoint", heads=heads, tp_size=tp_size, tp_rank=tp_rank)
     n = heads // tp_size
     return sinks[..., tp_rank * n:(tp_rank + 1) * n].to(dtype).clone()
 
@@ -84,7 +82,9 @@ class SinkCheckpoint:
 
 
 def _refused(setting: str, reason: str, alternative: str, code: str) -> UnsupportedConfigError:
-    return UnsupportedConfigError(Reason((setting,), reason, alternative, code), context="checkpoint")
+    found = {"primus-checkpoint-format": R.CHECKPOINT_FORMAT, "primus-checkpoint-tp": R.CHECKPOINT_TP,
+             "primus-checkpoint-sinks": R.CHECKPOINT_SINKS}[code]
+    return R.refuse_build(found, "checkpoint", setting=setting, what=reason, alternative=alternative)
 
 
 def iteration_dir(path: str, step: Optional[int] = None) -> tuple[Path, Optional[str]]:

@@ -33,7 +33,7 @@ from torch import Tensor
 from .. import refusals as R
 from ..attention.heads import mask_on_heads, score_on_heads
 from ..backends.context_parallel import Ulysses
-from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
+from ..errors import UnsupportedConfigError, UnsupportedInputError
 from .call_contract import CONTEXT, MaskCheck, MaskRules
 
 CP_MASK = MaskRules(R.CP_MASK_ON_LAYER, R.CP_MASK_SHAPE, R.CP_MASK_VALUES)
@@ -65,11 +65,7 @@ def _mismatch(configured: int, actual: int) -> UnsupportedConfigError:
         why = (f"context_parallel_size={configured} in the model config, but this rank's context-parallel process "
                f"group has {actual} ranks: megatron-core splits each sequence across them, so the layer would "
                "attend only over this rank's chunks, silently.")
-    return UnsupportedConfigError(Reason(
-        ("context_parallel_size",), why,
-        "initialise megatron-core's parallel state with the config's context_parallel_size "
-        "(parallel_state.initialize_model_parallel(..., context_parallel_size=N)), or pass a pg_collection "
-        "whose cp group has that many ranks.", "B22"), context="Megatron core attention")
+    return R.refuse_build(R.CP_GROUP, "Megatron core attention", why=why)
 
 
 class LayerContextParallel:

@@ -27,8 +27,9 @@ from ..call.checks import (assert_on_device, check_head_dims, check_heads, check
                            check_same_boundaries, empty_result, no_queries)
 from ..call.ops import register_target, run_call
 from ..call.selftest import refuse_failures, self_test, selftest_enabled
-from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
+from ..errors import UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
+from .. import refusals as R
 from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CALL_RULES, CU_DEVICE, MASK_TYPE, MASK_WITH_THD,
                         MISSING_SINK, NO_PACKED_ENTRY, PADDED, PADDED_TYPE, THD_WITHOUT_BOUNDS, TOP_LEFT,
                         WINDOW_ALIGNMENT, refuse)
@@ -60,11 +61,7 @@ def tensor_parallel(config: Any, pg_collection: Any) -> Tuple[int, int]:
         except AssertionError:  # no parallel state: a single rank
             rank = 0
     if not 0 <= rank < size:
-        raise UnsupportedConfigError(Reason(
-            ("tensor_model_parallel_size",), f"this rank is tensor-parallel rank {rank}, but tensor_model_parallel_"
-            f"size={size}: the layer's heads and the head index its hooks see would be another rank's.",
-            "initialise megatron-core's parallel state with the config's tensor_model_parallel_size."),
-            context="Megatron core attention")
+        raise R.refuse_build(R.TP_RANK, "Megatron core attention", rank=rank, size=size)
     return size, rank
 
 

@@ -128,7 +128,7 @@ class RankAgreement:
             own = found.refused
             if own is None:
                 own = next(refusal() for ok, _, refusal in found.device if not bool(ok))
-            raise UnsupportedInputError(own.reasons, context=self.context) from None
+            raise R.refuse_all(own.reasons, context=self.context, at_call=True) from None
         code = _NAMES.get(agreed[refusing], "a refusal of its own")
         raise R.refuse(R.RANK_REFUSED, self.context, rank=refusing, code=code)
 

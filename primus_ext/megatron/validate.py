@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .. import refusals as R
 from ..errors import Reason
 
 FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -37,11 +38,8 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     if "hidden_size" not in values:
         values["hidden_size"] = values["kv_channels"] * heads
     elif "kv_channels" not in values and values["hidden_size"] % heads:
-        return [Reason(("hidden_size", "num_attention_heads", "kv_channels"),
-                       f"hidden_size {values['hidden_size']} is not a multiple of num_attention_heads {heads}, and "
-                       "kv_channels is not set: Megatron-LM refuses it (megatron-core would round the head dim "
-                       f"down to {values['hidden_size'] // heads}).",
-                       "set kv_channels to the head dim, or a hidden_size that the heads divide.")]
+        return [R.HIDDEN_NOT_DIVISIBLE.reason_for(hidden=values['hidden_size'], heads=heads,
+                                                  rounded=values['hidden_size'] // heads)]
     if "window_size" in values:
         values["window_size"] = tuple(values["window_size"])
     dtype = torch.bfloat16 if values.get("bf16") else torch.float16 if values.get("fp16") else torch.float32
@@ -56,9 +54,7 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
         named = tuple(k for k in FIELDS if k in values and config.get(k) is not None and (
             k in text or k.replace("_", " ").removesuffix(" size") in text)) or tuple(
             k for k in FIELDS if config.get(k) is not None)
-        return [Reason(named, f"megatron-core's TransformerConfig refuses these model keys: {exc}",
-                       "choose values megatron-core builds (heads and query groups divisible by "
-                       "tensor_model_parallel_size, ...).", "megatron-config")]
+        return [R.MEGATRON_CONFIG.reason_for(named=named, error=exc)]
     return []
 
 

@@ -19,7 +19,8 @@ from ..backends.dispatch import DENSE, VARLEN, Selection, TurboBuild
 from ..backends.flex_masks import learned_tables
 from ..backends.direct import DirectEntries, choose_direct
 from ..backends.turbo import kernel_build, kernel_selection, load_ops
-from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
+from .. import refusals as R
+from ..errors import Reason, UnsupportedConfigError
 from ..settings import TurboAttentionSettings
 from ..settings.hooks import resolve_hooks
 from .facts import LayerFacts
@@ -188,7 +189,7 @@ def build_plan(
     routes = _kernel_routes(ctx, arch, mask_proof, score_proof, selection, build)
     reasons.extend(route_reasons(routes, facts.packed))
     if reasons:
-        raise UnsupportedConfigError(reasons, context=f"layer {facts.layer_number}" + (
+        raise R.refuse_all(reasons, context=f"layer {facts.layer_number}" + (
             f", {head_range(facts.head_offset, facts.num_heads)} (this tensor-parallel rank's)"
             if facts.head_offset else ""))
 
@@ -318,8 +319,8 @@ def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts, backend: O
             if len(verdicts) < 64:
                 verdicts[key] = reasons
         if reasons:
-            raise UnsupportedInputError(list(reasons), context=f"layer {facts.layer_number}, a call with "
-                                        f"causal={causal}, window_size={window} (the plan's rules, B34)")
+            raise R.refuse_all(reasons, context=f"layer {facts.layer_number}, a call with causal={causal}, "
+                               f"window_size={window} (the plan's rules, B34)", at_call=True)
 
     return bind
 

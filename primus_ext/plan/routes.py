@@ -16,6 +16,7 @@ from ..attention.pattern import Pattern, pattern_from_flash_args
 from ..backends.arch import device_arch, presented
 from ..backends.dispatch import (ARCHES, BUILD_A6A16CD, DEFAULT_ORDER, DENSE, VARLEN, CallFeatures, Route, Selection,
                                  TurboBuild, default_scale, route)
+from .. import refusals as R
 from ..errors import Reason
 from .facts import LayerFacts
 
@@ -36,9 +37,7 @@ def arch_reasons(setting: str) -> list[Reason]:
     device = device_arch()
     if setting == "auto" or device is None or device == setting:
         return []
-    return [Reason(("turbo_arch",), f"turbo_arch: {setting}, but this device is {device}; the plan would check "
-                   f"{setting}'s kernel dispatch while {device}'s kernels run.",
-                   f"set turbo_arch: auto (or {device}) on this machine.", "B33")]
+    return [R.ARCH_NOT_DEVICE.reason_for(setting=setting, device=device)]
 
 
 def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sink: bool, deterministic: bool,

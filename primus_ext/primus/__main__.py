@@ -16,7 +16,8 @@ import os
 import runpy
 import sys
 
-from ..errors import PrimusExtError, UnsupportedConfigError
+from .. import refusals as R
+from ..errors import PrimusExtError
 from ..settings import TurboAttentionSettings
 from ..settings.primus_config import primus_settings, read_experiment
 from ..settings.primus_launch import PATCH_ID, config_argument, patch_environment, patch_filter_reasons
@@ -34,7 +35,7 @@ def _experiment_settings(config: str, environ: dict[str, str]) -> TurboAttention
 def _experiment_flag(config: str | None, environ: dict[str, str]) -> bool:
     """Whether the experiment asks for primus_ext's layers (for the check of the built model)."""
     if config is None:
-        raise UnsupportedConfigError(layer_check.unknown_flag_reason(), context="Primus run, model built")
+        raise R.refuse_all([layer_check.unknown_flag_reason()], context="Primus run, model built")
     return wants_primus_ext(_experiment_settings(config, environ), primus_flex_path())
 
 
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> None:
     reasons = patch_filter_reasons(*patch_environment(config, shell), ids=(PATCH_ID,))
     reasons += _owner_reasons(config, shell)
     if reasons:  # Primus would drop the patch before its condition runs, or the key has two owners
-        raise SystemExit(f"primus_ext.primus: {UnsupportedConfigError(reasons, context='Primus launch')}")
+        raise SystemExit(f"primus_ext.primus: {R.refuse_all(reasons, context='Primus launch')}")
     if not register():
         raise SystemExit("primus_ext.primus: `import primus.core.patches` failed; run this inside Primus's "
                          "environment (docs/primus.md).")

@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import Reason, UnsupportedConfigError
+from .. import refusals as R
+from ..errors import Reason
 from ..settings.primus_owner import gives_key_to_primus, primus_flex_path
 
 _ATTENTION_MODULE = "megatron.core.transformer.attention"
@@ -91,7 +92,7 @@ class LayerCheck:
         if torch.compiler.is_compiling():
             return
         if self._refusal is not None:
-            raise UnsupportedConfigError(self._refusal, context=_CONTEXT)
+            raise R.refuse_all([self._refusal], context=_CONTEXT)
         if module in self._seen:
             return
         attention_type = getattr(sys.modules.get(_ATTENTION_MODULE), "Attention", None)
@@ -108,7 +109,7 @@ class LayerCheck:
                    for name, m in layers if not _ours(getattr(m, "core_attention", None))]
         if foreign and self.wanted():
             self._refusal = _reason(foreign, len(layers))
-            raise UnsupportedConfigError(self._refusal, context=_CONTEXT)
+            raise R.refuse_all([self._refusal], context=_CONTEXT)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -117,28 +118,12 @@ class LayerCheck:
 def _reason(foreign: list[tuple[str, type]], total: int) -> Reason:
     kinds = sorted({f"{cls.__module__}.{cls.__qualname__}" for _, cls in foreign})
     shown = ", ".join(name for name, _ in foreign[:4]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 4 else "")
-    return Reason(
-        ("use_turbo_flex_attention",),
-        f"use_turbo_flex_attention is true, but {len(foreign)} of the model's {total} attention layers were built "
-        f"with another core attention ({', '.join(kinds)}): {shown}. Something between the patch and the model "
-        "(a patch filter, a later patch, a spec, another spec provider) built them another way, and training would "
-        "run an attention the config did not ask for.",
-        "launch through python -m primus_ext.primus with PRIMUS_PATCHES unset (shell and the experiment's env: "
-        "block), no spec: key other than primus_ext.primus.specs, and check the run with primus-ext check "
-        "(docs/primus.md); or set use_turbo_flex_attention: false to train with Primus's own attention.",
-        "primus-layers")
+    return R.FOREIGN_LAYERS.reason_for(count=len(foreign), total=total, kinds=", ".join(kinds), shown=shown)
 
 
 def unknown_flag_reason() -> Reason:
     """No source tells whether the run asks for flex attention, and a layer is not primus_ext's."""
-    return Reason(
-        ("use_turbo_flex_attention", "--config"),
-        "the model's attention layers are not primus_ext's, and nothing tells whether this run asks for them: "
-        "primus_ext's patch condition did not run, no Megatron args are set, and the command line has no --config "
-        "experiment to read use_turbo_flex_attention from.",
-        "launch Primus's own command line (primus/cli/main.py train pretrain --config exp.yaml) through "
-        "python -m primus_ext.primus, or launch without it where primus_ext's layers are not wanted.",
-        "primus-layers")
+    return R.UNKNOWN_FLAG.reason_for()
 
 
 _installed: list[LayerCheck] = []

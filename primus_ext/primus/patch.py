@@ -24,7 +24,8 @@ import sys
 import weakref
 from typing import Any, Callable
 
-from ..errors import Reason, UnsupportedConfigError
+from .. import refusals as R
+from ..errors import Reason
 from ..settings import TurboAttentionSettings
 from ..settings.primus_config import args_settings, run_reasons, switch_reasons
 from ..settings.primus_launch import PATCH_ID, PRIMUS_PROVIDER_PATCH
@@ -81,7 +82,7 @@ def applies(ctx: Any) -> bool:
         reasons += _provider_gates(getattr(ctx, "backend_version", None))
         reasons += run_reasons(_values(args))
     if reasons:
-        raise UnsupportedConfigError(reasons, context="Primus patch")
+        raise R.refuse_all(reasons, context="Primus patch")
     if not wants_primus_ext(settings, primus_flex):  # turbo_flex_attention_owner: primus
         return False
     _provider()
@@ -105,19 +106,11 @@ def _provider_gates(backend_version: Any) -> list[Reason]:
     Skipped, Primus logs it and builds TransformerEngine's attention: here it is refused instead."""
     reasons = []
     if not _importable("primus_turbo"):
-        reasons.append(Reason(
-            ("use_turbo_flex_attention",), "primus_turbo is not importable in this environment: Primus's "
-            f"{PRIMUS_PROVIDER_PATCH} then does not install its spec provider, and the layers would be "
-            "TransformerEngine's, not primus_ext's.",
-            "run in Primus's ROCm container, where Primus-Turbo is installed (docs/primus.md).", "primus-enable"))
+        reasons.append(R.PRIMUS_NO_TURBO.reason_for(patch=PRIMUS_PROVIDER_PATCH))
     version = _leading_ints(backend_version)
     if version is None or version[:2] >= PROVIDER_MEGATRON_BELOW:
-        reasons.append(Reason(
-            ("use_turbo_flex_attention",), f"Primus reports megatron-core {backend_version or '(unknown)'}, and its "
-            f"{PRIMUS_PROVIDER_PATCH} applies only below 0.17: its spec provider would not be installed, and the "
-            "layers would not be primus_ext's.",
-            "use the Megatron-LM that Primus bundles (megatron-core 0.16), or Megatron's own spec argument with "
-            "primus_ext.primus.specs (no patch).", "primus-enable"))
+        reasons.append(R.PRIMUS_MEGATRON_VERSION.reason_for(version=backend_version or '(unknown)',
+                                                             patch=PRIMUS_PROVIDER_PATCH))
     return reasons
 
 
@@ -157,12 +150,8 @@ def _provider() -> Any:
     try:
         return importlib.import_module(SPEC_PROVIDER).PrimusTurboSpecProvider
     except (ImportError, AttributeError) as exc:
-        raise UnsupportedConfigError(Reason(
-            ("use_turbo_flex_attention",), f"Primus's spec provider ({SPEC_PROVIDER}.PrimusTurboSpecProvider) was "
-            f"not found ({type(exc).__name__}: {exc}); the patch could not make it build primus_ext's attention, "
-            "and Primus would train with its own.",
-            "use a Primus version with that spec provider (docs/primus.md), or Megatron's own spec argument with "
-            "primus_ext.primus.specs (no patch).", "primus-provider"), context="Primus patch") from None
+        raise R.refuse_build(R.PRIMUS_PROVIDER, "Primus patch", provider=f"{SPEC_PROVIDER}.PrimusTurboSpecProvider",
+                             error=f"{type(exc).__name__}: {exc}") from None
 
 
 def _core_attention(settings: TurboAttentionSettings) -> Callable[[Any], Any]:

@@ -15,7 +15,8 @@ causes, each with its own wording.
 
 from __future__ import annotations
 
-from .catalogue import (BUILD_REFUSALS, CALL_RULES, CompiledCallRefusal, Refusal, build_rule, refuse, refuse_all,
+from .catalogue import (BUILD_REFUSALS, CALL_RULES, CompiledCallRefusal, Refusal, build_rule, on_ranks, refuse,
+                        refuse_all,
                         refuse_build, refuse_naming, rule)
 from .build import *  # noqa: F401,F403 - the catalogue is one namespace
 from .build import __all__ as _BUILD
@@ -376,6 +377,6 @@ LEARNED_COMPILE = rule(
     "(requires_grad=False).")
 
 
-__all__ = ["BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "refuse",
+__all__ = ["BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "on_ranks", "refuse",
            "refuse_all", "refuse_build", "refuse_naming", "rule",
            "ATTN_PROBS", "HOOK_ASSUMPTION", "HOOK_CHANGED", "MASK_LENGTH", "UNEQUAL_LENGTHS", "UNPLANNED_SINK", "MISSING_SINK", "ALIBI_GRAD", "ALIBI_TWICE", "DENSE_RANK", "PACKED_RANK", "PACKED_EXTRAS", "ATTENTION_BIAS", "MASK_TYPE", "NO_PACKED_ENTRY", "BOUNDS_NOT_THD", "THD_WITHOUT_BOUNDS", "PADDED_TYPE", "PADDED", "MASK_WITH_THD", "WINDOW_ALIGNMENT", "BOTTOM_RIGHT", "TOP_LEFT", "HEADS", "QKV_TYPE", "QKV_DTYPE", "MIXED_DTYPES", "MIXED_DEVICES", "MIXED_RANKS", "QKV_SHAPES", "HEAD_DIM", "PLANNED_DIMS", "BIAS_TYPE", "BIAS_KERNEL", "BIAS_SHAPE", "SINK_TYPE", "SINK_SHAPE", "ALIBI_TYPE", "ALIBI_SHAPE", "ALIBI_DTYPE", "ALIBI_RIGHT", "ALIBI_LENGTHS", "ALIBI_LSE", "PACKED_CALL", "DENSE_CALL", "EOD_DENSE_CALL", "DOCUMENT_MASK_MISSING", "DOCUMENT_MASK_SHAPE", "DOCUMENT_MASK_VALUES", "DOCUMENT_MASK_COUNT", "DROPOUT", "WINDOW", "WINDOW_BOUND", "CU_TYPE", "CU_SHAPE", "CU_DTYPE", "CU_DEVICE", "MAX_SEQLEN_TRACED", "MAX_SEQLEN_TENSOR", "MAX_SEQLEN", "SHARED_BOUNDARIES", "DOCUMENT_COUNT", "EQUAL_MAX_TENSOR", "EQUAL_LENGTHS", "BOUNDARIES", "SCALE", "CAUSAL_FLAG", "DROP_IN_TYPE", "HOOK_FLAGS", "CALL_FLAGS", "TRACED_FLAGS", "LAYOUT", "ROUTE", "DOCUMENTS_BIAS", "DOCUMENT_ALIGNMENT", "FLEX_UNSUPPORTED", "FLEX_DEVICE", "FLEX_TRACE", "FLEX_CPU_GRAD", "FLEX_LEARNED", "HOOK_RAISED", "HOOK_ERRORS", "LEARNED_COMPILE", *_MEGATRON_CALLS, *_BUILD]

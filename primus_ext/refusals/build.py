@@ -90,5 +90,122 @@ PRIMUS_WINDOW = build_rule(
     "sinks (none here), so the key would mean a window under primus_ext and none under Primus.",
     "set use_sink_attention: true for GPT-OSS sinks with the window, or remove sink_sliding_window (a window "
     "without sinks: a mask hook such as primus_ext.attention.masks:sliding_window).")
+# -- the Primus patch's condition (`primus_ext.primus.patch`) ------------------------------------------------
+PRIMUS_NO_TURBO = build_rule(
+    "primus-enable", ("use_turbo_flex_attention",),
+    "primus_turbo is not importable in this environment: Primus's {patch} then does not install its spec provider, "
+    "and the layers would be TransformerEngine's, not primus_ext's.",
+    "run in Primus's ROCm container, where Primus-Turbo is installed (docs/primus.md).")
+PRIMUS_MEGATRON_VERSION = build_rule(
+    "primus-enable", ("use_turbo_flex_attention",),
+    "Primus reports megatron-core {version}, and its {patch} applies only below 0.17: its spec provider would not "
+    "be installed, and the layers would not be primus_ext's.",
+    "use the Megatron-LM that Primus bundles (megatron-core 0.16), or Megatron's own spec argument with "
+    "primus_ext.primus.specs (no patch).")
+PRIMUS_PROVIDER = build_rule(
+    "primus-provider", ("use_turbo_flex_attention",),
+    "Primus's spec provider ({provider}) was not found ({error}); the patch could not make it build primus_ext's "
+    "attention, and Primus would train with its own.",
+    "use a Primus version with that spec provider (docs/primus.md), or Megatron's own spec argument with "
+    "primus_ext.primus.specs (no patch).")
+
+# -- primus_ext's specs for Megatron's spec argument (`primus_ext.primus.specs`) -----------------------------
+SPEC_FOREIGN_MODEL = build_rule(
+    "primus-spec", ("{key}", "spec"),
+    "spec: [primus_ext.primus.specs, {name}] with {key}={value}: {what}; primus_ext's spec is a dense GPT layer, so "
+    "the model would not be the one the config describes.", "{alternative}")
+SPEC_NO_ARGS = build_rule(
+    "primus-spec", ("spec",),
+    "primus_ext.primus.specs.{name} is built from Megatron-LM's parsed arguments (megatron.training.get_args()), "
+    "and none are set in this process.",
+    "use it as Megatron's spec: argument, where the builder asks for it after parsing; in code, build a layer spec "
+    "with primus_ext.megatron.get_gpt_layer_primus_turbo_local_spec(settings, **kwargs).")
+SPEC_LOST_KEYS = build_rule(
+    "primus-spec", ("{*lost}", "spec"),
+    "megatron-core's {function} takes no {lost_text}, which this run sets: the layers would be built without them.",
+    "remove spec: and use the patch (python -m primus_ext.primus), whose provider builds with Megatron's own spec "
+    "functions.")
+SPEC_NO_TE = build_rule(
+    "primus-spec", ("spec",),
+    "primus_ext.primus.specs.{name} needs TransformerEngine, which does not import here ({error}).",
+    "use spec: [primus_ext.primus.specs, gpt_layer_local_spec], or run where TransformerEngine is installed "
+    "(Primus's containers).")
+
+# -- the launcher's check of the built model (`primus_ext.primus.layer_check`) -------------------------------
+FOREIGN_LAYERS = build_rule(
+    "primus-layers", ("use_turbo_flex_attention",),
+    "use_turbo_flex_attention is true, but {count} of the model's {total} attention layers were built with another "
+    "core attention ({kinds}): {shown}. Something between the patch and the model (a patch filter, a later patch, a "
+    "spec, another spec provider) built them another way, and training would run an attention the config did not "
+    "ask for.",
+    "launch through python -m primus_ext.primus with PRIMUS_PATCHES unset (shell and the experiment's env: block), "
+    "no spec: key other than primus_ext.primus.specs, and check the run with primus-ext check (docs/primus.md); or "
+    "set use_turbo_flex_attention: false to train with Primus's own attention.")
+UNKNOWN_FLAG = build_rule(
+    "primus-layers", ("use_turbo_flex_attention", "--config"),
+    "the model's attention layers are not primus_ext's, and nothing tells whether this run asks for them: "
+    "primus_ext's patch condition did not run, no Megatron args are set, and the command line has no --config "
+    "experiment to read use_turbo_flex_attention from.",
+    "launch Primus's own command line (primus/cli/main.py train pretrain --config exp.yaml) through python -m "
+    "primus_ext.primus, or launch without it where primus_ext's layers are not wanted.")
+
+# -- Megatron's modules and their checkpoints (`primus_ext.megatron`) ------------------------------------------
+TP_RANK = build_rule(
+    "tp-rank", ("tensor_model_parallel_size",),
+    "this rank is tensor-parallel rank {rank}, but tensor_model_parallel_size={size}: the layer's heads and the head "
+    "index its hooks see would be another rank's.",
+    "initialise megatron-core's parallel state with the config's tensor_model_parallel_size.")
+CP_GROUP = build_rule(
+    "B22", ("context_parallel_size",), "{why}",
+    "initialise megatron-core's parallel state with the config's context_parallel_size "
+    "(parallel_state.initialize_model_parallel(..., context_parallel_size=N)), or pass a pg_collection whose cp "
+    "group has that many ranks.")
+HIDDEN_NOT_DIVISIBLE = build_rule(
+    "hidden-heads", ("hidden_size", "num_attention_heads", "kv_channels"),
+    "hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and kv_channels is not set: Megatron-LM "
+    "refuses it (megatron-core would round the head dim down to {rounded}).",
+    "set kv_channels to the head dim, or a hidden_size that the heads divide.")
+MEGATRON_CONFIG = build_rule(
+    "megatron-config", ("{*named}",), "megatron-core's TransformerConfig refuses these model keys: {error}",
+    "choose values megatron-core builds (heads and query groups divisible by tensor_model_parallel_size, ...).")
+CHECKPOINT_TP_SPLIT = build_rule(
+    "primus-checkpoint-tp", ("tensor_model_parallel_size", "num_attention_heads"),
+    "{heads} sink entries cannot be split into {tp_size} tensor-parallel slices (rank {tp_rank}).",
+    "choose a tensor_model_parallel_size that divides num_attention_heads.")
+CHECKPOINT_TP = build_rule("primus-checkpoint-tp", ("{setting}",), "{what}", "{alternative}")
+CHECKPOINT_FORMAT = build_rule("primus-checkpoint-format", ("{setting}",), "{what}", "{alternative}")
+CHECKPOINT_SINKS = build_rule("primus-checkpoint-sinks", ("{setting}",), "{what}", "{alternative}")
+
+# -- the installed Primus-Turbo's entries, read by signature (`primus_ext.backends.capabilities`) ---------------
+SINK_ENTRY = build_rule(
+    "sink-entry", ("use_sink_attention",),
+    "a learned sink is configured but the {where} kernel entry `{entry}` of the installed Primus-Turbo has no `sink` "
+    "parameter.", "upgrade Primus-Turbo to a build whose entry takes `sink`, or set use_sink_attention: false.")
+DETERMINISTIC_ENTRY = build_rule(
+    "deterministic-entry", ("deterministic_mode",),
+    "deterministic_mode is on but the {where} kernel entry `{entry}` has no `deterministic` parameter, so "
+    "determinism cannot be requested from it.",
+    "use a Primus-Turbo build whose flex entries take `deterministic`, set turbo_flex_attention_backend: reference, "
+    "or set deterministic_mode: false.")
+
+# -- which kernel takes a layer's calls on the target arch (`primus_ext.backends.dispatch`, `primus_ext.plan.routes`)
+ROUTE_BLOCKED = build_rule("B33", ("{*names}",), "{what}: {problem}.", "{ways}")
+ARCH_NOT_DEVICE = build_rule(
+    "B33", ("turbo_arch",),
+    "turbo_arch: {setting}, but this device is {device}; the plan would check {setting}'s kernel dispatch while "
+    "{device}'s kernels run.", "set turbo_arch: auto (or {device}) on this machine.")
+SELFTEST_FAILED = build_rule(
+    "B33", ("turbo_selftest",),
+    "the self-test of route [{route}] (kernels: {kernels}) failed: {error} (forward {forward}, backward {backward}).",
+    "report it with the route; set turbo_flex_attention_backend: reference meanwhile, or turbo_selftest: false to "
+    "train anyway.")
+
+
+# -- the command line (`primus_ext.cli`) ---------------------------------------------------------------------
+CLI_OPTION = build_rule("cli-option", ("{option}",), "{what}.", "{alternative}")
+MODEL_KEYS_UNREAD = build_rule("model-key", ("{path}",), "cannot read the model keys of {path}: {error}",
+                               "write the model keys as a Megatron YAML gives them (primus-ext check names each).")
+DEMO_KEY = build_rule("demo-key", ("{key}",), "{what}.", "{alternative}")
+
 
 __all__ = sorted(name for name, value in dict(globals()).items() if isinstance(value, Refusal))

@@ -27,9 +27,15 @@ class Refusal:
     alternative: str = ""
 
     def reason_for(self, **values: Any) -> Reason:
-        """The `Reason` with ``values`` filled in; a setting whose template fills in empty is not named."""
-        return Reason(tuple(named for s in self.settings if (named := s.format(**values))), self.reason.format(**values),
-                      self.alternative.format(**values), self.code)
+        """The `Reason` with ``values`` filled in; a setting whose template fills in empty is not named, and one
+        written ``{*name}`` names each of the settings in ``values[name]``."""
+        named: list[str] = []
+        for template in self.settings:
+            if template.startswith("{*") and template.endswith("}"):
+                named.extend(values[template[2:-1]])
+            elif filled := template.format(**values):
+                named.append(filled)
+        return Reason(tuple(named), self.reason.format(**values), self.alternative.format(**values), self.code)
 
 
 CALL_RULES: dict[str, Refusal] = {}
@@ -69,6 +75,17 @@ def refuse_all(reasons: Sequence[Reason], context: str = "", *, at_call: bool = 
     """One error of every reason collected from the catalogues (raise it): a build's, or a call's
     (``at_call``) where a call is refused for what a build would be."""
     return (UnsupportedInputError if at_call else UnsupportedConfigError)(list(reasons), context=context)
+
+
+def on_ranks(reason: Reason, ranks: Sequence[int]) -> Reason:
+    """``reason`` as it holds on some tensor-parallel ranks only, which it names."""
+    return Reason(reason.settings, f"on tensor-parallel rank{'s' if len(ranks) > 1 else ''} "
+                  f"{', '.join(map(str, ranks))}: {reason.reason}", reason.alternative, reason.code)
+
+
+def refuse_compiled(refused: UnsupportedInputError) -> "CompiledCallRefusal":
+    """``refused`` as a call refused while ``torch.compile`` traces it (raise it): see `CompiledCallRefusal`."""
+    return CompiledCallRefusal(list(refused.reasons), context=refused.context)
 
 
 def refuse(found: Refusal, context: str = "", **values: Any) -> UnsupportedInputError:
@@ -118,5 +135,5 @@ def refuse_naming(found: Refusal, settings: tuple[str, ...], context: str = "", 
     return UnsupportedInputError(_naming(found.reason_for(**values), settings), context=context)
 
 
-__all__ = ["BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "refuse", "refuse_all",
+__all__ = ["BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "on_ranks", "refuse", "refuse_all",
            "refuse_build", "refuse_naming", "rule"]

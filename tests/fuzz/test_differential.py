@@ -49,11 +49,11 @@ from .hook_specs import MaskSpec, ScoreSpec, mask_spec, score_spec
 from .strategies import DTYPES, LIB, USER, Case, adapter_cases, bounds_of, megatron_cases
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "refusals.md"
-_BUILD_TABLE, _CALL_TABLE = DOCS.read_text().split("## Refused at call time")[:2]
-DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w.-]+)` \|", _BUILD_TABLE, flags=re.M)) | frozenset(
-    re.findall(r"^\| `([\w.-]+)` \|", _CALL_TABLE.split("## Refused when a hook is resolved")[0], flags=re.M)) | frozenset(
+_CALL_TABLE = DOCS.read_text().split("## Refused at call time")[1]
+DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([\w.-]+)` \|", DOCS.read_text(), flags=re.M)) | frozenset(
     re.findall(r"\b(B\d+(?:-[\w]+)?)\b", _CALL_TABLE.split("## Refused when a hook is resolved")[0]))
-"""Codes of the build-time rule table and of the call-time table, and the behaviour codes it cites."""
+"""Codes of every table of docs/refusals.md (the build-time rule table, the call-time table, the build-time
+refusals outside a layer's table), and the behaviour codes the call-time section cites."""
 AWAITED = frozenset({"cp-heads"})
 """Rules predicted only when docs/refusals.md lists them (added with the CP direct path)."""
 HOOK_PROBE = 8  # hooks are first called on a (2, 2, 8, 8) index grid when settings are resolved

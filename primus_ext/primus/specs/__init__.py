@@ -29,7 +29,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from ...errors import Reason, UnsupportedConfigError, short_repr
+from ... import refusals as R
+from ...errors import Reason, short_repr
+
+_CONTEXT = "primus_ext.primus.specs"
 
 SPECS = ("gpt_layer_local_spec", "gpt_layer_te_spec")
 _FROM_ARGS = {
@@ -75,10 +78,8 @@ def _refusals(name: str, args: Any) -> list[Reason]:
     )
     for key, hit, what in checks:
         if hit:
-            reasons.append(Reason(
-                (key, "spec"), f"spec: [primus_ext.primus.specs, {name}] with {key}={short_repr(getattr(args, key))}: "
-                f"{what}; primus_ext's spec is a dense GPT layer, so the model would not be the one the config "
-                "describes.", alternative, "primus-spec"))
+            reasons.append(R.SPEC_FOREIGN_MODEL.reason_for(key=key, name=name, value=short_repr(getattr(args, key)),
+                                                           what=what, alternative=alternative))
     return reasons
 
 
@@ -88,26 +89,18 @@ def build_spec(name: str, args: Any) -> Any:
     from ...megatron.specs import PrimusTurboLocalSpecProvider
 
     if args is None:
-        raise UnsupportedConfigError(Reason(
-            ("spec",), f"primus_ext.primus.specs.{name} is built from Megatron-LM's parsed arguments "
-            "(megatron.training.get_args()), and none are set in this process.",
-            "use it as Megatron's spec: argument, where the builder asks for it after parsing; in code, build a "
-            "layer spec with primus_ext.megatron.get_gpt_layer_primus_turbo_local_spec(settings, **kwargs).",
-            "primus-spec"), context="primus_ext.primus.specs")
+        raise R.refuse_build(R.SPEC_NO_ARGS, _CONTEXT, name=name)
     reasons = _refusals(name, args)
     if reasons:
-        raise UnsupportedConfigError(reasons, context="primus_ext.primus.specs")
+        raise R.refuse_all(reasons, context=_CONTEXT)
     function = _spec_function(name)
     parameters = inspect.signature(function).parameters
     open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     kwargs = {key: getattr(args, key) for key in _FROM_ARGS[name] if getattr(args, key, None) is not None}
     lost = [key for key, value in kwargs.items() if key not in parameters and not open_kwargs and value]
     if lost:  # a megatron-core whose spec function has another signature: never drop a setting
-        raise UnsupportedConfigError(Reason(
-            (*lost, "spec"), f"megatron-core's {function.__name__}{inspect.signature(function)} takes no "
-            f"{', '.join(lost)}, which this run sets: the layers would be built without them.",
-            "remove spec: and use the patch (python -m primus_ext.primus), whose provider builds with Megatron's own "
-            "spec functions.", "primus-spec"), context="primus_ext.primus.specs")
+        raise R.refuse_all([R.SPEC_LOST_KEYS.reason_for(function=f"{function.__name__}{inspect.signature(function)}",
+                                                    lost=lost, lost_text=", ".join(lost))], context=_CONTEXT)
     kwargs = {key: value for key, value in kwargs.items() if key in parameters or open_kwargs}
     core = (primus_turbo_te_core_attention(None) if name == "gpt_layer_te_spec"
             else PrimusTurboLocalSpecProvider(None).core_attention())
@@ -122,11 +115,7 @@ def __getattr__(name: str) -> Any:
     try:
         spec = build_spec(name, megatron_args())
     except ImportError as exc:  # an AttributeError here would become Megatron's bare KeyError
-        raise UnsupportedConfigError(Reason(
-            ("spec",), f"primus_ext.primus.specs.{name} needs TransformerEngine, which does not import here "
-            f"({type(exc).__name__}: {exc}).", "use spec: [primus_ext.primus.specs, gpt_layer_local_spec], or run "
-            "where TransformerEngine is installed (Primus's containers).", "primus-spec"),
-            context="primus_ext.primus.specs") from None
+        raise R.refuse_build(R.SPEC_NO_TE, _CONTEXT, name=name, error=f"{type(exc).__name__}: {exc}") from None
     globals()[name] = spec  # Megatron's import_module reads it with vars() right after
     return spec
 

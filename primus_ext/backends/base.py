@@ -43,15 +43,28 @@ class KernelCall:
     flash_args: Optional[Tuple[bool, Tuple[int, int]]] = None
 
 
+HOOKS_EVALUATED = "evaluated"
+"""A backend that calls a user hook itself, as torch calls it, on every call (exact for any hook)."""
+HOOKS_TRACED = "traced"
+"""A backend that traces a user hook into its kernel (torch's FlexAttention): any admitted hook, not a dynamic one."""
+HOOKS_PROVEN = "proven"
+"""Fixed kernels: a user hook runs only when proven equal, for every batch, head and position, to a mask they
+compute (the plan's hook rules refuse any other)."""
+TURBO_DISPATCH = "primus-turbo"
+"""Primus-Turbo's dispatch model (`primus_ext.backends.dispatch`): which kernel takes a call, per arch."""
+
+
 @dataclass(frozen=True)
 class BackendCapabilities:
-    """What a backend can run; read by the plan's rules at build time.
+    """What a backend can run, declared as data; the plan's rules read it at build time and the call path at
+    every call (no rule compares a backend's name).
 
     Entry names are those of the installed kernels (``None`` when absent).
     """
 
     name: str
-    runs_any_mask: bool
+    hooks: str
+    """How the backend computes a user hook: `HOOKS_EVALUATED`, `HOOKS_TRACED` or `HOOKS_PROVEN`."""
     softcap: bool
     dense_entry: Optional[str] = None
     packed_entry: Optional[str] = None
@@ -60,7 +73,21 @@ class BackendCapabilities:
     sink_packed: bool = True
     deterministic_dense: bool = True
     deterministic_packed: bool = True
+    dropout: bool = True
+    """It draws attention dropout."""
+    deterministic_backward: bool = True
+    """Its backward is shown deterministic where ``deterministic`` is asked (an entry may still lack the flag)."""
+    learned_tables: bool = True
+    """Autograd reaches the tensors a hook captures (a learned bias table trains)."""
+    dispatch: Optional[str] = None
+    """The dispatch model that routes its calls to kernels per arch (`TURBO_DISPATCH`), or None: the plan then
+    checks the routes of that model at build (B33) and lays tensors out for its kernels."""
     notes: Tuple[str, ...] = field(default=())
+
+    @property
+    def runs_any_mask(self) -> bool:
+        """It computes every mask exactly, a hook's included (it evaluates or traces hooks itself)."""
+        return self.hooks != HOOKS_PROVEN
 
 
 class AttentionBackend(Protocol):

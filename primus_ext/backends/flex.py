@@ -35,7 +35,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from .. import refusals as R
 from ..attention.pattern import Pattern
-from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
+from .base import HOOKS_TRACED, AttentionBackend, BackendCapabilities, KernelCall, Output
 from .flex_cache import BLOCK_MASKS, BlockMaskCache, boundary_state
 from .flex_masks import (captured_bytes, captured_state, document_mod, in_score_dtype, learned_in, learned_tensors,
                          pattern_mod, reads_argument, user_hook, with_alibi)
@@ -80,13 +80,16 @@ class FlexBackend(AttentionBackend):
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(
             name=self.name,
-            runs_any_mask=True,
+            hooks=HOOKS_TRACED,
             softcap=True,
             dense_entry="torch flex_attention",
             packed_entry="torch flex_attention (document mask)",
             direct_entry=None,
             deterministic_dense=False,
             deterministic_packed=False,
+            dropout=False,  # torch's flex_attention has no dropout
+            deterministic_backward=False,  # not shown deterministic
+            learned_tables=False,  # its captured-buffer gradient is not shown here
             notes=("BlockMasks built once per key and shared by every layer",),
         )
 

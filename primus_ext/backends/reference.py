@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import blockwise, exact
-from .base import AttentionBackend, BackendCapabilities, KernelCall, Output, same_tensor
+from .base import HOOKS_EVALUATED, AttentionBackend, BackendCapabilities, KernelCall, Output, same_tensor
 from .base import CallArgs, kernel_rng
 
 
@@ -35,7 +35,7 @@ class ReferenceBackend(AttentionBackend):
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(
             name=self.name,
-            runs_any_mask=True,
+            hooks=HOOKS_EVALUATED,
             softcap=True,
             dense_entry="torch (exact)",
             packed_entry="torch (exact, per document)",

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..attention.pattern import Pattern
 from ..refusals import DOCUMENT_ALIGNMENT, DOCUMENTS_BIAS, refuse
-from .base import AttentionBackend, BackendCapabilities, KernelCall, Output
+from .base import HOOKS_PROVEN, TURBO_DISPATCH, AttentionBackend, BackendCapabilities, KernelCall, Output
 from .check_op import check_same_boundaries
 from .call_route import CallRoutes
 from .capabilities import entry_accepts, entry_name, sink_kwargs_for, without_defaults
@@ -97,7 +97,7 @@ class TurboBackend(AttentionBackend):
         varlen = self.flash_varlen
         return BackendCapabilities(
             name=self.name,
-            runs_any_mask=False,
+            hooks=HOOKS_PROVEN,
             softcap=False,
             dense_entry=entry_name(self.direct),
             packed_entry=entry_name(varlen),
@@ -106,6 +106,8 @@ class TurboBackend(AttentionBackend):
             sink_packed=entry_accepts(varlen, "sink"),
             deterministic_dense=entry_accepts(self.direct, "deterministic"),
             deterministic_packed=entry_accepts(varlen, "deterministic"),
+            learned_tables=False,  # a fixed kernel computes no gradient for what a hook captures
+            dispatch=TURBO_DISPATCH,
         )
 
     def kernel_pair(self, a: CallArgs, call: KernelCall, routes: Optional[CallRoutes]) -> Optional[KernelPair]:

@@ -14,7 +14,7 @@ from ..hooks.crosscheck import as_torch_calls, range_problem, torch_call_problem
 from ..attention.library import is_library_mask
 from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
-from ..backends.base import BackendCapabilities
+from ..backends.base import HOOKS_PROVEN, BackendCapabilities
 from ..backends.dispatch import DENSE, VARLEN, Selection, TurboBuild
 from ..backends.flex_masks import learned_tables
 from ..backends.direct import DirectEntries, choose_direct
@@ -92,7 +92,7 @@ def _auto_for_hooks(settings: TurboAttentionSettings, facts: LayerFacts, chosen:
     if learned:
         return ("reference", "auto: the hooks capture tensors that require grad; autograd through the hook "
                 "trains them on reference only", *reference[2:])
-    if name == "turbo" and not problem:
+    if caps is not None and caps.hooks == HOOKS_PROVEN and not problem:
         ctx = RuleInput(settings=settings, facts=facts, backend=name, caps=caps, window=layer_window(settings, facts),
                         mask_proof=mask_proof, score_proof=score_proof)
         unproven = sorted({r.code for r in failing_reasons(ctx) if r.code in HOOK_RULES})
@@ -301,7 +301,9 @@ def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts, backend: O
     (``chosen``: ``auto`` is not chosen again for a call, which runs where the layer runs), memoised."""
     verdicts: dict[Tuple[bool, Tuple[int, int]], tuple] = {}
     # the call's window is the only window
-    unwindowed = settings.replace(sink_sliding_window=0, turbo_flex_attention_backend=chosen)
+    # a backend the caller gave is passed on as it is (its name need not be a setting's value)
+    unwindowed = settings.replace(sink_sliding_window=0, **(
+        {} if backend is not None else {"turbo_flex_attention_backend": chosen}))
 
     def bind(causal: bool, window: Tuple[int, int]) -> None:
         key = (causal, window)

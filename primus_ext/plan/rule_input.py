@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
-from ..backends.base import BackendCapabilities
+from ..backends.base import HOOKS_PROVEN, HOOKS_TRACED, TURBO_DISPATCH, BackendCapabilities
 from ..backends.direct import DirectEntries
 from ..errors import Reason, short_repr
 from ..hooks.proof import MaskProof, ScoreProof
@@ -56,9 +56,24 @@ class RuleInput:
         return self.turbo_path and not self.flex
 
     @property
+    def fixed_kernels(self) -> bool:
+        """The flex path runs on fixed kernels: a hook runs only where proven (its backend declares
+        `HOOKS_PROVEN`)."""
+        return self.flex and self.caps is not None and self.caps.hooks == HOOKS_PROVEN
+
+    @property
     def on_turbo(self) -> bool:
-        """The flex path runs on Primus-Turbo kernels (so masks must be recognised)."""
-        return self.flex and self.backend == "turbo" and self.caps is not None
+        """The flex path runs on kernels routed by Primus-Turbo's dispatch model (its facts per arch apply)."""
+        return self.fixed_kernels and self.caps.dispatch == TURBO_DISPATCH  # type: ignore[union-attr]
+
+    @property
+    def traced_hooks(self) -> bool:
+        """The flex path's backend traces hooks into its kernel (torch's FlexAttention)."""
+        return self.flex and self.caps is not None and self.caps.hooks == HOOKS_TRACED
+
+    def lacks(self, capability: str) -> bool:
+        """The flex path's backend declares it does not have ``capability`` (a `BackendCapabilities` flag)."""
+        return self.flex and self.caps is not None and not getattr(self.caps, capability)
 
     @property
     def sink(self) -> bool:

@@ -30,11 +30,6 @@ def _dense_documents(c: "RuleInput") -> bool:
     return bool(c.settings.reset_attention_mask) and c.facts.packed is not True and c.facts.megatron_mask
 
 
-def _on_flex(c: "RuleInput") -> bool:
-    """The flex path runs on torch's FlexAttention (`primus_ext.backends.flex`)."""
-    return c.flex and c.backend == "flex"
-
-
 def _score_kind(ctx: RuleInput) -> str:
     return ctx.score_proof.kind if ctx.score_proof else "identity"
 
@@ -67,7 +62,7 @@ RULES: Tuple[Rule, ...] = (
          "turbo_flex_attention_backend asks for Primus-Turbo, but it cannot be used: {problem}",
          "install Primus-Turbo (ROCm), or set turbo_flex_attention_backend: reference "
          "(exact torch math, any device) or auto.",
-         lambda c: c.flex and c.backend == "turbo" and c.caps is None),
+         lambda c: c.flex and c.caps is None),
     Rule("layer-shape", ("num_attention_heads", "num_query_groups", "kv_channels", "seq_length"),
          "the layer has {heads} query heads, {kv_heads} key/value heads, head dims {head_dim} (q, k) and "
          "{head_dim_v} (v) and seq_length {seq_length}: each must be at least 1 (seq_length may be unset).",
@@ -231,7 +226,7 @@ RULES: Tuple[Rule, ...] = (
          "set turbo_flex_attention_backend: reference, which evaluates the hook itself at every "
          "call; pack per-batch documents as THD (packed_seq_params with cu_seqlens); or write "
          "the mask with primus_ext.attention.masks.",
-         lambda c: c.on_turbo and c.mask_proof is not None and c.mask_proof.pattern is None),
+         lambda c: c.fixed_kernels and c.mask_proof is not None and c.mask_proof.pattern is None),
     Rule("torch-call", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
          "{torch_call}; torch's FlexAttention calls a hook that way (under torch.vmap, with 0-d indices), so no "
          "backend can compute what it means (B31).",
@@ -242,13 +237,13 @@ RULES: Tuple[Rule, ...] = (
          "the score hook {score} is a logit softcap ({score_why}); no Primus-Turbo dense or varlen backward "
          "supports softcap.",
          "set turbo_flex_attention_backend: reference, or remove the softcap.",
-         lambda c: c.on_turbo and _score_kind(c) == "softcap"),
+         lambda c: c.lacks("softcap") and _score_kind(c) == "softcap"),
     Rule("B31-score", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
          "the score hook {score} is not proven to be the identity or ALiBi (the only score_mods "
          "Primus-Turbo runs) for every head, position and score: it {score_why}.",
          "set turbo_flex_attention_backend: reference, which evaluates the hook itself at every "
          "call, or use an ALiBi score_mod (score + slope[h] * (kv_idx - q_idx)).",
-         lambda c: c.on_turbo and _score_kind(c) == "other"),
+         lambda c: c.fixed_kernels and _score_kind(c) == "other"),
     Rule("B35", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
          "the ALiBi score hook {score} on a mask reaching right of the diagonal ({alibi_masks}): Primus-Turbo's "
          "ALiBi kernels (AITER's CK fmha, and its Triton kernels with a sink) add the symmetric -slope * |q - kv| "
@@ -262,12 +257,12 @@ RULES: Tuple[Rule, ...] = (
          "`sink` parameter; the sink would be dropped.",
          "upgrade Primus-Turbo, set turbo_flex_attention_backend: reference, or "
          "use_sink_attention: false.",
-         lambda c: c.on_turbo and c.sink and c.may_dense and not c.caps.sink_dense),  # type: ignore[union-attr]
+         lambda c: c.fixed_kernels and c.sink and c.may_dense and not c.caps.sink_dense),  # type: ignore[union-attr]
     Rule("B13-packed", ("use_sink_attention",),
          "a learned sink is configured but the packed entry ({packed_entry}) has no `sink` "
          "parameter; packed batches would drop it.",
          "upgrade Primus-Turbo, set turbo_flex_attention_backend: reference, or train unpacked.",
-         lambda c: c.on_turbo and c.sink and not c.caps.sink_packed  # type: ignore[union-attr]
+         lambda c: c.fixed_kernels and c.sink and not c.caps.sink_packed  # type: ignore[union-attr]
          and (c.facts.packed is True or _documents_hook(c) or _dense_documents(c))),
     Rule("sink-shape", ("use_sink_attention", "kv_channels"),
          "Primus-Turbo's sink kernel wants equal q/k and v head dims and a power-of-two head dim "
@@ -282,7 +277,7 @@ RULES: Tuple[Rule, ...] = (
          "`deterministic` parameter.",
          "use a Primus-Turbo build whose flex entries take `deterministic`, set "
          "turbo_flex_attention_backend: reference, or deterministic_mode: false.",
-         lambda c: c.on_turbo and c.settings.deterministic_mode and c.may_dense
+         lambda c: c.fixed_kernels and c.settings.deterministic_mode and c.may_dense
          and c.caps.dense_entry is not None and not c.caps.deterministic_dense),  # type: ignore[union-attr]
     # torch's FlexAttention (`primus_ext.backends.flex`): what it does not compute is refused.
     Rule("flex-dynamic", ("turbo_flex_attention_backend", "turbo_flex_attention_mask_mod",
@@ -292,7 +287,7 @@ RULES: Tuple[Rule, ...] = (
          "it is no safer there than on a fixed kernel.",
          "set turbo_flex_attention_backend: reference (evaluates the hook as torch calls it) or auto (which does), "
          "or rewrite the hook inside the provable subset (docs/mask_hooks.md).",
-         lambda c: _on_flex(c) and bool(dynamic_hooks(c))),
+         lambda c: c.traced_hooks and bool(dynamic_hooks(c))),
     Rule("hook-range", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod", "num_attention_heads"),
          "{hook_range} of layer {layer}: what the hook reads per head does not cover the layer's heads, so every "
          "call would fail or read past its table.",
@@ -306,7 +301,7 @@ RULES: Tuple[Rule, ...] = (
          "silently not train.",
          "set turbo_flex_attention_backend: reference (or auto, which picks it; eager only: under torch.compile the "
          "call is refused, B34.learned-compile), or freeze the table (requires_grad=False).",
-         lambda c: c.flex and c.learned > 0 and c.backend in ("turbo", "flex")),
+         lambda c: c.lacks("learned_tables") and c.learned > 0),
     # In a Megatron model a learned table trains only as a parameter of the model: primus_ext registers
     # the hooks' torch.nn.Parameter tables on the layer (`primus_ext.megatron.hook_tables`).
     Rule("hook-learned-param", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
@@ -320,19 +315,19 @@ RULES: Tuple[Rule, ...] = (
          "attention_dropout={dropout} on the flex backend: torch's flex_attention has no dropout; it would be "
          "ignored.",
          "set attention_dropout: 0.0, or turbo_flex_attention_backend: reference (exact dropout) or auto.",
-         lambda c: _on_flex(c) and c.facts.attention_dropout > 0.0),
+         lambda c: c.lacks("dropout") and c.facts.attention_dropout > 0.0),
     Rule("flex-deterministic", ("deterministic_mode", "turbo_flex_attention_backend"),
          "deterministic_mode on the flex backend: torch's flex_attention backward is not shown to be "
          "deterministic (its kernels accumulate gradients across blocks).",
          "set turbo_flex_attention_backend: reference (deterministic torch math) or auto, or "
          "deterministic_mode: false.",
-         lambda c: _on_flex(c) and c.settings.deterministic_mode),
+         lambda c: c.lacks("deterministic_backward") and c.settings.deterministic_mode),
     Rule("B24-packed", ("deterministic_mode",),
          "deterministic_mode is on but the packed entry ({packed_entry}) has no `deterministic` "
          "parameter.",
          "use a Primus-Turbo build whose flex entries take `deterministic`, set "
          "turbo_flex_attention_backend: reference, or deterministic_mode: false.",
-         lambda c: c.on_turbo and c.settings.deterministic_mode and c.may_pack
+         lambda c: c.fixed_kernels and c.settings.deterministic_mode and c.may_pack
          and c.caps.packed_entry is not None and not c.caps.deterministic_packed),  # type: ignore[union-attr]
     Rule("arch-unmodelled", ("turbo_arch",),
          "the device is {arch}; Primus-Turbo's kernel dispatch is modelled for " + " and ".join(ARCHES)

@@ -160,8 +160,8 @@ def _per_call(fn: Callable[[], Any], number: int, repeats: int = 7) -> float:
 
 def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
     """The pieces of the prepared-call path for a dense and a packed causal call, each timed alone (us)."""
-    from primus_ext.call.checks import boundaries_proven
-    from primus_ext.call.prepared import _boundaries_like, call_key
+    from primus_ext.call.checks import boundaries_proven, check_packed
+    from primus_ext.call.prepared import call_key
 
     q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
     outputs.dense = torch.empty_like(q)
@@ -197,7 +197,8 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
         ("packed: whole adapter call", lambda: packed.varlen(tq, tk, tv, cu, cu, longest, longest, **kw)),
         ("packed: direct varlen stub call (the baseline)", lambda: varlen(tq, tk, tv, cu, cu, longest, longest,
                                                                           **kw)),
-        ("packed: boundary tensor's type, dtype, rank, length, device", lambda: _boundaries_like(cu, tq.device)),
+        ("packed: the boundaries' whole check (check_packed, as the full path)", lambda: check_packed(
+            tq, tk, cu, cu, longest, longest, kv="k")),
         ("packed: boundary values found proven (shared facts)", lambda: boundaries_proven(cu, SEQ, longest)),
         ("packed: bound kernel runner incl. the stub", lambda: pprepared.run(tq, tk, tv, cu, cu, longest, longest,
                                                                               None)),

@@ -356,3 +356,52 @@ def test_held_a_freed_boundary_tensor_at_a_reused_address():
     bad = _cu(0, 9, 11)
     _assert_same(_attempt(lambda: run.varlen(q, k, v, bad, bad, 7, 7)),
                  _attempt(lambda: adapter(s, layer).varlen(q, k, v, bad, bad, 7, 7)))
+
+
+# ------------------------------------------------------------------------------------------------
+# One boundary check for the hit and the full path (`check_packed`, no shortcut copy)
+# ------------------------------------------------------------------------------------------------
+
+_MALFORMED = {
+    "float boundaries": lambda cu: cu.float(),
+    "two-dimensional": lambda cu: cu.reshape(1, -1),
+    "one entry": lambda cu: cu[:1],
+    "not starting at 0": lambda cu: cu + 1,
+    "past the tokens": lambda cu: torch.cat([cu[:-1], cu[-1:] + 5]),
+    "decreasing": lambda cu: cu.flip(0),
+    "a list": lambda cu: cu.tolist(),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change", sorted(_MALFORMED))
+def test_a_prepared_packed_call_refuses_what_the_full_path_refuses(backend, change):
+    """After a warm hit, boundaries changed in every way the full path refuses give the same verdict from the
+    cached adapter as from a fresh one (the hit runs the full path's `check_packed`)."""
+    layer = facts(packed=True)
+    with fake_primus_turbo():
+        plan = build_plan(settings(turbo_flex_attention_backend=backend), layer)
+        q, k, v = packed_qkv(12)
+        cu = _cu(0, 5, 12)
+        cached = TurboFlexAttention(plan)
+        _warm_packed(cached, q, k, v, cu, cu, None, None)
+        bad = _MALFORMED[change](cu.clone())
+        got = _attempt(lambda: cached.varlen(q, k, v, bad, bad, None, None))
+        want = _attempt(lambda: TurboFlexAttention(plan).varlen(q, k, v, bad, bad, None, None))
+    assert got[0] == "refused"
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_boundaries_are_served_from_the_cache(backend):
+    """torch's default integer boundaries are cast for the kernels on the hit path too (the full path's check),
+    so a loader that makes them int64 no longer takes the full path at every call."""
+    layer = facts(packed=True)
+    with fake_primus_turbo():
+        run = adapter(settings(turbo_flex_attention_backend=backend), layer)
+        q, k, v = packed_qkv(12)
+        cu = torch.tensor([0, 5, 12], dtype=torch.int64)
+        outs = [run.varlen(q, k, v, cu, cu, None, None) for _ in range(3)]
+    assert (run.calls.misses, run.calls.hits) == (1, 2)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)

@@ -120,9 +120,9 @@ class TurboFlexAttention:
         run = target.runner(call, dense=not packed)  # what the op's eager side runs too (`PlanTarget.run`)
         out = run(a.q, a.k, a.v, a.sink) if not packed else run(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv,
                                                                  a.sink)
-        if key is not None and _int32_boundaries(raw, packed):
+        if key is not None:
             self.calls.put(key, Prepared(
-                run, raw.sink, self._target.assumptions, device=a.q.device, same_cu=raw.cu_q is raw.cu_kv,
+                run, raw.sink, self._target.assumptions, same_cu=raw.cu_q is raw.cu_kv,
                 max_given=(raw.max_q is not None, raw.max_kv is not None) if packed else (),
                 equal_documents=self.plan.equal_documents))
         return out
@@ -224,12 +224,6 @@ class TurboFlexAttention:
         if slopes is None:
             slopes = self._slopes[q.device] = torch.tensor(planned, dtype=torch.float32, device=q.device)
         return slopes
-
-
-def _int32_boundaries(raw: CallArgs, packed: bool) -> bool:
-    """A packed call's boundaries as the kernels take them (int32 tensors): what a prepared call
-    checks by metadata alone; int64 ones are cast on the full path every time."""
-    return not packed or all(type(cu) is Tensor and cu.dtype is torch.int32 for cu in (raw.cu_q, raw.cu_kv))
 
 
 __all__ = ["TurboFlexAttention"]

@@ -6,8 +6,9 @@ compared by value with no host read.  So a call whose key was checked once goes 
 to the runner prepared for it (the backend's kernel entry with its keyword arguments
 bound).  What the key cannot hold is checked again at every hit:
 
-* packed boundaries are values: their on-device check runs once per tensor, shared by
-  every layer (`primus_ext.call.facts`), and ``max_seqlen`` is read as passed;
+* packed boundaries are values: they go through the full path's own check (`check_packed`, one
+  implementation), whose on-device value check runs once per tensor, shared by every layer
+  (`primus_ext.call.facts`), and ``max_seqlen`` is read as passed;
 * a hook proof that rests on a module global or a captured tensor re-checks them
   (`primus_ext.hooks.trace.Assumption`): a broken one takes the full path,
   which refuses.
@@ -25,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .checks import INT32_MAX, assert_boundaries, boundaries_proven
+from .checks import check_packed
 
 Runner = Callable[..., Any]
 LIMIT = 16
@@ -66,14 +67,14 @@ def call_key(scalars: tuple, q: Any, k: Any, v: Any, sink: Any, packed: bool) ->
 class Prepared:
     """One checked call: the runner that makes it again and what a hit must still check."""
 
-    __slots__ = ("run", "cast_sink", "assumptions", "same_cu", "max_given", "equal_documents", "device")
+    __slots__ = ("run", "cast_sink", "assumptions", "same_cu", "max_given", "equal_documents")
 
-    def __init__(self, run: Runner, sink: Optional[Tensor], assumptions: tuple = (), *, device: Any = None,
-                 same_cu: bool = False, max_given: tuple = (), equal_documents: bool = False) -> None:
+    def __init__(self, run: Runner, sink: Optional[Tensor], assumptions: tuple = (), *, same_cu: bool = False,
+                 max_given: tuple = (), equal_documents: bool = False) -> None:
         self.run = run
         self.cast_sink = sink is not None and sink.dtype is not torch.float32  # fp32 for the kernels (B12)
         self.assumptions = assumptions
-        self.device, self.same_cu, self.max_given, self.equal_documents = device, same_cu, max_given, equal_documents
+        self.same_cu, self.max_given, self.equal_documents = same_cu, max_given, equal_documents
 
     def holds(self) -> bool:
         """Whether every value a hook proof rests on is as it was."""
@@ -89,49 +90,24 @@ class Prepared:
 
     def packed(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], cu_q: Any, cu_kv: Any, max_q: Any,
                max_kv: Any) -> Any:
-        """Like `dense`, for a thd call: the boundaries as passed are checked as the full path checks
-        them (their values once per tensor and state, shared by every layer: `primus_ext.call.facts`)."""
-        same = cu_q is cu_kv
-        if same is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
+        """Like `dense`, for a thd call: the boundaries as passed go through the full path's own check
+        (`check_packed`: their values once per tensor and state, shared by every layer, `primus_ext.call.facts`),
+        which refuses here what it refuses there.  What the runner was prepared for (one boundary tensor or two,
+        ``max_seqlen`` given or not) and what the full path checks before the boundaries (tokens) take it."""
+        if (cu_q is cu_kv) is not self.same_cu or (max_q is not None, max_kv is not None) != self.max_given:
             return MISS
-        tokens_q, tokens_kv = q.shape[0], k.shape[0]
-        if tokens_q == 0 or tokens_kv != v.shape[0] or not _boundaries_like(cu_q, self.device):
+        if q.shape[0] == 0 or k.shape[0] != v.shape[0]:  # no queries, or a k / v refusal of the full path
             return MISS
-        if same:
-            if tokens_kv != tokens_q:  # one boundary tensor cannot describe two token counts
-                return MISS
-        elif not (_boundaries_like(cu_kv, self.device) and cu_kv.shape == cu_q.shape):
-            return MISS
-        longest_q = tokens_q if max_q is None else max_q
-        longest_kv = tokens_kv if max_kv is None else max_kv
-        if not (_positive_int(longest_q) and _positive_int(longest_kv)):
-            return MISS
-        if self.equal_documents:
-            documents = cu_q.shape[0] - 1
-            if documents * longest_q != tokens_q or documents * longest_kv != tokens_kv:
-                return MISS  # the full path refuses it (B36)
+        cu_q, cu_kv, max_q, max_kv = check_packed(q, k, cu_q, cu_kv, max_q, max_kv,
+                                                  equal_documents=self.equal_documents, kv="k")
         if self.assumptions and not self.holds():
             return MISS
-        # The values, checked by `assert_boundaries` where they are not proven already.
-        if not boundaries_proven(cu_q, tokens_q, longest_q):
-            assert_boundaries("cu_seqlens_q", cu_q, tokens_q, longest_q)
-        if not same and not boundaries_proven(cu_kv, tokens_kv, longest_kv):
-            assert_boundaries("cu_seqlens_k", cu_kv, tokens_kv, longest_kv)
-        return self.run(q, k, v, cu_q, cu_kv, longest_q, longest_kv,
+        return self.run(q, k, v, cu_q, cu_kv, max_q, max_kv,
                         sink.float() if self.cast_sink else sink)  # type: ignore[union-attr]
 
 
 MISS = object()
 """What `Prepared.dense` / `Prepared.packed` return when the call must take the full path."""
-
-
-def _boundaries_like(cu: Any, device: Any) -> bool:
-    return (type(cu) is Tensor and cu.dtype is torch.int32 and cu.dim() == 1 and cu.shape[0] >= 2
-            and cu.device == device)
-
-
-def _positive_int(value: Any) -> bool:
-    return type(value) is int and 1 <= value <= INT32_MAX
 
 
 class PreparedCalls:

@@ -201,6 +201,8 @@ def check_scale(scale: Any) -> Optional[float]:
 
 
 def _boundaries(name: str, cu: Any, device: torch.device) -> Tensor:
+    if type(cu) is Tensor and cu.dtype is torch.int32 and cu.dim() == 1 and cu.shape[0] >= 2 and cu.device == device:
+        return cu  # the kernels' own form, what almost every call brings: one test of each
     if not isinstance(cu, Tensor):
         raise refuse(R.CU_TYPE, name=name, kind=type(cu).__name__)
     if cu.dim() != 1 or cu.numel() < 2:
@@ -215,10 +217,12 @@ def _boundaries(name: str, cu: Any, device: torch.device) -> Tensor:
 def _int32(cu: Tensor) -> Tensor:
     """torch's default integer type cast for the kernels: one small on-device cast, documented.
     Done after the value check, which bounds every entry by the token count, so nothing wraps."""
-    return cu.to(torch.int32) if cu.dtype == torch.int64 else cu
+    return cu.to(torch.int32) if cu.dtype is torch.int64 else cu
 
 
 def _max_seqlen(name: str, value: Any, tokens: int, device: torch.device) -> Any:
+    if type(value) is int and 1 <= value <= INT32_MAX:
+        return value
     if value is None:
         return tokens  # bounds every document, with no host read of the boundaries
     if isinstance(value, Tensor):
@@ -246,21 +250,23 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     ``k`` (``flash_attn_varlen_func``'s ``cu_seqlens_k``).
     """
     same = cu_q is cu_kv
-    if same and k.shape[0] != q.shape[0]:
-        raise refuse(R.SHARED_BOUNDARIES, q_tokens=q.shape[0], kv_tokens=k.shape[0], kv_name=f"cu_seqlens_{kv}")
-    cu_q = _boundaries("cu_seqlens_q", cu_q, q.device)
-    cu_kv = cu_q if same else _boundaries(f"cu_seqlens_{kv}", cu_kv, q.device)
-    if cu_q.numel() != cu_kv.numel():
-        raise refuse(R.DOCUMENT_COUNT, q_documents=cu_q.numel() - 1, kv_documents=cu_kv.numel() - 1,
-                     kv_name=f"cu_seqlens_{kv}")
-    max_q = _max_seqlen("max_seqlen_q", max_q, q.shape[0], q.device)
-    max_kv = _max_seqlen(f"max_seqlen_{kv}", max_kv, k.shape[0], q.device)
-    if equal_documents:
-        _check_equal_documents("q", cu_q, q.shape[0], max_q)
-        _check_equal_documents(kv, cu_kv, k.shape[0], max_kv)
-    assert_boundaries("cu_seqlens_q", cu_q, q.shape[0], max_q)
+    tokens_q, tokens_kv, device = q.shape[0], k.shape[0], q.device
+    if same and tokens_kv != tokens_q:
+        raise refuse(R.SHARED_BOUNDARIES, q_tokens=tokens_q, kv_tokens=tokens_kv, kv_name=f"cu_seqlens_{kv}")
+    cu_q = _boundaries("cu_seqlens_q", cu_q, device)
     if not same:
-        assert_boundaries(f"cu_seqlens_{kv}", cu_kv, k.shape[0], max_kv)
+        cu_kv = _boundaries(f"cu_seqlens_{kv}", cu_kv, device)
+        if cu_q.shape[0] != cu_kv.shape[0]:
+            raise refuse(R.DOCUMENT_COUNT, q_documents=cu_q.shape[0] - 1, kv_documents=cu_kv.shape[0] - 1,
+                         kv_name=f"cu_seqlens_{kv}")
+    max_q = _max_seqlen("max_seqlen_q", max_q, tokens_q, device)
+    max_kv = _max_seqlen(f"max_seqlen_{kv}", max_kv, tokens_kv, device)
+    if equal_documents:
+        _check_equal_documents("q", cu_q, tokens_q, max_q)
+        _check_equal_documents(kv, cu_kv if not same else cu_q, tokens_kv, max_kv)
+    assert_boundaries("cu_seqlens_q", cu_q, tokens_q, max_q)
+    if not same:
+        assert_boundaries(f"cu_seqlens_{kv}", cu_kv, tokens_kv, max_kv)
     cu_q = _int32(cu_q)
     return cu_q, (cu_q if same else _int32(cu_kv)), max_q, max_kv
 

@@ -110,3 +110,36 @@ def test_no_rule_compares_a_backend_name():
         source = inspect.getsource(module)
         found = re.findall(r"""(?:backend|name|\.backend)\s*(?:==|!=|in)\s*\(?["'](?:turbo|flex|reference)["']""", source)
         assert not found, (module.__name__, found)
+
+
+def test_calls_on_a_backend_without_a_dispatch_model_get_no_turbo_routes():
+    """Call-time routes and layout checks are Primus-Turbo's dispatch model's: a fixed-kernel backend that declares
+    none runs what Turbo's kernels refuse (fp32, q, k and v in different layouts) and what its own kernels take."""
+    plan = build_plan(settings(turbo_arch="gfx942"), facts(packed=False), backend=ToyKernels())
+    run = TurboFlexAttention(plan, backend=ToyKernels())
+    q, k, v = qkv(dtype=torch.float32)
+    expected = oracle.attention(q, k, v, oracle.causal())
+    torch.testing.assert_close(run(q, k, v).double(), expected, atol=1e-5, rtol=1e-5)
+    k_sbhd = k.transpose(0, 1).contiguous().transpose(0, 1)  # another layout than q's (bshd storage)
+    torch.testing.assert_close(run(q, k_sbhd, v).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_what_fixed_kernels_do_not_take_is_refused_not_dropped():
+    """A proven-hook backend is given no score_mod: a softcap is refused even where it declares softcap; ALiBi
+    (as a hook, or as slopes at the call) and a bias are refused where it declares it takes none."""
+    softcapped = ToyKernels()
+    softcapped._caps = dataclasses.replace(softcapped._caps, softcap=True)
+    assert "softcap" in _refused(SOFTCAP_HOOK, softcapped).codes
+    alibi = {"turbo_flex_attention_score_mod": "tests.hook_examples:alibi"}
+    assert "alibi-entry" in _refused(alibi, ToyKernels()).codes
+    plan = build_plan(settings(), facts(packed=False), backend=ToyKernels())
+    run = TurboFlexAttention(plan, backend=ToyKernels())
+    q, k, v = qkv(dtype=torch.float32)
+    from primus_ext.errors import UnsupportedInputError
+
+    with pytest.raises(UnsupportedInputError) as err:
+        run(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.float32))
+    assert err.value.codes == ("B34.backend-lacks",) and "alibi_slopes" in err.value.settings
+    with pytest.raises(UnsupportedConfigError) as err:  # the plan was checked for that object, not another
+        TurboFlexAttention(plan)
+    assert err.value.codes == ("backend-given",)

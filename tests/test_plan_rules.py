@@ -282,3 +282,13 @@ def test_an_arch_the_dispatch_model_lacks_is_rule_arch_unmodelled(monkeypatch):
         err = refused(settings(use_turbo_flex_attention=False))  # the direct path too
         assert err.codes == ("arch-unmodelled",)
     assert build_plan(settings(turbo_flex_attention_backend="reference"), facts()).backend == "reference"
+
+
+def test_a_window_given_as_an_iterator_is_read_once():
+    plan = build_plan(settings(), facts(window_size=iter([4, 0]), causal=False))
+    assert plan.window == (4, 0)
+
+
+def test_a_hook_torch_cannot_call_is_refused_naming_that_hook_only():
+    err = refused(settings(turbo_flex_attention_mask_mod="tests.proof_hooks:branchy"), facts())
+    assert "torch-call" in err.codes and "turbo_flex_attention_score_mod" not in err.settings

@@ -38,11 +38,27 @@ def _called(node: ast.Call) -> str:
 
 
 class _Finder(ast.NodeVisitor):
-    """The calls that construct a refusal type, with the function they are in."""
+    """The calls that construct a refusal type (by its name, an alias it was imported as, or as the class of an
+    error just caught: ``type(exc)(...)``, ``exc.__class__(...)``), with the function they are in."""
 
     def __init__(self) -> None:
         self.scope: list[str] = []
         self.found: list[tuple[str, int, str]] = []
+        self.aliases: dict[str, str] = {}
+        self.caught: list[str] = []
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        self.caught.append(node.name or "")
+        self.generic_visit(node)
+        self.caught.pop()
+
+    def _of_caught(self, node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id in self.caught
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for alias in node.names:
+            if alias.asname and (alias.name in REFUSAL_TYPES or alias.name in NOT_REFUSALS):
+                self.aliases[alias.asname] = alias.name
 
     def _scoped(self, node: ast.AST) -> None:
         self.scope.append(node.name)  # type: ignore[attr-defined]
@@ -52,8 +68,12 @@ class _Finder(ast.NodeVisitor):
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
 
     def visit_Call(self, node: ast.Call) -> None:
-        name = _called(node)
-        if name in REFUSAL_TYPES or name in NOT_REFUSALS:
+        name = self.aliases.get(_called(node), _called(node))
+        func = node.func
+        if (isinstance(func, ast.Call) and _called(func) == "type" and func.args and self._of_caught(func.args[0])) or (
+                isinstance(func, ast.Attribute) and func.attr == "__class__" and self._of_caught(func.value)):
+            name = "a refusal's own class"  # re-making whatever was caught: a project error by hand, or a foreign one
+        if name in REFUSAL_TYPES or name in NOT_REFUSALS or name == "a refusal's own class":
             self.found.append((".".join(self.scope), node.lineno, name))
         self.generic_visit(node)
 
@@ -86,8 +106,17 @@ def test_the_scan_sees_a_hand_built_refusal(tmp_path):
     (fake / "cli" / "bad.py").write_text(
         "def f():\n    raise errors.UnsupportedConfigError(Reason(('k',), 'why'))\n"
         "def g():\n    raise R.refuse_build(R.SETTING_VALUE, key='k', expected='x', got='y', example='z')\n")
+    (fake / "cli" / "alias.py").write_text(
+        "from ..errors import UnsupportedInputError as Refused\n"
+        "def h(exc):\n    raise Refused('x')\n"
+        "def i(f):\n    try:\n        f()\n    except ValueError as exc:\n        raise type(exc)('x')\n"
+        "def j(f):\n    try:\n        f()\n    except ValueError as err:\n        raise err.__class__('x')\n"
+        "def k(value):\n    return type(value)(x for x in value)\n")
     found = _hand_built(fake)
-    assert found == ["primus_ext/cli/bad.py:2 (f) builds UnsupportedConfigError",
+    assert found == ["primus_ext/cli/alias.py:3 (h) builds UnsupportedInputError",
+                     "primus_ext/cli/alias.py:8 (i) builds a refusal's own class",
+                     "primus_ext/cli/alias.py:13 (j) builds a refusal's own class",
+                     "primus_ext/cli/bad.py:2 (f) builds UnsupportedConfigError",
                      "primus_ext/cli/bad.py:2 (f) builds Reason"], found
 
 
@@ -105,6 +134,8 @@ def test_collected_reasons_raise_once_as_the_right_error():
     built = R.refuse_all([first, second], context="here")
     assert type(built) is UnsupportedConfigError and built.codes == ("setting-value", "model-key")
     assert type(R.refuse_all([first], at_call=True)) is UnsupportedInputError
+    with pytest.raises(TypeError, match="Reason"):  # a bare string would become a reason without a code
+        R.refuse_all(["a reason of its own"])
     # a settings template naming a sequence names each of its settings; an empty one names none
     lost = R.SPEC_LOST_KEYS.reason_for(function="f()", lost=["qk_layernorm", "qk_l2_norm"], lost_text="...")
     assert lost.settings == ("qk_layernorm", "qk_l2_norm", "spec")

@@ -75,6 +75,10 @@ class BackendCapabilities:
     deterministic_packed: bool = True
     dropout: bool = True
     """It draws attention dropout."""
+    alibi: bool = False
+    """Its fixed kernels take ALiBi slopes (``alibi_slopes``); a backend that runs any mask computes ALiBi itself."""
+    bias: bool = False
+    """Its fixed kernels take a dense ``bias`` tensor."""
     deterministic_backward: bool = True
     """Its backward is shown deterministic where ``deterministic`` is asked (an entry may still lack the flag)."""
     learned_tables: bool = True

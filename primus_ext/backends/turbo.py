@@ -106,6 +106,7 @@ class TurboBackend(AttentionBackend):
             sink_packed=entry_accepts(varlen, "sink"),
             deterministic_dense=entry_accepts(self.direct, "deterministic"),
             deterministic_packed=entry_accepts(varlen, "deterministic"),
+            alibi=True, bias=True,  # flash_attn_func's alibi_slopes and bias (the varlen entry refuses a bias)
             learned_tables=False,  # a fixed kernel computes no gradient for what a hook captures
             dispatch=TURBO_DISPATCH,
         )

@@ -22,6 +22,7 @@ from torch import Tensor
 from ..backends import AttentionBackend, make_backend
 from ..backends.base import CallArgs, Output, fp32_sink
 from ..plan.plan import AttentionPlan
+from .. import refusals as R
 from ..refusals import (ALIBI_GRAD, ALIBI_TWICE, ATTN_PROBS, MASK_LENGTH, MISSING_SINK, PACKED_EXTRAS,
                         UNEQUAL_LENGTHS, UNPLANNED_SINK, refuse, refuse_naming)
 from ..attention.pattern import Pattern, pattern_from_flash_args
@@ -45,6 +46,8 @@ class TurboFlexAttention:
                  drop_in: Optional[bool] = None) -> None:
         self.plan = plan
         self._agreement = CallAgreement(plan, drop_in, owner=self)
+        if backend is None and plan.backend_given:  # another object of that name would not be what was planned
+            raise R.refuse_build(R.BACKEND_NOT_GIVEN, backend=plan.backend)
         self.backend = backend if backend is not None else make_backend(plan.backend)
         self._target = PlanTarget(plan, self.backend)
         self.handle = register_target(self._target, owner=self)

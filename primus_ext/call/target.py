@@ -16,7 +16,7 @@ import torch
 from .. import refusals as R
 from ..attention.library import library_pattern
 from ..attention.pattern import Pattern, pattern_from_flash_args
-from ..backends.base import AttentionBackend, CallArgs, KernelCall, KernelPair, Output
+from ..backends.base import TURBO_DISPATCH, AttentionBackend, CallArgs, KernelCall, KernelPair, Output
 from ..backends.call_route import CallRoutes
 from ..backends.flex_masks import captured_state, learned_tensors, same_state, user_hook
 from ..plan.plan import AttentionPlan
@@ -30,10 +30,13 @@ class PlanTarget:
     def __init__(self, plan: AttentionPlan, backend: AttentionBackend) -> None:
         self.plan = plan
         self.backend = backend
-        exact = backend.capabilities().runs_any_mask
-        # A hook plan takes no packed calls (B17), so its varlen calls are its own documents, not declared ones.
-        self.routes = None if exact else CallRoutes(plan.arch, plan.selection,
-                                                    plan.equal_documents and plan.mask_mod is None, plan.turbo_build)
+        caps = backend.capabilities()
+        exact = caps.runs_any_mask
+        self.caps = caps
+        # Routes of the dispatch model the backend declares (Primus-Turbo's, or none).  A hook plan takes no packed
+        # calls (B17), so its varlen calls are its own documents, not declared ones.
+        self.routes = None if exact or caps.dispatch != TURBO_DISPATCH else CallRoutes(
+            plan.arch, plan.selection, plan.equal_documents and plan.mask_mod is None, plan.turbo_build)
         # Fixed kernels take ALiBi as slopes; a backend that runs any mask runs the score_mod itself.
         self.score_mod = plan.score_mod if exact else None
         # Such a backend evaluates every user hook itself at every call, proven or not, so it stays
@@ -71,7 +74,13 @@ class PlanTarget:
 
     def check(self, a: CallArgs, call: Optional[KernelCall] = None) -> None:
         """The call's kernel route and storage layout on the plan's arch (B33, B34): the adapter runs
-        it on an eager call, the forward op inside a compiled graph (``call``: `kernel_call` of ``a``)."""
+        it on an eager call, the forward op inside a compiled graph (``call``: `kernel_call` of ``a``).
+        Fixed kernels that declare they take no ALiBi slopes or bias are given none (B34.backend-lacks)."""
+        caps = self.caps
+        if not caps.runs_any_mask:
+            for name, given, takes in (("alibi_slopes", a.alibi, caps.alibi), ("bias", a.bias, caps.bias)):
+                if given is not None and not takes:
+                    raise R.refuse(R.BACKEND_LACKS, what=name, backend=caps.name)
         if self.routes is None:
             return
         pattern = (call or self.kernel_call(a)).pattern

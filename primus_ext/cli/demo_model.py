@@ -23,6 +23,8 @@ import torch
 from .. import refusals as R
 from ..errors import UnsupportedConfigError, short_repr
 from ..settings import TurboAttentionSettings
+from ..settings.model_keys import READERS
+from ..settings.settings import type_name
 
 STRIDES = (1, 2, 3)
 
@@ -128,6 +130,10 @@ def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     values = {**_DEFAULTS, **{k: v for k, v in yaml_config.items() if k in fields}, **_FORCED}
     if values.get("window_size") is not None:
+        why = READERS["window_size"]("window_size", values["window_size"], yaml_config)
+        if why is not None:  # the typed reader `check` uses: the key named, a right value given
+            raise R.refuse_all([R.MODEL_KEY_VALUE.reason_for(key="window_size", why=why,
+                                                             got=type_name(values["window_size"]))])
         values["window_size"] = tuple(values["window_size"])
     with warnings.catch_warnings():  # megatron-core's notice about a cuda-graph default; no graphs here
         warnings.filterwarnings("ignore", message="full scope is deprecated")

@@ -26,7 +26,7 @@ from ..settings.hooks import resolve_hooks
 from .facts import LayerFacts
 from .plan import AttentionPlan
 from .routes import arch_reasons, describe_routes, layer_routes, resolve_arch, route_reasons
-from .rule_input import window_problem
+from .rule_input import window_bounds
 from .rules import RuleInput, failing_reasons
 
 log = logging.getLogger("primus_ext")
@@ -39,10 +39,8 @@ def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optiona
     (1, 3, 5, ...), i.e. the even 0-indexed ones, as GPT-OSS does (B14).
     """
     if facts.window_size is not None:
-        if window_problem(facts.window_size):
-            return None  # refused by rule window-shape
-        window = tuple(facts.window_size)
-        return (window[0], window[1])
+        window = window_bounds(facts.window_size)
+        return None if window is None else (window[0], window[1])  # None: refused by rule window-shape
     width = settings.sink_sliding_window
     if width > 0 and (not settings.sink_window_even_layers_only or facts.layer_number % 2 == 1):
         return (width, 0)
@@ -146,9 +144,15 @@ def build_plan(
     reasons: list[Reason] = []
     packed_given = facts.packed
     facts = _declared_packing(settings, facts)
+    if facts.window_size is not None and not isinstance(facts.window_size, tuple):
+        try:  # read once: an iterator is consumed by reading it, and the window is read more than once below
+            facts = dataclasses.replace(facts, window_size=tuple(facts.window_size))
+        except TypeError:
+            pass  # not a sequence: refused by rule window-shape
     mask_mod = score_mod = None
     mask_proof = score_proof = None
-    learned, learned_plain, ranges, torch_calls = 0, 0, "", []
+    learned, learned_plain, ranges = 0, 0, ""
+    torch_calls: dict[str, str] = {}
     direct: Optional[DirectEntries] = None
     if flex:
         name, why, problem, caps = _backend_for(settings, backend)
@@ -179,7 +183,7 @@ def build_plan(
     ctx = RuleInput(
         settings=settings, facts=facts, backend=name, caps=caps, backend_problem=problem,
         window=window, mask_proof=mask_proof, score_proof=score_proof, direct=direct, learned=learned,
-        learned_plain=learned_plain, hook_range=ranges, torch_call="; ".join(torch_calls),
+        learned_plain=learned_plain, hook_range=ranges, torch_call=torch_calls,
         packed_given=packed_given, arch=arch,
     )
     reasons.extend(failing_reasons(ctx))
@@ -240,6 +244,7 @@ def build_plan(
         equal_documents=settings.packed_equal_documents,
         bind_call=_call_binder(settings, facts, backend, name) if flex and mask_mod is None else None,
         call_flags=settings.turbo_flex_attention_call_flags,
+        backend_given=backend is not None,
     )
     if flex:
         log.info("primus_ext %s", plan.describe())
@@ -328,16 +333,16 @@ def _call_binder(settings: TurboAttentionSettings, facts: LayerFacts, backend: O
 
 
 def _torch_convention(hook: Optional[Callable], proof: Optional[MaskProof | ScoreProof], kind: str,
-                      settings: TurboAttentionSettings, problems: list[str]) -> Optional[Callable]:
+                      settings: TurboAttentionSettings, problems: dict[str, str]) -> Optional[Callable]:
     """A user hook is called as torch calls it, under ``torch.vmap`` with 0-d indices, wherever primus_ext
     evaluates it: a hook that tells the calls apart (a type check; a narrow table meeting a 0-d tensor, which
     promotes differently on broadcast grids) computes what torch's FlexAttention would, and is refused
-    (rule torch-call, from what this adds to ``problems``)."""
+    (rules torch-call and torch-call-score, from what this adds to ``problems``)."""
     if hook is None or proof is None or is_library_mask(hook):
         return hook
     problem = torch_call_problem(hook, kind)
     if problem:
-        problems.append(f"the {kind} {getattr(settings, f'turbo_flex_attention_{kind}')} {problem}")
+        problems[kind] = f"the {kind} {getattr(settings, f'turbo_flex_attention_{kind}')} {problem}"
         return hook
     return as_torch_calls(hook, kind)
 

@@ -96,6 +96,9 @@ class AttentionPlan:
     """Checks a call whose own ``(causal, window_size)`` differ from the plan's against the same
     rules, once per distinct value; raises `UnsupportedInputError` with their reasons."""
     call_flags: str = "plan"
+    backend_given: bool = False
+    """The plan was built for a backend object its caller gave (``build_plan(..., backend=)``), which the calls
+    must run on too: ``backend`` is that object's name, not necessarily one of the settings'."""
     """``turbo_flex_attention_call_flags``: ``plan``, a call's causal / window_size must be the plan's
     (refused otherwise, B34); ``drop_in``, a call's own are run, checked by ``bind_call`` (B11 for hooks)."""
 

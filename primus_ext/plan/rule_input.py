@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Tuple
 
 from ..attention.pattern import pattern_from_flash_args
 from ..backends.base import HOOKS_PROVEN, HOOKS_TRACED, TURBO_DISPATCH, BackendCapabilities
@@ -33,8 +33,9 @@ class RuleInput:
     """Those of them that are no ``torch.nn.Parameter`` (a Megatron layer can register only parameters)."""
     hook_range: str = ""
     """What the hooks raise at the layer's heads (`primus_ext.hooks.crosscheck.range_problem`)."""
-    torch_call: str = ""
-    """What tells torch's way of calling a hook apart from ours (`primus_ext.hooks.crosscheck.torch_call_problem`)."""
+    torch_call: Mapping[str, str] = field(default_factory=dict)
+    """Per hook kind, what tells torch's way of calling it apart from ours
+    (`primus_ext.hooks.crosscheck.torch_call_problem`)."""
     packed_given: object = None
     """``packed`` as the model config gave it, before the ``packed_sequences`` setting is merged in."""
     arch: Optional[str] = None
@@ -117,7 +118,8 @@ class RuleInput:
             "learned": self.learned,
             "learned_plain": self.learned_plain,
             "hook_range": self.hook_range,
-            "torch_call": self.torch_call,
+            "torch_call_mask": self.torch_call.get("mask_mod", ""),
+            "torch_call_score": self.torch_call.get("score_mod", ""),
             "window_given": short_repr(self.facts.window_size),
             "packed_given": short_repr(self.packed_given),
             "packed_type": type(self.packed_given).__name__,
@@ -143,13 +145,16 @@ class Rule:
         return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields), self.code)
 
 
-def window_problem(window: object) -> bool:
-    """True when a model config's ``window_size`` is not two ints, each -1 (unbounded) or >= 0."""
+def window_bounds(window: object) -> Optional[tuple]:
+    """A model config's ``window_size`` as a tuple, read once (an iterator is consumed by reading); None when it is
+    not two ints, each -1 (unbounded) or >= 0."""
     try:
         bounds = tuple(window)  # type: ignore[call-overload]
     except TypeError:
-        return True
-    return len(bounds) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in bounds)
+        return None
+    if len(bounds) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in bounds):
+        return None
+    return bounds
 
 
 def packing_conflict(c: "RuleInput") -> str:
@@ -203,4 +208,4 @@ def dynamic_hooks(c: "RuleInput") -> list[str]:
 
 
 __all__ = ["Rule", "RuleInput", "alibi_right_masks", "documents_problem", "dynamic_hooks", "packing_conflict",
-           "window_problem"]
+           "window_bounds"]

@@ -13,8 +13,8 @@ from typing import Tuple
 from ..backends.context_parallel import CP_COMM_TYPES
 from ..errors import Reason
 from ..backends.dispatch import ARCHES
-from .rule_input import (Rule, RuleInput, alibi_right_masks, documents_problem, dynamic_hooks, packing_conflict,
-                         window_problem)
+from ..hooks.proof import ALIBI, SYMMETRIC
+from .rule_input import (Rule, RuleInput, alibi_right_masks, documents_problem, dynamic_hooks, packing_conflict)
 from .rules_fp8 import FP8_RULES
 
 
@@ -38,6 +38,7 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+ALIBI_FORMS = (ALIBI, SYMMETRIC)  # both run as alibi_slopes on fixed kernels
 SUPPORTED_MASK_TYPES = ("causal", "no_mask", "causal_bottom_right")
 SUPPORTED_CP_COMM = CP_COMM_TYPES
 
@@ -73,7 +74,7 @@ RULES: Tuple[Rule, ...] = (
     Rule("window-shape", ("window_size",),
          "window_size={window_given}: a window is two ints, each -1 (unbounded) or >= 0.",
          "use (-1, -1) for none, (W, 0) for a causal sliding window.",
-         lambda c: c.facts.window_size is not None and window_problem(c.facts.window_size)),
+         lambda c: c.facts.window_size is not None and c.window is None),
     Rule("packed-type", ("packed_sequences",),
          "packed_sequences must be true, false or null, got {packed_type} {packed_given} in the model config.",
          "set packed_sequences: true (packed THD batches only), false (dense only), or leave it out.",
@@ -227,17 +228,23 @@ RULES: Tuple[Rule, ...] = (
          "call; pack per-batch documents as THD (packed_seq_params with cu_seqlens); or write "
          "the mask with primus_ext.attention.masks.",
          lambda c: c.fixed_kernels and c.mask_proof is not None and c.mask_proof.pattern is None),
-    Rule("torch-call", ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"),
-         "{torch_call}; torch's FlexAttention calls a hook that way (under torch.vmap, with 0-d indices), so no "
+    Rule("torch-call", ("turbo_flex_attention_mask_mod",),
+         "{torch_call_mask}; torch's FlexAttention calls a hook that way (under torch.vmap, with 0-d indices), so no "
          "backend can compute what it means (B31).",
          "write the hook with tensor operations on the index arguments only (docs/mask_hooks.md, the provable "
          "subset).",
-         lambda c: bool(c.torch_call)),
+         lambda c: bool(c.torch_call.get("mask_mod"))),
+    Rule("torch-call-score", ("turbo_flex_attention_score_mod",),
+         "{torch_call_score}; torch's FlexAttention calls a hook that way (under torch.vmap, with 0-d indices), so "
+         "no backend can compute what it means (B31).",
+         "write the hook with tensor operations on the score and index arguments only (docs/mask_hooks.md, the "
+         "provable subset).",
+         lambda c: bool(c.torch_call.get("score_mod"))),
     Rule("softcap", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
          "the score hook {score} is a logit softcap ({score_why}); no Primus-Turbo dense or varlen backward "
          "supports softcap.",
          "set turbo_flex_attention_backend: reference, or remove the softcap.",
-         lambda c: c.lacks("softcap") and _score_kind(c) == "softcap"),
+         lambda c: (c.fixed_kernels or c.lacks("softcap")) and _score_kind(c) == "softcap"),
     Rule("B31-score", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
          "the score hook {score} is not proven to be the identity or ALiBi (the only score_mods "
          "Primus-Turbo runs) for every head, position and score: it {score_why}.",
@@ -252,6 +259,12 @@ RULES: Tuple[Rule, ...] = (
          "on turbo for every mask); set turbo_flex_attention_backend: reference; or use this ALiBi only on causal "
          "layers (windows with right bound 0).",
          lambda c: c.on_turbo and _score_kind(c) == "alibi" and bool(alibi_right_masks(c))),
+    Rule("alibi-entry", ("turbo_flex_attention_score_mod", "turbo_flex_attention_backend"),
+         "the ALiBi score hook {score} runs on fixed kernels as alibi_slopes, and the {backend} backend declares "
+         "that its kernels take none: the bias would be dropped.",
+         "use a backend whose kernels take alibi_slopes, or set turbo_flex_attention_backend: reference.",
+         lambda c: c.fixed_kernels and c.lacks("alibi") and c.score_proof is not None
+         and c.score_proof.kind in ALIBI_FORMS),
     Rule("B13", ("use_sink_attention",),
          "a learned sink is configured but the installed dense entry ({dense_entry}) has no "
          "`sink` parameter; the sink would be dropped.",

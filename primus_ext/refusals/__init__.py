@@ -41,6 +41,10 @@ MASK_LENGTH = rule(
     "B34.mask-length", ("turbo_flex_attention_mask_mod",),
     "the document mask covers {covered} tokens but the sequence has {length}.",
     "build the mask for the training sequence length.")
+BACKEND_LACKS = rule(
+    "B34.backend-lacks", ("{what}",),
+    "{what} was passed, and the {backend} backend declares that its fixed kernels take none: it would be dropped.",
+    "drop {what}, or use a backend whose kernels take it (turbo_flex_attention_backend: reference computes it).")
 UNEQUAL_LENGTHS = rule(
     "B34.unequal-lengths", (),  # named at the call: the hook's setting, or the call's flags
     "a {mask} mask with q_len={q_len} != kv_len={kv_len} is ambiguous on Turbo's fixed kernels (flash aligns it "
@@ -378,7 +382,7 @@ LEARNED_COMPILE = rule(
 
 __all__ = [
     "BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "on_ranks", "refuse",
-    "refuse_all", "refuse_compiled", "refuse_build", "refuse_naming", "rule", "ATTN_PROBS", "HOOK_ASSUMPTION",
+    "refuse_all", "refuse_compiled", "refuse_build", "refuse_naming", "rule", "ATTN_PROBS", "BACKEND_LACKS", "HOOK_ASSUMPTION",
     "HOOK_CHANGED", "MASK_LENGTH", "UNEQUAL_LENGTHS", "UNPLANNED_SINK", "MISSING_SINK", "ALIBI_GRAD",
     "ALIBI_TWICE", "DENSE_RANK", "PACKED_RANK", "PACKED_EXTRAS", "ATTENTION_BIAS", "MASK_TYPE", "NO_PACKED_ENTRY",
     "BOUNDS_NOT_THD", "THD_WITHOUT_BOUNDS", "PADDED_TYPE", "PADDED", "MASK_WITH_THD", "WINDOW_ALIGNMENT",

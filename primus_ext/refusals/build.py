@@ -21,7 +21,7 @@ SETTING_KWARGS_NAMES = build_rule(
 SETTING_KWARGS_UNUSED = build_rule(
     "setting-kwargs-unused", ("{kw}", "{hook}"), "{kw} is set but {hook} is null, so the arguments would be ignored.",
     "name the factory in {hook}, or remove {kw}.")
-SETTING_UNKNOWN = build_rule("setting-unknown", ("{key}",), "unknown Turbo attention key `{key}`{hint}.",
+SETTING_UNKNOWN = build_rule("setting-unknown", ("{key}",), "unknown Turbo attention key `{key}`{hint}",
                              "{alternative}")
 
 # -- hook strings resolved (`primus_ext.settings.hooks`; what a config may name, `hook_trust`) --------------
@@ -200,6 +200,13 @@ SELFTEST_FAILED = build_rule(
     "report it with the route; set turbo_flex_attention_backend: reference meanwhile, or turbo_selftest: false to "
     "train anyway.")
 
+
+# -- a layer built for a backend object its caller gave (`primus_ext.call.adapter`) ---------------------------
+BACKEND_NOT_GIVEN = build_rule(
+    "backend-given", ("backend",),
+    "the plan was built for the {backend} backend object its caller passed to build_plan(..., backend=), and this "
+    "call site was given none: another backend of that name would not be the one the plan checked.",
+    "pass the same object: TurboFlexAttention(plan, backend=<the object given to build_plan>).")
 
 # -- the command line (`primus_ext.cli`) ---------------------------------------------------------------------
 CLI_OPTION = build_rule("cli-option", ("{option}",), "{what}.", "{alternative}")

@@ -74,6 +74,8 @@ def refuse_all(reasons: Sequence[Reason], context: str = "", *, at_call: bool = 
                ) -> UnsupportedConfigError | UnsupportedInputError:
     """One error of every reason collected from the catalogues (raise it): a build's, or a call's
     (``at_call``) where a call is refused for what a build would be."""
+    if not all(type(reason) is Reason for reason in reasons):
+        raise TypeError("refuse_all takes the Reason objects of the catalogues, not text")
     return (UnsupportedInputError if at_call else UnsupportedConfigError)(list(reasons), context=context)
 
 

@@ -357,7 +357,7 @@ def _unknown_reason(key: str, suggestion: Optional[str]) -> Reason:
     if suggestion:
         return R.SETTING_UNKNOWN.reason_for(key=key, hint=f"; did you mean `{suggestion}`?",
                                             alternative=f"rename it to `{suggestion}`, or remove it.")
-    return R.SETTING_UNKNOWN.reason_for(key=key, hint="", alternative="remove the key.")
+    return R.SETTING_UNKNOWN.reason_for(key=key, hint=".", alternative="remove the key.")
 
 
 def _similarity(a: str, b: str) -> float:

@@ -212,7 +212,7 @@ def resolved_backend(case: Case) -> str:
     if not (case.flex and case.backend == "auto" and backend == "turbo" and (case.mask_hook or case.score_hook)):
         return backend
     on_turbo = expect_build(dataclasses.replace(case, backend="turbo"))
-    if not on_turbo.must & (HOOK_RULES | {"torch-call"}):
+    if not on_turbo.must & (HOOK_RULES | {"torch-call", "torch-call-score"}):
         return backend
     # planned for a GPU (the fake presents an arch; an adapter-level layer is not built to run in this process,
     # as `check --arch` plans): torch's FlexAttention, unless the hook is dynamic or flex lacks what the layer needs
@@ -318,8 +318,9 @@ def expect_build(case: Case) -> BuildExpectation:
         exp.must.add("B31")
     # A hook that raises when called as torch calls it (vmap over 0-d indices) means nothing any backend
     # can compute: refused on every backend, reference included (rule torch-call).
-    if flex and not exp.hook_refused and any(spec is not None and spec.raises for spec in (mspec, sspec)):
-        exp.must.add("torch-call")
+    if flex and not exp.hook_refused:
+        exp.must |= {code for code, spec in (("torch-call", mspec), ("torch-call-score", sspec))
+                     if spec is not None and spec.raises}
     undecided = (on_turbo and mspec is not None and mspec.provable is None) or (
         on_flex and any(spec is not None and spec.dynamic is None for spec in (mspec, sspec)))
     if case.level == "megatron" and cp > 1 and not exp.must and not exp.hook_refused and not undecided:

@@ -149,6 +149,20 @@ def cp_layer(mask_type=AttnMaskType.causal) -> PrimusTurboLocalAttention:
 
 
 # -------------------------------------------------------------------------------- one trigger per rule
+def _backend_lacks():
+    """ALiBi slopes given to a fixed-kernel backend that declares its kernels take none."""
+    from primus_ext.backends.base import HOOKS_PROVEN, BackendCapabilities
+
+    class Kernels:
+        name = "kernels"
+
+        def capabilities(self) -> BackendCapabilities:
+            return BackendCapabilities(name=self.name, hooks=HOOKS_PROVEN, softcap=False, dense_entry="dense")
+
+    plan = build_plan(settings(), facts(packed=False), backend=Kernels())
+    TurboFlexAttention(plan, backend=Kernels())(*qkv(dtype=torch.float32), alibi_slopes=slopes())
+
+
 def _hook_assumption():
     layer = TurboFlexAttention(build_plan(turbo(turbo_flex_attention_mask_mod="tests.proof_hooks:global_window"),
                                           facts()))
@@ -189,6 +203,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B34.mask-length": lambda: adapter(settings(**DOCUMENTS))(*qkv(s=12)),
     "B34.unequal-lengths": lambda: adapter(turbo())(*qkv(skv=12), causal=True),
     "B34.unplanned-sink": lambda: adapter(settings())(*qkv(), sink=torch.zeros(4)),
+    "B34.backend-lacks": _backend_lacks,
     "B34.missing-sink": lambda: adapter(settings(use_sink_attention=True))(*qkv()),
     "B34.alibi-grad": lambda: adapter(turbo())(*qkv(dtype=torch.float32), alibi_slopes=slopes().requires_grad_()),
     "B34.alibi-twice": lambda: adapter(settings(**ALIBI))(*qkv(), alibi_slopes=slopes().double()),

@@ -254,7 +254,9 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     if same and tokens_kv != tokens_q:
         raise refuse(R.SHARED_BOUNDARIES, q_tokens=tokens_q, kv_tokens=tokens_kv, kv_name=f"cu_seqlens_{kv}")
     cu_q = _boundaries("cu_seqlens_q", cu_q, device)
-    if not same:
+    if same:
+        cu_kv = cu_q
+    else:
         cu_kv = _boundaries(f"cu_seqlens_{kv}", cu_kv, device)
         if cu_q.shape[0] != cu_kv.shape[0]:
             raise refuse(R.DOCUMENT_COUNT, q_documents=cu_q.shape[0] - 1, kv_documents=cu_kv.shape[0] - 1,
@@ -263,7 +265,7 @@ def check_packed(q: Tensor, k: Tensor, cu_q: Any, cu_kv: Any, max_q: Any, max_kv
     max_kv = _max_seqlen(f"max_seqlen_{kv}", max_kv, tokens_kv, device)
     if equal_documents:
         _check_equal_documents("q", cu_q, tokens_q, max_q)
-        _check_equal_documents(kv, cu_kv if not same else cu_q, tokens_kv, max_kv)
+        _check_equal_documents(kv, cu_kv, tokens_kv, max_kv)
     assert_boundaries("cu_seqlens_q", cu_q, tokens_q, max_q)
     if not same:
         assert_boundaries(f"cu_seqlens_{kv}", cu_kv, tokens_kv, max_kv)

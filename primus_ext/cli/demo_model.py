@@ -132,8 +132,7 @@ def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
     if values.get("window_size") is not None:
         why = READERS["window_size"]("window_size", values["window_size"], yaml_config)
         if why is not None:  # the typed reader `check` uses: the key named, a right value given
-            raise R.refuse_all([R.MODEL_KEY_VALUE.reason_for(key="window_size", why=why,
-                                                             got=type_name(values["window_size"]))])
+            raise R.refuse_build(R.MODEL_KEY_VALUE, key="window_size", why=why, got=type_name(values["window_size"]))
         values["window_size"] = tuple(values["window_size"])
     with warnings.catch_warnings():  # megatron-core's notice about a cuda-graph default; no graphs here
         warnings.filterwarnings("ignore", message="full scope is deprecated")

@@ -12,7 +12,7 @@ from ..attention.heads import head_range, mask_on_heads, score_on_heads
 from ..attention.pattern import pattern_from_flash_args
 from ..hooks.crosscheck import as_torch_calls, range_problem, torch_call_problem
 from ..attention.library import is_library_mask
-from ..hooks.proof import ALIBI, SYMMETRIC, MaskProof, ScoreProof, prove_mask, prove_score
+from ..hooks.proof import MaskProof, ScoreProof, prove_mask, prove_score
 from ..backends import AttentionBackend, make_backend, select_backend, turbo_import_problem
 from ..backends.base import HOOKS_PROVEN, BackendCapabilities
 from ..backends.dispatch import DENSE, VARLEN, Selection, TurboBuild
@@ -27,10 +27,10 @@ from .facts import LayerFacts
 from .plan import AttentionPlan
 from .routes import arch_reasons, describe_routes, layer_routes, resolve_arch, route_reasons
 from .rule_input import window_bounds
-from .rules import RuleInput, failing_reasons
+from .rules import ALIBI_FORMS, RuleInput, failing_reasons
 
 log = logging.getLogger("primus_ext")
-ALIBI_FORMS = (ALIBI, SYMMETRIC)  # both run as alibi_slopes on the kernels
+
 
 def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optional[Tuple[int, int]]:
     """The configured sliding window of this layer, flash convention, or None.
@@ -39,8 +39,7 @@ def layer_window(settings: TurboAttentionSettings, facts: LayerFacts) -> Optiona
     (1, 3, 5, ...), i.e. the even 0-indexed ones, as GPT-OSS does (B14).
     """
     if facts.window_size is not None:
-        window = window_bounds(facts.window_size)
-        return None if window is None else (window[0], window[1])  # None: refused by rule window-shape
+        return window_bounds(facts.window_size)  # None: refused by rule window-shape
     width = settings.sink_sliding_window
     if width > 0 and (not settings.sink_window_even_layers_only or facts.layer_number % 2 == 1):
         return (width, 0)

@@ -145,7 +145,7 @@ class Rule:
         return Reason(self.settings, self.reason.format(**fields), self.alternative.format(**fields), self.code)
 
 
-def window_bounds(window: object) -> Optional[tuple]:
+def window_bounds(window: object) -> Optional[Tuple[int, int]]:
     """A model config's ``window_size`` as a tuple, read once (an iterator is consumed by reading); None when it is
     not two ints, each -1 (unbounded) or >= 0."""
     try:
@@ -154,7 +154,7 @@ def window_bounds(window: object) -> Optional[tuple]:
         return None
     if len(bounds) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in bounds):
         return None
-    return bounds
+    return bounds  # type: ignore[return-value]
 
 
 def packing_conflict(c: "RuleInput") -> str:

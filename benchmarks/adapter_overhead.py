@@ -161,7 +161,7 @@ def _per_call(fn: Callable[[], Any], number: int, repeats: int = 7) -> float:
 def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
     """The pieces of the prepared-call path for a dense and a packed causal call, each timed alone (us)."""
     from primus_ext.call.checks import boundaries_proven, check_packed
-    from primus_ext.call.prepared import call_key
+    from primus_ext.call.spec import call_spec
 
     q, k, v = dense_inputs(1, SEQ, HEADS, KV_HEADS, DIM)
     outputs.dense = torch.empty_like(q)
@@ -173,12 +173,11 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
     kw = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1))
     run(q, k, v, **kw)
     scalars = (0.0, None, True, (-1, -1), False, False)
-    key = call_key(scalars, q, k, v, None, False)
-    prepared, flash = run.calls.get(key), ops.flash_attn_func
+    spec = call_spec(False, *scalars, q, k, v, None)
+    prepared, flash = run.calls.get(spec), ops.flash_attn_func
     packed = _adapter(packed=True)
     packed.varlen(tq, tk, tv, cu, cu, longest, longest, **kw)
-    pkey = call_key(scalars, tq, tk, tv, None, True)
-    pprepared, varlen = packed.calls.get(pkey), ops.flash_attn_varlen_func
+    pprepared, varlen = packed.calls.get(call_spec(True, *scalars, tq, tk, tv, None)), ops.flash_attn_varlen_func
 
     def signature_like(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), bias=None,
                        alibi_slopes=None, deterministic=False, return_lse=False, return_attn_probs=False, sink=None):
@@ -189,10 +188,9 @@ def breakdown(ops: Any, outputs: Any, number: int) -> list[tuple[str, float]]:
         ("direct stub call (the baseline)", lambda: flash(q, k, v, **kw)),
         ("calling a no-op with the adapter's signature", lambda: signature_like(q, k, v, **kw)),
         ("torch.compiler.is_compiling()", torch.compiler.is_compiling),
-        ("the call's key alone (scalar types checked, q/k/v/sink metadata)", lambda: call_key(scalars, q, k, v, None,
-                                                                                              False)),
-        ("cache lookup (key built, last key compared; PreparedCalls.find)", lambda: run.calls.find(
-            scalars, q, k, v, None, False)),
+        ("the call's spec alone (scalar types checked, q/k/v/sink metadata; call_spec)",
+         lambda: call_spec(False, *scalars, q, k, v, None)),
+        ("cache lookup of a built spec (last spec compared; PreparedCalls.find)", lambda: run.calls.find(spec)),
         ("bound kernel runner (keywords prepared) incl. the stub", lambda: prepared.run(q, k, v, None)),
         ("packed: whole adapter call", lambda: packed.varlen(tq, tk, tv, cu, cu, longest, longest, **kw)),
         ("packed: direct varlen stub call (the baseline)", lambda: varlen(tq, tk, tv, cu, cu, longest, longest,

@@ -11,6 +11,7 @@ with the same dispatch model, once, and refused with our error when it would fai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Optional, Tuple
 
@@ -66,47 +67,32 @@ class CallRoutes:
 
     def _lookup(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]
                 ) -> tuple[Route, Optional[Callable[[], UnsupportedInputError]]]:
-        q, k, v = a.q, a.k, a.v
-        # a call without queries reaches no kernel (the core returns the empty result), and an empty
-        # tensor's strides say nothing of a layout
-        empty = q.numel() == 0
-        sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" and not empty else (True, True, True)
-        within = entry != "dense" or q.shape[1] <= k.shape[1]  # bshd: Sq <= Skv
-        # a dense call's documents are flattened to contiguous thd by the Turbo backend (`_documents_dense`)
-        thd = entry == "dense" or empty or q.dim() == 4 or (q.is_contiguous() and k.is_contiguous()
-                                                            and v.is_contiguous())
-        key = (entry, q.dtype, q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], causal, window, a.sink is not None,
-               a.dropout_p > 0, a.deterministic, a.alibi is not None, a.bias is not None, a.scale, sbhd, contiguous,
-               bshd, within, thd)
-        promised = self.equal_documents and entry == "varlen"
-        found = _routed(self.arch, self.selection, self.build, promised, key)
-        if entry == "varlen" and not promised and found[1] is None:
+        try:
+            features = call_features(self.arch, entry, a, causal, window, build=self.build,
+                                     equal_documents=True if self.equal_documents and entry == "varlen" else None)
+        except LayoutError as exc:
+            raise refuse(LAYOUT, problem=exc) from None
+        found = _routed(features, self.selection)
+        if entry == "varlen" and features.equal_documents is None and found[1] is None:
             # upstream's FlyDSL gate reads each call's boundaries: equal documents (one included) may reach it
-            equal = _routed(self.arch, self.selection, self.build, True, key, possible=True)
+            equal = _routed(dataclasses.replace(features, equal_documents=True), self.selection, possible=True)
             if equal[1] is not None:
                 return equal
         return found
 
 
 @functools.lru_cache(maxsize=1024)
-def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents: bool, key: tuple,
-            possible: bool = False) -> tuple[Route, Optional[Callable[[], UnsupportedInputError]]]:
-    """The dispatch model's verdict on one call's features: a pure function of its arguments, so its
-    memo is keyed by all of them (a call site's own cache is `primus_ext.call.prepared`).  ``possible``:
-    equal documents are not known, only possible (the refusal then says "when").
+def _routed(features: CallFeatures, selection: Selection, possible: bool = False
+            ) -> tuple[Route, Optional[Callable[[], UnsupportedInputError]]]:
+    """The dispatch model's verdict on one call's features: a pure function of its arguments (a frozen
+    `CallFeatures`, compared by value), so its memo is keyed by them (a call site's own cache is
+    `primus_ext.call.prepared`).  ``possible``: equal documents are not known, only possible (the refusal
+    then says "when").
 
     A refusal is kept as what makes the error, never as the error: a raised exception keeps the frames
     it passed through, and with them the refused call's tensors, for as long as the memo keeps it."""
-    (entry, dtype, d, dv, hq, hkv, causal, window, sink, dropout, det, alibi, bias, scale, sbhd, contiguous, bshd,
-     within, thd) = key
-    found = route(CallFeatures(
-        arch=arch, entry=entry, dtype=_DTYPES.get(dtype, str(dtype)), head_dim=int(d),
-        head_dim_v=int(dv), heads=int(hq), kv_heads=int(hkv), causal=causal, window=window, sink=sink,
-        dropout=0.1 if dropout else 0.0, bias=bias, alibi=alibi, deterministic=det,
-        default_scale=default_scale(scale, int(d)),
-        equal_documents=True if equal_documents else None, sbhd_storage=sbhd,
-        contiguous_sbhd=contiguous, contiguous_bshd=bshd, q_within_kv=within, contiguous_thd=thd, build=build), selection)
-    layout = () if entry != "dense" or sbhd else (
+    found = route(features, selection)
+    layout = () if features.entry != "dense" or features.sbhd_storage else (
         "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
     what = ("this call, whenever its documents are of one length (one document included: upstream's gate reads "
             "each call's boundaries, which the check does not)" if possible else "this call")
@@ -118,6 +104,29 @@ def _routed(arch: str, selection: Selection, build: TurboBuild, equal_documents:
                                     alternative=reason.alternative)
 
 
+def call_features(arch: str, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int], *,
+                  equal_documents: Optional[bool], build: TurboBuild) -> CallFeatures:
+    """The dispatch model's view of one call reaching ``entry`` as ``(causal, window)``: the one builder of
+    a call's `CallFeatures` (its kernel route here, its kernel pair in `primus_ext.backends.turbo_kernels`).
+    Raises `LayoutError` for a dense call's storage layout upstream asserts on."""
+    q, k, v = a.q, a.k, a.v
+    # a call without queries reaches no kernel (the core returns the empty result), and an empty
+    # tensor's strides say nothing of a layout
+    empty = q.numel() == 0
+    sbhd, contiguous, bshd = storage_features(q, k, v)[1:] if entry == "dense" and not empty else (True, True, True)
+    # a dense call's documents are flattened to contiguous thd by the Turbo backend (`_documents_dense`)
+    thd = entry == "dense" or empty or q.dim() == 4 or (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    return CallFeatures(
+        arch=arch, entry=entry, dtype=_DTYPES.get(q.dtype, str(q.dtype)), head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1], heads=q.shape[-2], kv_heads=k.shape[-2], causal=causal, window=window,
+        sink=a.sink is not None, dropout=0.1 if a.dropout_p > 0 else 0.0,  # the model reads only "any dropout"
+        bias=a.bias is not None, alibi=a.alibi is not None, deterministic=a.deterministic,
+        default_scale=default_scale(a.scale, q.shape[-1]), equal_documents=equal_documents, sbhd_storage=sbhd,
+        contiguous_sbhd=contiguous, contiguous_bshd=bshd,
+        q_within_kv=entry != "dense" or q.shape[1] <= k.shape[1],  # bshd: Sq <= Skv
+        contiguous_thd=thd, build=build)
+
+
 def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:
     """``(sbhd_storage, contiguous_sbhd, contiguous_bshd)`` of a dense call; a layout upstream asserts on
     is refused."""
@@ -127,4 +136,4 @@ def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:
         raise refuse(LAYOUT, problem=exc) from None
 
 
-__all__ = ["CallRoutes"]
+__all__ = ["CallRoutes", "call_features"]

@@ -26,6 +26,7 @@ returns, so no tensor the graph can see is written behind its back.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -34,10 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .call_route import CallRoutes
-from .dispatch import (BUILD_A6A16CD, DEFAULT_ORDER, DENSE, FLYDSL, VARLEN, CallFeatures, TurboBuild, default_scale,
-                       route, route_on)
-from .layout import LayoutError, infer_qkv_format, storage_features
+from .call_route import CallRoutes, call_features
+from .dispatch import BUILD_A6A16CD, DEFAULT_ORDER, DENSE, FLYDSL, VARLEN, route, route_on
+from .layout import LayoutError, infer_qkv_format
 from .base import CallArgs, KernelPair
 from .turbo_pairs_gfx950 import (FlydslPair, HipkittensPair, discover_flydsl, discover_hipkittens, flydsl_takes,
                                  hipkittens_takes, uniform_documents)
@@ -176,30 +176,6 @@ def discover_kernels() -> TurboKernels:
     return TurboKernels(aiter=discover(), flydsl=discover_flydsl(), hipkittens=discover_hipkittens())
 
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
-
-
-def _features(arch: str, a: CallArgs, causal: bool, window: tuple[int, int],
-              equal_documents: Optional[bool], build: TurboBuild) -> Optional[CallFeatures]:
-    """The dispatch model's view of the call, as `CallRoutes` builds it (``equal_documents`` given)."""
-    sbhd = contiguous = bshd = True
-    if a.cu_q is None:
-        try:
-            stored = storage_features(a.q, a.k, a.v)
-        except LayoutError:
-            return None
-        sbhd, contiguous, bshd = stored.sbhd, stored.contiguous_sbhd, stored.contiguous_bshd
-    d = int(a.q.shape[-1])
-    return CallFeatures(
-        arch=arch, entry=DENSE if a.cu_q is None else VARLEN, dtype=_DTYPES.get(a.q.dtype, str(a.q.dtype)),
-        head_dim=d, head_dim_v=int(a.v.shape[-1]), heads=int(a.q.shape[-2]), kv_heads=int(a.k.shape[-2]),
-        causal=causal, window=window, sink=a.sink is not None, dropout=a.dropout_p, bias=a.bias is not None,
-        alibi=a.alibi is not None, deterministic=a.deterministic, default_scale=default_scale(a.scale, d),
-        equal_documents=equal_documents, sbhd_storage=sbhd, contiguous_sbhd=contiguous,
-        contiguous_bshd=bshd, q_within_kv=a.cu_q is not None or a.q.shape[1] <= a.k.shape[1],
-        contiguous_thd=a.cu_q is None or all(t.is_contiguous() for t in (a.q, a.k, a.v)), build=build)
-
-
 def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, int]) -> Optional[str]:
     """The backend eager's dispatcher is known to pick for this call, or None where it is not
     known from the call's metadata: refused, autotuned among several, or a varlen call that
@@ -211,14 +187,15 @@ def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple
     selection = getattr(routes, "selection", DEFAULT_ORDER)
     equal = uniform_documents(a) if entry == VARLEN else None
     build = getattr(routes, "build", BUILD_A6A16CD)
-    features = _features(routes.arch, a, causal, window, equal or None, build)
-    if features is None:
+    try:
+        features = call_features(routes.arch, entry, a, causal, window, equal_documents=equal or None, build=build)
+    except LayoutError:
         return None
     found = route(features, selection)
     if len(found.candidates) > 1 or not found.ok or found.backend is None:
         return None  # autotune keeps whichever is fastest
     if entry == VARLEN and selection.pin is None and not equal:
-        if route_on(_features(routes.arch, a, causal, window, True, build), FLYDSL) is not None:  # type: ignore[arg-type]
+        if route_on(dataclasses.replace(features, equal_documents=True), FLYDSL) is not None:
             return None  # FlyDSL if the documents happen to be equal, else AITER: eager reads them
     if found.backend != backend and not (entry == VARLEN and equal):
         return None  # the two views disagree: bind nothing rather than guess

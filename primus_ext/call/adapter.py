@@ -6,10 +6,11 @@ Calling the adapter takes exactly ``flash_attn_func``'s parameters (dense bshd
 order as in Primus-Turbo, so either replaces its call without touching ``forward()``.
 ``causal`` / ``window_size`` default to None, the plan's (`primus_ext.call.agreement`).
 
-A call is one value from here on: the arguments become a `CallArgs`, checked and normalised
-once (`_checked`), routed, run through the op handle, and its runner kept in the call
-site's prepared-call cache (`primus_ext.call.prepared`), which serves every equal call after
-it.  Nothing here reads tensor data to the host or copies what the layout does not need.
+A call is one value from here on: its scalars and tensor metadata a `CallSpec`
+(`primus_ext.call.spec`), looked up in the call site's prepared-call cache
+(`primus_ext.call.prepared`); on a miss the arguments become a `CallArgs`, checked and
+normalised once (`_checked`), routed, run through the op handle, and the runner kept under
+the spec, which serves every equal call after it.  Nothing here reads tensor data to the host or copies what the layout does not need.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .checks import (check_alibi, check_bias, check_dropout, check_head_dims, ch
                      check_packed, check_packing, check_qkv, check_scale, check_sink, empty_result, no_queries)
 from .ops import register_target, run_call
 from .prepared import MISS, Prepared, PreparedCalls
+from .spec import CallSpec, call_spec
 from .target import PlanTarget
 
 
@@ -68,12 +70,13 @@ class TurboFlexAttention:
                  bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                  return_lse: bool = False, return_attn_probs: bool = False, sink: Optional[Tensor] = None) -> Output:
         """``flash_attn_func(q, k, v, ...)`` on the plan: dense bshd inputs."""
-        key = None
+        spec = None
         if not torch.compiler.is_compiling():  # a traced cache (or counter) would be guarded constants
             calls = self.calls
             if bias is None and alibi_slopes is None and return_attn_probs is False:
-                key, prepared = calls.find((dropout_p, softmax_scale, causal, window_size, deterministic, return_lse),
-                                           q, k, v, sink, False)
+                spec = call_spec(False, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse,
+                                 q, k, v, sink)
+                prepared = calls.find(spec) if spec is not None else None
                 if prepared is not None:
                     out = prepared.dense(q, k, v, sink)
                     if out is not MISS:
@@ -82,7 +85,7 @@ class TurboFlexAttention:
             calls.misses += 1
         a = CallArgs(q, k, v, None, None, None, None, sink, alibi_slopes, bias, causal, window_size, softmax_scale,
                      dropout_p, deterministic, return_lse)
-        return self._run(a, return_attn_probs, key)
+        return self._run(a, return_attn_probs, spec)
 
     def varlen(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], dropout_p: float = 0.0,
@@ -92,12 +95,13 @@ class TurboFlexAttention:
                return_attn_probs: bool = False, sink: Optional[Tensor] = None) -> Output:
         """``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` on
         the plan: packed thd inputs.  A ``max_seqlen`` of None is bounded by the token count (no host read)."""
-        key = None
+        spec = None
         if not torch.compiler.is_compiling():  # a traced cache (or counter) would be guarded constants
             calls = self.calls
             if bias is None and alibi_slopes is None and return_attn_probs is False:
-                key, prepared = calls.find((dropout_p, softmax_scale, causal, window_size, deterministic, return_lse),
-                                           q, k, v, sink, True)
+                spec = call_spec(True, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse,
+                                 q, k, v, sink)
+                prepared = calls.find(spec) if spec is not None else None
                 if prepared is not None:
                     out = prepared.packed(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
                     if out is not MISS:
@@ -106,11 +110,11 @@ class TurboFlexAttention:
             calls.misses += 1
         a = CallArgs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sink, alibi_slopes, bias,
                      causal, window_size, softmax_scale, dropout_p, deterministic, return_lse)
-        return self._run(a, return_attn_probs, key, packed=True)
+        return self._run(a, return_attn_probs, spec, packed=True)
 
     # -- the full path -------------------------------------------------------------------------
-    def _run(self, raw: CallArgs, return_attn_probs: Any, key: Optional[tuple], packed: bool = False) -> Output:
-        """Check ``raw`` (the arguments as passed), run it, and prepare it for equal calls."""
+    def _run(self, raw: CallArgs, return_attn_probs: Any, spec: Optional[CallSpec], packed: bool = False) -> Output:
+        """Check ``raw`` (the arguments as passed), run it, and prepare it for calls of its ``spec``."""
         a, flash = self._checked(raw, return_attn_probs, packed)
         if no_queries(a.q, packed) and not torch.compiler.is_compiling():  # nothing to compute: the reference's
             # result on every backend (a compiled call's op returns it, after checking the proof's assumptions)
@@ -123,8 +127,8 @@ class TurboFlexAttention:
         run = target.runner(call, dense=not packed)  # what the op's eager side runs too (`PlanTarget.run`)
         out = run(a.q, a.k, a.v, a.sink) if not packed else run(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv,
                                                                  a.sink)
-        if key is not None:
-            self.calls.put(key, Prepared(
+        if spec is not None:
+            self.calls.put(spec, Prepared(
                 run, raw.sink, self._target.assumptions, same_cu=raw.cu_q is raw.cu_kv,
                 max_given=(raw.max_q is not None, raw.max_kv is not None) if packed else (),
                 equal_documents=self.plan.equal_documents))

@@ -242,29 +242,50 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ali
                     bias: Optional[Tensor], handle: int, causal: bool, window_left: int, window_right: int,
                     scale: Optional[float], dropout_p: float, deterministic: bool,
                     return_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
-    a = _dense_call((q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_right, scale, dropout_p,
-                     deterministic, return_lse))
+    a = _dense_call(locals())
     return _run_forward(handle, a, (q.shape[0], q.shape[2], q.shape[1]))
 
 
-def _dense_call(args: tuple) -> CallArgs:
-    """The `CallArgs` of ``dense_attention``'s arguments, in its schema's order."""
-    q, k, v, sink, alibi, bias, _handle, causal, left, right, scale, dropout_p, deterministic, return_lse = args
-    return CallArgs(q, k, v, None, None, q.shape[1], k.shape[1], sink, alibi, bias, causal, (left, right), scale,
-                    dropout_p, deterministic, return_lse)
+# The ops' parameters are named as `CallArgs`' fields, but for these: one place maps them, read by name.
+_OP_NAMES = {"cu_seqlens_q": "cu_q", "cu_seqlens_kv": "cu_kv", "max_seqlen_q": "max_q", "max_seqlen_kv": "max_kv",
+             "alibi_slopes": "alibi"}
+_CALL_FIELDS = frozenset(CallArgs._fields)
 
 
-def _varlen_call(args: tuple) -> CallArgs:
-    """The `CallArgs` of ``varlen_attention``'s arguments, in its schema's order."""
-    (q, k, v, cu_q, cu_kv, sink, alibi, _handle, max_q, max_kv, causal, left, right, scale, dropout_p,
-     deterministic, return_lse) = args
-    return CallArgs(q, k, v, cu_q, cu_kv, max_q, max_kv, sink, alibi, None, causal, (left, right), scale, dropout_p,
-                    deterministic, return_lse)
+def _call(named: dict) -> CallArgs:
+    """The `CallArgs` of an op's arguments by their schema names (``window_left`` / ``window_right`` the
+    window; what an op does not take, None: a dense op's boundaries, a varlen op's bias)."""
+    fields = {_OP_NAMES.get(name, name): value for name, value in named.items()}
+    fields["window"] = (fields.pop("window_left"), fields.pop("window_right"))
+    return CallArgs(**{name: fields.get(name) for name in _CALL_FIELDS})
+
+
+def _dense_call(named: dict) -> CallArgs:
+    q, k = named["q"], named["k"]
+    return _call({"cu_seqlens_q": None, "cu_seqlens_kv": None, "max_seqlen_q": q.shape[1],
+                  "max_seqlen_kv": k.shape[1], **{n: named[n] for n in _DENSE_ARGS}})
+
+
+def _varlen_call(named: dict) -> CallArgs:
+    return _call({"bias": None, **{n: named[n] for n in _VARLEN_ARGS}})
+
+
+def _schema_names(op: Any) -> tuple[str, ...]:
+    """An op's parameter names, in its schema's order (what the positional calls below follow)."""
+    return tuple(argument.name for argument in op._opoverload._schema.arguments)
+
+
+def _by_name(names: Sequence[str], args: tuple) -> dict:
+    return dict(zip(names, args))
+
+
+_DENSE_NAMES = _schema_names(dense_attention)  # read once: a traced call reads the constant, not the schema
+_DENSE_ARGS = tuple(n for n in _DENSE_NAMES if n != "handle")
 
 
 @dense_attention.register_fake
 def _(*args):
-    a = _dense_call(args)
+    a = _dense_call(_by_name(_DENSE_NAMES, args))
     batch, q_len, heads = a.q.shape[0], a.q.shape[1], a.q.shape[2]
     out = a.q.new_empty(batch, q_len, heads, a.v.shape[-1])
     lse = a.q.new_empty((batch, heads, q_len), dtype=_lse_dtype(a.q))
@@ -277,8 +298,7 @@ def dense_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                              rng_state: Tensor, handle: int, causal: bool, window_left: int, window_right: int,
                              scale: Optional[float], dropout_p: float, deterministic: bool,
                              return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    a = _dense_call((q, k, v, sink, alibi_slopes, bias, handle, causal, window_left, window_right, scale, dropout_p,
-                     deterministic, return_lse))
+    a = _dense_call(locals())
     return _run_backward(handle, a, grad_out, out, lse, rng_state)  # type: ignore[return-value]
 
 
@@ -287,24 +307,47 @@ def _like(t: Optional[Tensor], q: Tensor) -> Tensor:
     return torch.empty_like(t) if t is not None else q.new_empty(0)
 
 
+_DENSE_BACKWARD_NAMES = _schema_names(dense_attention_backward)
+
+
 @dense_attention_backward.register_fake
 def _(*args):
-    q, k, v, sink, alibi, bias = args[1], args[2], args[3], args[6], args[7], args[8]
-    return _like(q, q), _like(k, q), _like(v, q), _like(sink, q), _like(alibi, q), _like(bias, q)
+    a = _dense_call(_by_name(_DENSE_BACKWARD_NAMES, args))
+    return _like(a.q, a.q), _like(a.k, a.q), _like(a.v, a.q), _like(a.sink, a.q), _like(a.alibi, a.q), _like(a.bias, a.q)
+
+
+def _setup(names: Sequence[str], ctx, inputs, output) -> None:
+    """Saves a forward op's inputs (``names``: its schema's) by name and its ``(out, lse, rng_state)`` as the
+    backward op names them."""
+    named = _by_name(names, inputs)
+    named.update(out=output[0], lse=output[1], rng_state=output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+    tensors = [n for n, value in named.items() if value is None or isinstance(value, Tensor)]
+    ctx.save_for_backward(*(named[n] for n in tensors))
+    ctx.tensor_names = tensors
+    ctx.others = {n: value for n, value in named.items() if n not in tensors}
+
+
+def _backward(names: Sequence[str], backward: Any, backward_names: Sequence[str], ctx, grad_out: Tensor) -> tuple:
+    """The backward op on what `_setup` saved; a gradient for each forward input (``names``), by name (None for
+    what is not differentiable, an empty gradient for a tensor not given)."""
+    named = dict(zip(ctx.tensor_names, ctx.saved_tensors), grad_out=grad_out, **ctx.others)
+    grads = backward(*[named[n] for n in backward_names])
+    by_input = dict(zip(_GRADIENTS, grads))
+    return tuple(_none_if_empty(by_input[n]) if n in by_input else None for n in names)
+
+
+_GRADIENTS = ("q", "k", "v", "sink", "alibi_slopes", "bias")
+"""The inputs the backward ops return a gradient for, in their order (a varlen op takes no bias)."""
 
 
 def _dense_setup(ctx, inputs, output) -> None:
-    q, k, v, sink, alibi, bias, *scalars = inputs
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.save_for_backward(q, k, v, output[0], output[1], sink, alibi, bias, output[2])
-    ctx.scalars = scalars
+    _setup(_DENSE_NAMES, ctx, inputs, output)
 
 
 def _dense_backward(ctx, grad_out, _grad_lse, _grad_rng):
-    q, k, v, out, lse, sink, alibi, bias, rng = ctx.saved_tensors
-    dq, dk, dv, dsink, dalibi, dbias = torch.ops.primus_ext.dense_attention_backward(
-        grad_out, q, k, v, out, lse, sink, alibi, bias, rng, *ctx.scalars)
-    return (dq, dk, dv, _none_if_empty(dsink), _none_if_empty(dalibi), _none_if_empty(dbias)) + (None,) * 8
+    return _backward(_DENSE_NAMES, torch.ops.primus_ext.dense_attention_backward, _DENSE_BACKWARD_NAMES, ctx,
+                     grad_out)
 
 
 dense_attention.register_autograd(_dense_backward, setup_context=_dense_setup)
@@ -321,14 +364,17 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     # on CPU, as in eager (on a GPU it is a device-side assert either way).
     assert_boundaries("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     assert_boundaries("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], max_seqlen_kv)
-    a = _varlen_call((q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seqlen_q, max_seqlen_kv,
-                      causal, window_left, window_right, scale, dropout_p, deterministic, return_lse))
+    a = _varlen_call(locals())
     return _run_forward(handle, a, (q.shape[1], q.shape[0]))
+
+
+_VARLEN_NAMES = _schema_names(varlen_attention)
+_VARLEN_ARGS = tuple(n for n in _VARLEN_NAMES if n != "handle")
 
 
 @varlen_attention.register_fake
 def _(*args):
-    a = _varlen_call(args)
+    a = _varlen_call(_by_name(_VARLEN_NAMES, args))
     tokens, heads = a.q.shape[0], a.q.shape[1]
     out = a.q.new_empty(tokens, heads, a.v.shape[-1])
     lse = a.q.new_empty((heads, tokens), dtype=_lse_dtype(a.q))
@@ -342,29 +388,26 @@ def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               max_seqlen_kv: int, causal: bool, window_left: int, window_right: int,
                               scale: Optional[float], dropout_p: float, deterministic: bool,
                               return_lse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    a = _varlen_call((q, k, v, cu_seqlens_q, cu_seqlens_kv, sink, alibi_slopes, handle, max_seqlen_q, max_seqlen_kv,
-                      causal, window_left, window_right, scale, dropout_p, deterministic, return_lse))
+    a = _varlen_call(locals())
     return _run_backward(handle, a, grad_out, out, lse, rng_state)  # type: ignore[return-value]
+
+
+_VARLEN_BACKWARD_NAMES = _schema_names(varlen_attention_backward)
 
 
 @varlen_attention_backward.register_fake
 def _(*args):
-    q, k, v, sink, alibi = args[1], args[2], args[3], args[8], args[9]
-    return _like(q, q), _like(k, q), _like(v, q), _like(sink, q), _like(alibi, q)
+    a = _varlen_call(_by_name(_VARLEN_BACKWARD_NAMES, args))
+    return _like(a.q, a.q), _like(a.k, a.q), _like(a.v, a.q), _like(a.sink, a.q), _like(a.alibi, a.q)
 
 
 def _varlen_setup(ctx, inputs, output) -> None:
-    q, k, v, cu_q, cu_kv, sink, alibi, *scalars = inputs
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv, sink, alibi, output[2])
-    ctx.scalars = scalars
+    _setup(_VARLEN_NAMES, ctx, inputs, output)
 
 
 def _varlen_backward(ctx, grad_out, _grad_lse, _grad_rng):
-    q, k, v, out, lse, cu_q, cu_kv, sink, alibi, rng = ctx.saved_tensors
-    dq, dk, dv, dsink, dalibi = torch.ops.primus_ext.varlen_attention_backward(
-        grad_out, q, k, v, out, lse, cu_q, cu_kv, sink, alibi, rng, *ctx.scalars)
-    return (dq, dk, dv, None, None, _none_if_empty(dsink), _none_if_empty(dalibi)) + (None,) * 10
+    return _backward(_VARLEN_NAMES, torch.ops.primus_ext.varlen_attention_backward, _VARLEN_BACKWARD_NAMES, ctx,
+                     grad_out)
 
 
 varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup)
@@ -385,15 +428,10 @@ def run_call(handle: int, a: CallArgs) -> Any:
     """
     if not torch.compiler.is_compiling():
         return target(handle).run(a)
-    left, right = a.window
-    if a.cu_q is None:
-        out, lse, _ = torch.ops.primus_ext.dense_attention(
-            a.q, a.k, a.v, a.sink, a.alibi, a.bias, handle, a.causal, left, right, a.scale, a.dropout_p,
-            a.deterministic, a.return_lse)
-    else:
-        out, lse, _ = torch.ops.primus_ext.varlen_attention(
-            a.q, a.k, a.v, a.cu_q, a.cu_kv, a.sink, a.alibi, handle, a.max_q, a.max_kv, a.causal, left, right,
-            a.scale, a.dropout_p, a.deterministic, a.return_lse)
+    fields = dict(a._asdict(), handle=handle, window_left=a.window[0], window_right=a.window[1])
+    op, names = ((torch.ops.primus_ext.dense_attention, _DENSE_NAMES) if a.cu_q is None else
+                 (torch.ops.primus_ext.varlen_attention, _VARLEN_NAMES))
+    out, lse, _ = op(*[fields[_OP_NAMES.get(name, name)] for name in names])
     return (out, lse.float()) if a.return_lse else out
 
 

@@ -1,10 +1,10 @@
 """The prepared-call cache: a call equal to one already checked skips the checks.
 
-Every check a call site (the adapter) makes per call depends only on the call's key:
-the scalar arguments and the q, k, v and sink metadata (shapes, strides, dtypes, devices),
-compared by value with no host read.  So a call whose key was checked once goes straight
-to the runner prepared for it (the backend's kernel entry with its keyword arguments
-bound).  What the key cannot hold is checked again at every hit:
+Every check a call site (the adapter) makes per call depends only on the call's
+`~primus_ext.call.spec.CallSpec`: the scalar arguments and the q, k, v and sink metadata
+(shapes, strides, dtypes, devices), compared by value with no host read.  So a call whose spec
+was checked once goes straight to the runner prepared for it (the backend's kernel entry with
+its keyword arguments bound).  What the spec cannot hold is checked again at every hit:
 
 * packed boundaries are values: they go through the full path's own check (`check_packed`, one
   implementation), whose on-device value check runs once per tensor, shared by every layer
@@ -15,7 +15,7 @@ bound).  What the key cannot hold is checked again at every hit:
 
 A call with a bias or explicit ALiBi slopes (tensors a runner would have to bind), with a
 scalar that is not a plain Python value, or under ``torch.compile``, takes the full path.
-One rule evicts: beyond `LIMIT` keys the oldest goes.  ``hits`` / ``misses`` count calls
+One rule evicts: beyond `LIMIT` specs the oldest goes.  ``hits`` / ``misses`` count calls
 served from the cache and calls that took the full path.
 """
 
@@ -27,41 +27,11 @@ import torch
 from torch import Tensor
 
 from .checks import check_packed
+from .spec import CallSpec
 
 Runner = Callable[..., Any]
 LIMIT = 16
-"""Keys one call site keeps: a layer makes one or two kinds of call, step after step."""
-
-
-def call_key(scalars: tuple, q: Any, k: Any, v: Any, sink: Any, packed: bool) -> Optional[tuple]:
-    """The key of a call: its scalar arguments ``(dropout_p, softmax_scale, causal, window_size,
-    deterministic, return_lse)`` as plain values, and the q, k, v and sink metadata (a packed
-    call's token counts excluded: they change per batch); None when a value cannot be a key.
-
-    Types are checked, not just values: ``(2.0, 0) == (2, 0)`` and ``True == 1`` in Python, but the
-    full path refuses a float window bound and reads ``causal=1`` as an int, not a flag."""
-    dropout_p, scale, causal, window, deterministic, return_lse = scalars
-    if ((causal is not None and type(causal) is not bool) or type(deterministic) is not bool
-            or type(return_lse) is not bool or (type(dropout_p) is not float and type(dropout_p) is not int)
-            or (scale is not None and type(scale) is not float)):
-        return None
-    if window is not None and (type(window) is not tuple or len(window) != 2 or type(window[0]) is not int
-                               or type(window[1]) is not int):
-        return None
-    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
-        return None
-    if sink is None:
-        sink_part = None
-    elif isinstance(sink, Tensor):
-        sink_part = (sink.shape, sink.dtype, sink.device)
-    else:
-        return None
-    # q, k and v each: the kernel route and upstream's layout inference read all three.
-    if packed:
-        return (scalars, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-                v.dtype, q.device, k.device, v.device, sink_part)
-    return (scalars, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, sink_part)
+"""Specs one call site keeps: a layer makes one or two kinds of call, step after step."""
 
 
 class Prepared:
@@ -111,43 +81,39 @@ MISS = object()
 
 
 class PreparedCalls:
-    """One call site's prepared calls, by key (see the module doc)."""
+    """One call site's prepared calls, by spec (see the module doc)."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, Prepared] = {}
+        self._entries: dict[CallSpec, Prepared] = {}
         self.get = self._entries.get  # a bound dict method: no Python frame on the hot path
-        """The `Prepared` call of a key, or None."""
-        self.last_key: Optional[tuple] = None
-        """The key put last: a layer makes the same call step after step, and comparing one key costs
+        """The `Prepared` call of a spec, or None."""
+        self.last_spec: Optional[CallSpec] = None
+        """The spec put last: a layer makes the same call step after step, and comparing one spec costs
         less than hashing it."""
         self.last: Optional[Prepared] = None
         self.hits = 0
         """Calls served from the cache."""
         self.misses = 0
-        """Calls that took the full path (a new key, a key the cache cannot hold, or a failed re-check)."""
+        """Calls that took the full path (a new spec, a call no spec can hold, or a failed re-check)."""
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, scalars: tuple, q: Any, k: Any, v: Any, sink: Any, packed: bool
-             ) -> tuple[Optional[tuple], Optional[Prepared]]:
-        """``(key, prepared)`` of a call (`call_key`): the last key put is compared first, a layer
-        making the same call step after step; ``(None, None)`` for a call no key can hold."""
-        key = call_key(scalars, q, k, v, sink, packed)
-        if key is None:
-            return None, None
-        return key, (self.last if key == self.last_key else self._entries.get(key))
+    def find(self, spec: CallSpec) -> Optional[Prepared]:
+        """The `Prepared` call of ``spec``, or None: the last spec put is compared first, a layer making
+        the same call step after step."""
+        return self.last if spec == self.last_spec else self._entries.get(spec)
 
-    def put(self, key: tuple, prepared: Prepared) -> None:
+    def put(self, spec: CallSpec, prepared: Prepared) -> None:
         entries = self._entries
-        if key not in entries and len(entries) >= LIMIT:
+        if spec not in entries and len(entries) >= LIMIT:
             del entries[next(iter(entries))]
-        entries[key] = prepared
-        self.last_key, self.last = key, prepared
+        entries[spec] = prepared
+        self.last_spec, self.last = spec, prepared
 
     def clear(self) -> None:
         self._entries.clear()
-        self.last_key = self.last = None
+        self.last_spec = self.last = None
 
 
-__all__ = ["LIMIT", "MISS", "Prepared", "PreparedCalls", "Runner", "call_key"]
+__all__ = ["LIMIT", "MISS", "Prepared", "PreparedCalls", "Runner"]

@@ -1,0 +1,73 @@
+"""The call as one value: `CallSpec` keys the prepared-call cache, the ops' arguments are read by name, and
+one builder makes a call's dispatch features."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from primus_ext.backends.base import CallArgs
+from primus_ext.call import ops
+from primus_ext.call.adapter import TurboFlexAttention
+from primus_ext.call.spec import CallSpec, call_spec
+from primus_ext.plan import LayerFacts, build_plan
+from primus_ext.settings import TurboAttentionSettings
+
+
+def _adapter() -> TurboFlexAttention:
+    settings = TurboAttentionSettings.from_dict({"use_turbo_attention": True, "use_turbo_flex_attention": True,
+                                                 "turbo_flex_attention_backend": "reference"})
+    return TurboFlexAttention(build_plan(settings, LayerFacts(num_heads=2, num_kv_heads=2, head_dim=8,
+                                                              seq_length=16)))
+
+
+def _qkv() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    return tuple(torch.randn(1, 16, 2, 8) for _ in range(3))
+
+
+def test_equal_calls_have_equal_specs_read_by_name():
+    q, k, v = _qkv()
+    one = call_spec(False, 0.0, None, True, (-1, -1), False, False, q, k, v, None)
+    other = call_spec(False, 0.0, None, True, (-1, -1), False, False, q.clone(), k.clone(), v.clone(), None)
+    assert isinstance(one, CallSpec) and one == other and hash(one) == hash(other)
+    assert one.causal is True and one.window == (-1, -1) and (one.q_shape, one.q_stride, one.q_dtype) == (q.shape, q.stride(), q.dtype)
+    assert call_spec(False, 0.0, None, True, (-1, -1), False, False, q, k, v.transpose(1, 2), None) != one
+
+
+def test_values_equal_but_of_another_type_have_no_spec():
+    q, k, v = _qkv()
+    assert call_spec(False, 0.0, None, 1, None, False, False, q, k, v, None) is None  # causal=1 is no flag
+    assert call_spec(False, 0.0, None, True, (2.0, 0), False, False, q, k, v, None) is None
+    assert call_spec(False, 0.0, None, True, None, False, False, q, k, v, 1.0) is None  # a sink must be a tensor
+
+
+def test_the_prepared_call_cache_is_keyed_by_the_calls_spec():
+    run = _adapter()
+    q, k, v = _qkv()
+    run(q, k, v)
+    run(q.clone(), k.clone(), v.clone())
+    (spec,) = run.calls._entries
+    assert isinstance(spec, CallSpec) and spec == call_spec(False, 0.0, None, None, None, False, False, q, k, v, None)
+    assert (run.calls.hits, run.calls.misses) == (1, 1)
+
+
+def test_every_op_argument_is_a_call_field_by_name():
+    """The ops are read and called by their schemas' names: each argument maps to a `CallArgs` field, so a new
+    call argument is one field here and one parameter there, with no position to count."""
+    fields = set(CallArgs._fields)
+    for names in (ops._DENSE_NAMES, ops._VARLEN_NAMES):
+        for name in names:
+            if name not in ("handle", "window_left", "window_right"):
+                assert ops._OP_NAMES.get(name, name) in fields, name
+    source = inspect.getsource(ops)
+    assert "(None,) *" not in source  # no hand-counted gradient tail
+
+
+def test_one_builder_makes_a_calls_dispatch_features():
+    from primus_ext.backends import call_route, turbo_kernels
+
+    assert turbo_kernels.call_features is call_route.call_features
+    assert "CallFeatures(" not in inspect.getsource(turbo_kernels)
+    assert inspect.getsource(call_route).count("CallFeatures(") == 1

@@ -101,6 +101,19 @@ def _causal(batch=B, seq=S):
     return torch.ones(seq, seq, dtype=torch.bool).triu(1).expand(batch, 1, seq, seq).clone()
 
 
+@pytest.mark.parametrize("max_documents", [None, 4])
+@pytest.mark.parametrize("path", ["flex-turbo", "flex-reference"])
+def test_a_micro_batch_without_tokens_is_the_empty_result_not_a_refusal(path, max_documents):
+    """Found by the long fuzz profile: with no token, the document count was held to a bound of 0 and refused."""
+    cu = document_mask.document_boundaries(_causal(B, 0), B, 0, 0, max_documents)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0] * ((max_documents or B) + 1)
+    with fake_primus_turbo():
+        layer = _layer(path, reset_attention_mask_max_documents=max_documents)
+        q, k, v = _qkv(seq=0)
+        out = layer(q, k, v, _causal(B, 0))
+    assert out.shape[0] == 0 and out.numel() == 0
+
+
 def test_a_plain_causal_mask_is_one_document_per_row():
     with fake_primus_turbo():
         layer = _layer()

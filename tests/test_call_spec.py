@@ -71,3 +71,13 @@ def test_one_builder_makes_a_calls_dispatch_features():
     assert turbo_kernels.call_features is call_route.call_features
     assert "CallFeatures(" not in inspect.getsource(turbo_kernels)
     assert inspect.getsource(call_route).count("CallFeatures(") == 1
+
+
+def test_a_compiled_call_without_queries_gives_q_an_empty_gradient_as_eager_does():
+    """The ops' backward hands q, k and v their gradients as they are: an empty q's is empty, not None."""
+    run = _adapter()
+    q = torch.randn(1, 0, 2, 8, requires_grad=True)
+    k, v = (torch.randn(1, 16, 2, 8, requires_grad=True) for _ in range(2))
+    compiled = torch.compile(lambda q, k, v: run(q, k, v), backend="aot_eager", fullgraph=True)
+    compiled(q, k, v).sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape

@@ -334,7 +334,8 @@ def _backward(names: Sequence[str], backward: Any, backward_names: Sequence[str]
     named = dict(zip(ctx.tensor_names, ctx.saved_tensors), grad_out=grad_out, **ctx.others)
     grads = backward(*[named[n] for n in backward_names])
     by_input = dict(zip(_GRADIENTS, grads))
-    return tuple(_none_if_empty(by_input[n]) if n in by_input else None for n in names)
+    return tuple((by_input[n] if n in ("q", "k", "v") else _none_if_empty(by_input[n])) if n in by_input else None
+                 for n in names)  # q, k, v always have a gradient, empty with them; an optional input's empty one is none
 
 
 _GRADIENTS = ("q", "k", "v", "sink", "alibi_slopes", "bias")

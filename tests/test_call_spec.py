@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 
 from primus_ext.backends.base import CallArgs
@@ -63,6 +64,18 @@ def test_every_op_argument_is_a_call_field_by_name():
                 assert ops._OP_NAMES.get(name, name) in fields, name
     source = inspect.getsource(ops)
     assert "(None,) *" not in source  # no hand-counted gradient tail
+
+
+def test_a_call_field_no_op_parameter_carries_is_an_error_not_a_none():
+    """A field added to `CallArgs` without its op parameter would reach a compiled call's kernels as None."""
+    q, k, v = _qkv()
+    named = dict(q=q, k=k, v=v, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=16, max_seqlen_kv=16, sink=None,
+                 alibi_slopes=None, bias=None, causal=True, window_left=-1, window_right=-1, scale=None, dropout_p=0.0,
+                 deterministic=False, return_lse=False)
+    assert ops._call(named).q is q
+    del named["bias"]  # as if the varlen op's caller forgot the bias it does not take
+    with pytest.raises(KeyError):
+        ops._call(named)
 
 
 def test_one_builder_makes_a_calls_dispatch_features():

@@ -249,15 +249,15 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ali
 # The ops' parameters are named as `CallArgs`' fields, but for these: one place maps them, read by name.
 _OP_NAMES = {"cu_seqlens_q": "cu_q", "cu_seqlens_kv": "cu_kv", "max_seqlen_q": "max_q", "max_seqlen_kv": "max_kv",
              "alibi_slopes": "alibi"}
-_CALL_FIELDS = frozenset(CallArgs._fields)
 
 
 def _call(named: dict) -> CallArgs:
     """The `CallArgs` of an op's arguments by their schema names (``window_left`` / ``window_right`` the
-    window; what an op does not take, None: a dense op's boundaries, a varlen op's bias)."""
+    window).  Every field must be named: a field no op parameter carries raises here rather than reach the
+    kernels as None (`_dense_call` / `_varlen_call` give what their op does not take)."""
     fields = {_OP_NAMES.get(name, name): value for name, value in named.items()}
     fields["window"] = (fields.pop("window_left"), fields.pop("window_right"))
-    return CallArgs(**{name: fields.get(name) for name in _CALL_FIELDS})
+    return CallArgs(**{name: fields[name] for name in CallArgs._fields})
 
 
 def _dense_call(named: dict) -> CallArgs:

@@ -78,6 +78,7 @@ def call_spec(packed: bool, dropout_p: Any, scale: Any, causal: Any, window: Any
                            q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
                            v.shape, v.stride(), v.dtype, v.device, sink_spec))
 
+
 _new = tuple.__new__
 """How `call_spec` builds a spec: the tuple's own constructor, without the named one's Python frame."""
 

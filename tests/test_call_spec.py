@@ -83,7 +83,31 @@ def test_one_builder_makes_a_calls_dispatch_features():
 
     assert turbo_kernels.call_features is call_route.call_features
     assert "CallFeatures(" not in inspect.getsource(turbo_kernels)
-    assert inspect.getsource(call_route).count("CallFeatures(") == 1
+    # every CallFeatures made there is made of `_feature_values`' tuple, the one description of a call's features
+    source = inspect.getsource(call_route)
+    assert source.count("CallFeatures(") == source.count("CallFeatures(*") == 2
+    assert source.count("_feature_values(") == 3  # its definition, call_features and CallRoutes._lookup
+
+
+def test_a_routed_call_seen_before_builds_no_dispatch_features(monkeypatch):
+    """The route memo is keyed by the features' values: a hit makes no frozen `CallFeatures` (building and
+    hashing one per call had doubled the route check's cost)."""
+    from primus_ext.backends import call_route
+
+    q, k, v = (t.transpose(0, 1) for t in (torch.randn(16, 1, 2, 8, dtype=torch.bfloat16) for _ in range(3)))
+    a = CallArgs(q=q, k=k, v=v, cu_q=None, cu_kv=None, max_q=16, max_kv=16, sink=None, alibi=None, bias=None,
+                 causal=True, window=(-1, 0), scale=None, dropout_p=0.0, deterministic=False)
+    routes = call_route.CallRoutes("gfx942")
+    routes.check("dense", a, True, (-1, 0))
+    made = []
+    real = call_route.CallFeatures
+    monkeypatch.setattr(call_route, "CallFeatures", lambda *args, **kw: made.append(args) or real(*args, **kw))
+    for _ in range(3):
+        routes.check("dense", a, True, (-1, 0))
+    assert routes.backend("dense", a, True, (-1, 0)) is not None and made == []
+    features = call_route.call_features("gfx942", "dense", a, True, (-1, 0), equal_documents=None,
+                                        build=routes.build)
+    assert features.window == (-1, 0) and features.heads == 2 and features.sbhd_storage
 
 
 def test_a_compiled_call_without_queries_gives_q_an_empty_gradient_as_eager_does():

@@ -67,30 +67,31 @@ class CallRoutes:
 
     def _lookup(self, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int]
                 ) -> tuple[Route, Optional[Callable[[], UnsupportedInputError]]]:
-        try:
-            features = call_features(self.arch, entry, a, causal, window, build=self.build,
-                                     equal_documents=True if self.equal_documents and entry == "varlen" else None)
-        except LayoutError as exc:
-            raise refuse(LAYOUT, problem=exc) from None
-        found = _routed(features, self.selection)
-        if entry == "varlen" and features.equal_documents is None and found[1] is None:
+        values = _feature_values(self.arch, entry, a, causal, window, build=self.build,
+                                 equal_documents=True if self.equal_documents and entry == "varlen" else None)
+        found = _routed(values, self.selection)
+        if entry == "varlen" and values[_EQUAL] is None and found[1] is None:
             # upstream's FlyDSL gate reads each call's boundaries: equal documents (one included) may reach it
-            equal = _routed(dataclasses.replace(features, equal_documents=True), self.selection, possible=True)
+            equal = _routed(values[:_EQUAL] + (True,) + values[_EQUAL + 1:], self.selection, possible=True)
             if equal[1] is not None:
                 return equal
         return found
 
 
 @functools.lru_cache(maxsize=1024)
-def _routed(features: CallFeatures, selection: Selection, possible: bool = False
+def _routed(values: tuple, selection: Selection, possible: bool = False
             ) -> tuple[Route, Optional[Callable[[], UnsupportedInputError]]]:
-    """The dispatch model's verdict on one call's features: a pure function of its arguments (a frozen
-    `CallFeatures`, compared by value), so its memo is keyed by them (a call site's own cache is
-    `primus_ext.call.prepared`).  ``possible``: equal documents are not known, only possible (the refusal
-    then says "when").
+    """The dispatch model's verdict on one call's features: a pure function of its arguments (the
+    `CallFeatures` field values `_feature_values` gives, in field order, compared by value), so its memo is
+    keyed by them (a call site's own cache is `primus_ext.call.prepared`).  ``possible``: equal documents
+    are not known, only possible (the refusal then says "when").
+
+    The memo is keyed by the values, not by the frozen dataclass made of them: building and hashing that
+    per call cost 6 µs here, more than the route check it serves; a hit builds no `CallFeatures`.
 
     A refusal is kept as what makes the error, never as the error: a raised exception keeps the frames
     it passed through, and with them the refused call's tensors, for as long as the memo keeps it."""
+    features = CallFeatures(*values)
     found = route(features, selection)
     layout = () if features.entry != "dense" or features.sbhd_storage else (
         "pass q/k/v as bshd views of sbhd memory (Megatron's layout), as the plan assumed",)
@@ -106,25 +107,39 @@ def _routed(features: CallFeatures, selection: Selection, possible: bool = False
 
 def call_features(arch: str, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int], *,
                   equal_documents: Optional[bool], build: TurboBuild) -> CallFeatures:
-    """The dispatch model's view of one call reaching ``entry`` as ``(causal, window)``: the one builder of
-    a call's `CallFeatures` (its kernel route here, its kernel pair in `primus_ext.backends.turbo_kernels`).
-    Raises `LayoutError` for a dense call's storage layout upstream asserts on."""
+    """The dispatch model's view of one call reaching ``entry`` as ``(causal, window)``: its kernel route
+    here, its kernel pair in `primus_ext.backends.turbo_kernels`.  A dense call's storage layout that upstream
+    asserts on is refused (LAYOUT)."""
+    return CallFeatures(*_feature_values(arch, entry, a, causal, window, equal_documents=equal_documents,
+                                         build=build))
+
+
+_FIELDS = ("arch", "entry", "dtype", "head_dim", "head_dim_v", "heads", "kv_heads", "causal", "window", "sink",
+           "dropout", "bias", "alibi", "deterministic", "default_scale", "equal_documents", "sbhd_storage",
+           "contiguous_sbhd", "contiguous_bshd", "q_within_kv", "contiguous_thd", "needs_backward", "build")
+"""The order of `_feature_values`' tuple: `CallFeatures`' own field order, checked at import below."""
+assert _FIELDS == tuple(field.name for field in dataclasses.fields(CallFeatures)), "CallFeatures' fields moved"
+_EQUAL = _FIELDS.index("equal_documents")
+
+
+def _feature_values(arch: str, entry: str, a: CallArgs, causal: bool, window: Tuple[int, int], *,
+                    equal_documents: Optional[bool], build: TurboBuild) -> tuple:
+    """The one description of a call's `CallFeatures`: their values in `_FIELDS` order."""
     q, k, v = a.q, a.k, a.v
     # a call without queries reaches no kernel (the core returns the empty result), and an empty
     # tensor's strides say nothing of a layout
     empty = q.numel() == 0
-    sbhd, contiguous, bshd = storage_features(q, k, v)[1:] if entry == "dense" and not empty else (True, True, True)
+    sbhd, contiguous, bshd = _storage(q, k, v) if entry == "dense" and not empty else (True, True, True)
     # a dense call's documents are flattened to contiguous thd by the Turbo backend (`_documents_dense`)
     thd = entry == "dense" or empty or q.dim() == 4 or (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
-    return CallFeatures(
-        arch=arch, entry=entry, dtype=_DTYPES.get(q.dtype, str(q.dtype)), head_dim=q.shape[-1],
-        head_dim_v=v.shape[-1], heads=q.shape[-2], kv_heads=k.shape[-2], causal=causal, window=window,
-        sink=a.sink is not None, dropout=0.1 if a.dropout_p > 0 else 0.0,  # the model reads only "any dropout"
-        bias=a.bias is not None, alibi=a.alibi is not None, deterministic=a.deterministic,
-        default_scale=default_scale(a.scale, q.shape[-1]), equal_documents=equal_documents, sbhd_storage=sbhd,
-        contiguous_sbhd=contiguous, contiguous_bshd=bshd,
-        q_within_kv=entry != "dense" or q.shape[1] <= k.shape[1],  # bshd: Sq <= Skv
-        contiguous_thd=thd, build=build)
+    head_dim = q.shape[-1]
+    return (arch, entry, _DTYPES.get(q.dtype, str(q.dtype)), head_dim, v.shape[-1], q.shape[-2], k.shape[-2],
+            causal, window, a.sink is not None,
+            0.1 if a.dropout_p > 0 else 0.0,  # the model reads only "any dropout"
+            a.bias is not None, a.alibi is not None, a.deterministic, default_scale(a.scale, head_dim),
+            equal_documents, sbhd, contiguous, bshd,
+            entry != "dense" or q.shape[1] <= k.shape[1],  # q_within_kv; bshd: Sq <= Skv
+            thd, True, build)  # needs_backward: every training call
 
 
 def _storage(q: Tensor, k: Tensor, v: Tensor) -> Tuple[bool, bool, bool]:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .call_route import CallRoutes, call_features
 from .dispatch import BUILD_A6A16CD, DEFAULT_ORDER, DENSE, FLYDSL, VARLEN, route, route_on
-from .layout import LayoutError, infer_qkv_format
+from .layout import infer_qkv_format
 from .base import CallArgs, KernelPair
 from .turbo_pairs_gfx950 import (FlydslPair, HipkittensPair, discover_flydsl, discover_hipkittens, flydsl_takes,
                                  hipkittens_takes, uniform_documents)
@@ -187,10 +187,8 @@ def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple
     selection = getattr(routes, "selection", DEFAULT_ORDER)
     equal = uniform_documents(a) if entry == VARLEN else None
     build = getattr(routes, "build", BUILD_A6A16CD)
-    try:
-        features = call_features(routes.arch, entry, a, causal, window, equal_documents=equal or None, build=build)
-    except LayoutError:
-        return None
+    # the layout was checked by `routes.backend` (a LAYOUT refusal), so this raises nothing
+    features = call_features(routes.arch, entry, a, causal, window, equal_documents=equal or None, build=build)
     found = route(features, selection)
     if len(found.candidates) > 1 or not found.ok or found.backend is None:
         return None  # autotune keeps whichever is fastest

@@ -20,7 +20,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
 from primus_ext.backends.context_parallel import Ulysses
+from primus_ext.backends.shared_prefix import SharedPrefixLayout
 from primus_ext.call import TurboFlexAttention
+from primus_ext.call.shared_prefix import shared_prefix_attention
 from primus_ext.errors import UnsupportedInputError
 from primus_ext.megatron import PrimusTurboLocalAttention, pack_eod_micro_batch
 from primus_ext.megatron.context_parallel import LayerContextParallel
@@ -323,6 +325,13 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "B25.tokens": lambda: pack_eod_micro_batch(torch.zeros(2, 16), eod_token=0, max_documents=4),
     "B25.max-documents": lambda: pack_eod_micro_batch(_eod_tokens(4), eod_token=0, max_documents=1),
     "B25.too-many-documents": lambda: pack_eod_micro_batch(_eod_tokens(4), eod_token=0, max_documents=4),
+    # shared-prefix rows (B37)
+    "shared-prefix.layout": lambda: SharedPrefixLayout.of([(4, 3)]),
+    "shared-prefix.tokens": lambda: shared_prefix_attention(
+        adapter(settings(packed_shared_prefix=True), facts(packed=True)), *packed_qkv(11),
+        SharedPrefixLayout.of([(4, [3])])),
+    "shared-prefix.call": lambda: shared_prefix_attention(adapter(settings(), facts(packed=True)), *packed_qkv(7),
+                                                          SharedPrefixLayout.of([(4, [3])])),
 }
 
 

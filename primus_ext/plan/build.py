@@ -241,6 +241,7 @@ def build_plan(
         storage=_storage(ctx, arch, routes),
         dtype=facts.dtype,
         equal_documents=settings.packed_equal_documents,
+        shared_prefix=settings.packed_shared_prefix,
         bind_call=_call_binder(settings, facts, backend, name) if flex and mask_mod is None else None,
         call_flags=settings.turbo_flex_attention_call_flags,
         backend_given=backend is not None,
@@ -263,7 +264,7 @@ def _kernel_routes(ctx: RuleInput, arch: Optional[str], mask_proof: Optional[Mas
         window=ctx.window, sink=ctx.sink, deterministic=ctx.settings.deterministic_mode,
         alibi=bool(score_proof and score_proof.kind in ALIBI_FORMS), selection=selection, build=build,
         equal_documents=ctx.settings.packed_equal_documents,
-        mask_documents=_mask_documents(ctx.settings, ctx.facts))
+        mask_documents=_mask_documents(ctx.settings, ctx.facts), shared_prefix=ctx.settings.packed_shared_prefix)
 
 
 def _mask_documents(settings: TurboAttentionSettings, facts: LayerFacts) -> bool:

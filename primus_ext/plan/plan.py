@@ -76,6 +76,9 @@ class AttentionPlan:
     equal_documents: bool = False
     """``packed_equal_documents``: every packed call's documents have one length, ``max_seqlen``
     (checked per call, B36); packed calls are routed so."""
+    shared_prefix: bool = False
+    """``packed_shared_prefix``: packed rows may be shared-prefix rows (`primus_ext.call.shared_prefix`), run as
+    the packed call merged with the cross call of their trees through the LSE (B37)."""
     dtype: Optional[str] = None
     """What the layer computes in (`LayerFacts.dtype`: ``bf16``, ``fp16``, ``fp32``); None if not known."""
     storage: str = "as-given"
@@ -131,6 +134,8 @@ class AttentionPlan:
             parts.append(f"mask_mod={self.mask_hook} -> {self.mask_recognised}")
         if self.score_hook:
             parts.append(f"score_mod={self.score_hook} -> {self.score_recognised}")
+        if self.shared_prefix:
+            parts.append("shared-prefix rows (packed + cross, merged by LSE)")
         parts.append("sink" if self.sink else "no sink")
         heads = f"heads={self.num_heads}"
         if self.gqa:

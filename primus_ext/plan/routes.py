@@ -55,7 +55,8 @@ def _features(facts: LayerFacts, arch: str, entry: str, pattern: Pattern, *, sin
 def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optional[Pattern],
                  window: Optional[Tuple[int, int]], sink: bool, deterministic: bool,
                  alibi: bool, selection: Selection = DEFAULT_ORDER, build: TurboBuild = BUILD_A6A16CD,
-                 equal_documents: bool = False, mask_documents: bool = False) -> Tuple[Tuple[str, Route], ...]:
+                 equal_documents: bool = False, mask_documents: bool = False,
+                 shared_prefix: bool = False) -> Tuple[Tuple[str, Route], ...]:
     """``(("dense" | "packed", route), ...)`` for the calls this layer can make on ``arch``.
 
     ``dense_pattern``: the dense calls' mask (None: the caller's causal / window).
@@ -66,7 +67,9 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
     routed too (kinds ``"dense in eval"``, ``"packed in eval"``) where they fare otherwise.  Varlen calls
     not promised equal documents may still bring them (one document is), and upstream's dispatcher reads the
     boundaries at run time: those are routed too (kind ``"<kind> with equal documents"``) where they fare
-    otherwise (docs/fidelity.md, fact `flydsl-varlen-runtime`).
+    otherwise (docs/fidelity.md, fact `flydsl-varlen-runtime`).  With ``shared_prefix`` (``packed_shared_prefix``,
+    B37) a packed row also makes the *cross* call of its trees: every response token against its whole prompt,
+    non-causal, without the sink (which the packed call's softmax holds), kind ``"shared-prefix cross"``.
     """
     if arch is None or arch not in ARCHES:
         return ()
@@ -79,6 +82,10 @@ def layer_routes(facts: LayerFacts, arch: Optional[str], *, dense_pattern: Optio
         if facts.packed is not False:
             out += _varlen_kinds("packed" + when, _features(facts, arch, VARLEN, flash,
                                                             equal_documents=equal_documents, **common), selection)
+            if shared_prefix:
+                cross = dict(common, sink=False)
+                out += _varlen_kinds("shared-prefix cross" + when,
+                                     _features(facts, arch, VARLEN, Pattern(-1, -1), **cross), selection)
         if facts.packed is not True:
             pattern = dense_pattern or flash
             entry = VARLEN if pattern.documents or mask_documents else DENSE

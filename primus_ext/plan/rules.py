@@ -16,6 +16,7 @@ from ..backends.dispatch import ARCHES
 from ..hooks.proof import ALIBI, SYMMETRIC
 from .rule_input import (Rule, RuleInput, alibi_right_masks, documents_problem, dynamic_hooks, packing_conflict)
 from .rules_fp8 import FP8_RULES
+from .rules_shared_prefix import SHARED_PREFIX_RULES
 
 
 def _documents_hook(c: "RuleInput") -> bool:
@@ -350,7 +351,7 @@ RULES: Tuple[Rule, ...] = (
 )
 
 
-RULES = RULES + FP8_RULES
+RULES = RULES + FP8_RULES + SHARED_PREFIX_RULES
 
 
 def failing_reasons(ctx: RuleInput, rules: Tuple[Rule, ...] = RULES) -> list[Reason]:

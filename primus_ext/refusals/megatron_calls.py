@@ -100,4 +100,22 @@ EOD_TOO_MANY = rule(
     "raise max_documents (e.g. to seq_length // 2 times the micro-batch size) or use longer documents.")
 
 
-__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY"]
+# -- shared-prefix rows (`primus_ext.backends.shared_prefix`, `primus_ext.megatron.shared_prefix`) ----------
+PREFIX_LAYOUT = rule(
+    "shared-prefix.layout", ("groups",),
+    "a shared-prefix row is a sequence of documents (a token count) and trees (a prompt and its responses, "
+    "(prompt, [response, ...]) as token counts >= 0); got {got}.",
+    "describe each row as e.g. [512, (2048, [512, 512])]: a document of 512 tokens, then a prompt of 2048 "
+    "with two responses of 512.")
+PREFIX_TOKENS = rule(
+    "shared-prefix.tokens", ("q", "k", "v"),
+    "q, k and v hold {got} tokens, but the shared-prefix layout describes {total}.",
+    "pass the packed row the layout was made for (pack_shared_prefix gives both).")
+PREFIX_CALL = rule(
+    "shared-prefix.call", ("packed_shared_prefix",),
+    "a shared-prefix row runs as two varlen calls merged through their log-sum-exps, which needs {what}.",
+    "set packed_shared_prefix: true on the layer's settings (its plan then refuses at build what cannot be "
+    "merged, B37), or pack each response after its own copy of the prompt (ordinary documents).")
+
+
+__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY", "PREFIX_LAYOUT", "PREFIX_TOKENS", "PREFIX_CALL"]

@@ -164,6 +164,11 @@ class TurboAttentionSettings:
         "Every packed document has the same length, max_seqlen (checked per call, without a host read of "
         "the boundaries); lets FlyDSL take packed calls on gfx950, its varlen sink included.",
         "bool", "B36"))
+    packed_shared_prefix: bool = field(default=False, metadata=_meta(
+        "Packed rows are RL shared-prefix rows (pack_shared_prefix: a prompt once, its responses after it): "
+        "each runs as two varlen calls (documents causal, responses against their prompt) merged through "
+        "their log-sum-exps; a row of plain documents runs as before.",
+        "bool", "B37"))
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in SETTING_KEYS}

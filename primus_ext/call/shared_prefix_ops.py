@@ -1,0 +1,123 @@
+"""A shared-prefix row under ``torch.compile``: one custom op for the merged forward, one for its backward.
+
+``primus_ext::shared_prefix_attention`` runs the packed call's kernel-level forward, the cross call's, and
+the merge (`primus_ext.backends.shared_prefix.merged_forward`); it returns ``(out, lse, rng_self,
+rng_cross)``.  ``primus_ext::shared_prefix_attention_backward`` gives each kernel's backward the merged
+``out`` and ``lse`` (`merged_backward`).  So a compiled step calls each kernel once forward and once
+backward and never recomputes the forward, and Dynamo sees the layer as one opaque op (no graph break).
+The row's layout travels as its tensors and ints; the target, as in `primus_ext.call.ops`, as a handle.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends.base import CallArgs, kernel_rng
+from ..backends.dispatch_keys import autograd_keys_lifted
+from ..backends.shared_prefix import SharedPrefixLayout, cross_args, merged_backward, merged_forward
+from .checks import assert_boundaries
+from .ops import NAMESPACE, _fit, _lse_dtype, target
+
+
+def _call(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], segments: Tensor, cross_q: Tensor,
+          cross_kv: Tensor, cu_cross_q: Tensor, cu_cross_kv: Tensor, max_segment: int, max_cross_q: int,
+          max_cross_kv: int, causal: bool, window_left: int, window_right: int, scale: Optional[float],
+          deterministic: bool) -> tuple[CallArgs, SharedPrefixLayout]:
+    layout = SharedPrefixLayout(total=q.shape[0], segments=segments, max_segment=max_segment, cross_q=cross_q,
+                                cross_kv=cross_kv, cu_cross_q=cu_cross_q, cu_cross_kv=cu_cross_kv,
+                                max_cross_q=max_cross_q, max_cross_kv=max_cross_kv)
+    a = CallArgs(q, k, v, segments, segments, max_segment, max_segment, sink, None, None, causal,
+                 (window_left, window_right), scale, 0.0, deterministic, True)
+    return a, layout
+
+
+def _pairs(handle: int, a: CallArgs, layout: SharedPrefixLayout) -> tuple:
+    """The checked pairs of the two calls, as the eager call chose them (`run_shared_prefix`)."""
+    found = target(handle)
+    found.check(a)
+    pairs = [found.pair(a), None]
+    if layout.has_cross:
+        cross = cross_args(a, layout)
+        found.check(cross)
+        pairs[1] = found.pair(cross)
+    return tuple(pairs)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::shared_prefix_attention", mutates_args=())
+def shared_prefix_attention(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], segments: Tensor,
+                            cross_q: Tensor, cross_kv: Tensor, cu_cross_q: Tensor, cu_cross_kv: Tensor, handle: int,
+                            max_segment: int, max_cross_q: int, max_cross_kv: int, causal: bool, window_left: int,
+                            window_right: int, scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    assert_boundaries("cu_seqlens_q", segments, q.shape[0], max_segment)
+    a, layout = _call(q, k, v, sink, segments, cross_q, cross_kv, cu_cross_q, cu_cross_kv, max_segment, max_cross_q,
+                      max_cross_kv, causal, window_left, window_right, scale, deterministic)
+    with torch.no_grad(), autograd_keys_lifted():
+        out, lse, rng_self, rng_cross = merged_forward(a, layout, *_pairs(handle, a, layout))
+    rng_cross = rng_cross if rng_cross is not None else kernel_rng(a)
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous(), rng_self, rng_cross
+
+
+@shared_prefix_attention.register_fake
+def _(q, k, v, *_):
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    rng = torch.empty(2, dtype=torch.int64, device=q.device)  # `kernel_rng` of a packed call: on q's device
+    return out, lse, rng, torch.empty_like(rng)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::shared_prefix_attention_backward", mutates_args=())
+def shared_prefix_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor],
+                                     out: Tensor, lse: Tensor, rng_self: Tensor, rng_cross: Tensor, segments: Tensor,
+                                     cross_q: Tensor, cross_kv: Tensor, cu_cross_q: Tensor, cu_cross_kv: Tensor,
+                                     handle: int, max_segment: int, max_cross_q: int, max_cross_kv: int,
+                                     causal: bool, window_left: int, window_right: int, scale: Optional[float],
+                                     deterministic: bool
+                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    a, layout = _call(q, k, v, sink, segments, cross_q, cross_kv, cu_cross_q, cu_cross_kv, max_segment, max_cross_q,
+                      max_cross_kv, causal, window_left, window_right, scale, deterministic)
+    with torch.no_grad(), autograd_keys_lifted():
+        grads = merged_backward(a, layout, *_pairs(handle, a, layout), grad_out, out, lse, rng_self, rng_cross)
+    return tuple(_fit(g, t, q) for g, t in zip(grads, (q, k, v, sink)))  # type: ignore[return-value]
+
+
+@shared_prefix_attention_backward.register_fake
+def _(grad_out, q, k, v, sink, *_):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sink) if sink is not None else q.new_empty(0))
+
+
+_LAYOUT = ("segments", "cross_q", "cross_kv", "cu_cross_q", "cu_cross_kv")
+_SCALARS = ("handle", "max_segment", "max_cross_q", "max_cross_kv", "causal", "window_left", "window_right", "scale",
+            "deterministic")
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, sink, *rest = inputs
+    ctx.mark_non_differentiable(output[1], output[2], output[3])
+    ctx.save_for_backward(q, k, v, sink, output[0], output[1], output[2], output[3], *rest[:len(_LAYOUT)])
+    ctx.scalars = rest[len(_LAYOUT):]
+
+
+def _backward(ctx, grad_out, _lse, _rng_self, _rng_cross):
+    q, k, v, sink, out, lse, rng_self, rng_cross, *layout = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.primus_ext.shared_prefix_attention_backward(
+        grad_out, q, k, v, sink, out, lse, rng_self, rng_cross, *layout, *ctx.scalars)
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * (len(_LAYOUT) + len(_SCALARS))
+
+
+shared_prefix_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def run_compiled(handle: int, a: CallArgs, layout: SharedPrefixLayout) -> Tensor:
+    """The merged call as the op, inside a compiled graph."""
+    out, _, _, _ = torch.ops.primus_ext.shared_prefix_attention(
+        a.q, a.k, a.v, a.sink, layout.segments, layout.cross_q, layout.cross_kv, layout.cu_cross_q,
+        layout.cu_cross_kv, handle, layout.max_segment, layout.max_cross_q, layout.max_cross_kv, a.causal,
+        a.window[0], a.window[1], a.scale, a.deterministic)
+    return out
+
+
+__all__ = ["run_compiled", "shared_prefix_attention", "shared_prefix_attention_backward"]

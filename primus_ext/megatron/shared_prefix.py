@@ -1,0 +1,140 @@
+"""RL rows with a shared prefix: one prompt, its n responses after it, packed once.
+
+GRPO-style post-training samples n responses per prompt; packing each after its own copy of
+the prompt computes the prompt n times in every layer.  `pack_shared_prefix` packs the prompt
+once, its responses after it, into one THD row that megatron-core's GPT takes as it takes any
+packed row (``input_ids [1, T]``, ``position_ids [1, T]``, ``packed_seq_params``), with:
+
+* position ids that continue each response from the end of its prompt, so that position
+  embeddings (RoPE or learned) see what they see in the duplicated layout;
+* `SharedPrefixSeqParams`: Megatron's `PackedSeqParams` (``cu_seqlens`` of every prompt,
+  response and document) carrying the row's `SharedPrefixLayout`, which primus_ext's layers
+  run as the tree mask (`primus_ext.call.shared_prefix`) and any other layer would run as
+  plain documents: such a layer is refused, never run on the wrong mask (`layer_check`);
+* the loss's targets: a response's first token is predicted at its prompt's last position,
+  which n responses share, so a target is read from the logits by position
+  (`SharedPrefixBatch.sequence_losses`), not by Megatron's shifted labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from .. import refusals as R
+from ..backends.shared_prefix import SharedPrefixLayout
+from ..errors import short_repr
+
+
+@dataclass
+class SharedPrefixSeqParams(PackedSeqParams):
+    """`PackedSeqParams` of a shared-prefix row: its boundaries, and the ``layout`` that says which
+    segments are prompts and which their responses."""
+
+    layout: Optional[SharedPrefixLayout] = None
+
+
+@dataclass(frozen=True)
+class SharedPrefixBatch:
+    """One packed shared-prefix row and its loss targets."""
+
+    tokens: Tensor
+    """``[1, T]`` token ids."""
+    position_ids: Tensor
+    """``[1, T]``: 0.. in each document and prompt, continuing from the prompt in each response."""
+    packed_seq_params: SharedPrefixSeqParams
+    target_tokens: Tensor
+    """``[N]``: every token predicted (each response's, each document's but its first; prompts' if asked)."""
+    target_positions: Tensor
+    """``[N]``: the position of the row whose logits predict it."""
+    target_sequence: Tensor
+    """``[N]``: the sequence it belongs to, numbered as the duplicated layout's: each document, and each
+    response with its copy of the prompt, in order."""
+    sequences: int
+
+    @property
+    def layout(self) -> SharedPrefixLayout:
+        assert self.packed_seq_params.layout is not None
+        return self.packed_seq_params.layout
+
+    def sequence_losses(self, logits: Tensor) -> Tensor:
+        """``[sequences]`` summed cross-entropy of each sequence's targets, from ``logits`` ``[1, T, V]`` (or
+        ``[T, 1, V]``, or ``[T, V]``) of this row."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        losses = F.cross_entropy(flat.index_select(0, self.target_positions).float(), self.target_tokens,
+                                 reduction="none")
+        return torch.zeros(self.sequences, dtype=losses.dtype, device=losses.device).index_add(
+            0, self.target_sequence, losses)
+
+
+def pack_shared_prefix(groups: Sequence[Any], *, prompt_loss: bool = False) -> SharedPrefixBatch:
+    """A row of ``groups``: each a document (a 1-D token tensor) or a tree ``(prompt, [response, ...])`` of 1-D
+    token tensors.  ``prompt_loss``: the prompt's own next-token targets are kept (once per response, as the
+    duplicated layout has them once per copy), else only the responses' and documents'."""
+    if isinstance(groups, (str, bytes, Tensor)) or not isinstance(groups, Sequence) or not groups:
+        raise R.refuse(R.PREFIX_LAYOUT, got=short_repr(groups))
+    items, parts = [], []
+    for group in groups:
+        if _tokens(group):
+            items.append(group.numel())
+            parts.append([group])
+        elif (isinstance(group, (tuple, list)) and len(group) == 2 and _tokens(group[0])
+              and isinstance(group[1], (tuple, list)) and all(_tokens(r) for r in group[1])):
+            items.append((group[0].numel(), [r.numel() for r in group[1]]))
+            parts.append([group[0], *group[1]])
+        else:
+            raise R.refuse(R.PREFIX_LAYOUT, got=f"the group {short_repr(group)} (token tensors expected)")
+    device = parts[0][0].device
+    layout = SharedPrefixLayout.of(items, device)
+    tokens = torch.cat([t.reshape(-1) for row in parts for t in row]).reshape(1, -1)
+    positions, targets, at_positions, of_sequence = [], [], [], []
+    at, sequence = 0, 0
+    for item, row in zip(items, parts):
+        if isinstance(item, int):
+            positions.append(torch.arange(item))
+            targets.append(row[0].reshape(-1)[1:])
+            at_positions.append(torch.arange(at, at + item - 1) if item else torch.arange(0))
+            of_sequence.append(torch.full((max(item - 1, 0),), sequence))
+            at, sequence = at + item, sequence + 1
+            continue
+        prompt_len, responses = item
+        prompt = row[0].reshape(-1)
+        positions.append(torch.arange(prompt_len))
+        prompt_end = offset = at + prompt_len
+        for length, response in zip(responses or (0,), row[1:] or (None,)):
+            if prompt_loss and prompt_len > 1:  # the prompt's own targets, once per copy
+                targets.append(prompt[1:])
+                at_positions.append(torch.arange(at, prompt_end - 1))
+                of_sequence.append(torch.full((prompt_len - 1,), sequence))
+            if length:
+                positions.append(torch.arange(prompt_len, prompt_len + length))
+                # a response's first token is predicted at its prompt's last position (its own first, with none)
+                first = torch.tensor([prompt_end - 1]) if prompt_len else torch.zeros(0, dtype=torch.long)
+                targets.append(response.reshape(-1) if prompt_len else response.reshape(-1)[1:])
+                at_positions.append(torch.cat([first, torch.arange(offset, offset + length - 1)]))
+                of_sequence.append(torch.full((length if prompt_len else length - 1,), sequence))
+            offset += length
+            sequence += 1  # a response with its copy of the prompt (a prompt without responses: itself)
+        at = offset
+    params = SharedPrefixSeqParams(qkv_format="thd", cu_seqlens_q=layout.segments, cu_seqlens_kv=layout.segments,
+                                   max_seqlen_q=layout.max_segment, max_seqlen_kv=layout.max_segment, layout=layout)
+    as_long = dict(dtype=torch.long, device=device)
+    return SharedPrefixBatch(
+        tokens=tokens, position_ids=torch.cat(positions).reshape(1, -1).to(**as_long), packed_seq_params=params,
+        target_tokens=torch.cat(targets).to(**as_long) if targets else torch.zeros(0, **as_long),
+        target_positions=torch.cat(at_positions).to(**as_long) if at_positions else torch.zeros(0, **as_long),
+        target_sequence=torch.cat(of_sequence).to(**as_long) if of_sequence else torch.zeros(0, **as_long),
+        sequences=sequence)
+
+
+def _tokens(value: Any) -> bool:
+    return isinstance(value, Tensor) and not value.dtype.is_floating_point and value.dim() in (1, 2) and (
+        value.dim() == 1 or value.shape[0] == 1)
+
+
+__all__ = ["SharedPrefixBatch", "SharedPrefixSeqParams", "pack_shared_prefix"]

@@ -1,0 +1,65 @@
+"""B37 at build time: a layer declared for shared-prefix rows refuses what the LSE merge cannot compute
+exactly, every reason at once, and `check`'s routes name the cross call per arch."""
+
+from __future__ import annotations
+
+import pytest
+
+from primus_ext.errors import UnsupportedConfigError
+from primus_ext.plan import build_plan
+from primus_ext.testing import fake_primus_turbo
+
+from .helpers import facts, settings
+
+
+def _refused(keys: dict, **layer) -> set[str]:
+    with pytest.raises(UnsupportedConfigError) as err:
+        build_plan(settings(packed_shared_prefix=True, **keys), facts(**{"packed": True, **layer}))
+    return set(err.value.codes)
+
+
+@pytest.mark.parametrize("keys, layer, code", [
+    ({}, dict(packed=False), "B37-packed"),
+    ({}, dict(causal=False, attn_mask_type="no_mask"), "B37-causal"),
+    (dict(sink_sliding_window=4, sink_window_even_layers_only=False), {}, "B37-window"),
+    ({}, dict(window_size=(8, 0)), "B37-window"),
+    (dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:causal"), {}, "B37-hooks"),
+    ({}, dict(attention_dropout=0.1), "B37-dropout"),
+    (dict(packed_equal_documents=True), {}, "B37-equal"),
+])
+def test_what_the_merge_cannot_compute_is_refused_at_build(keys, layer, code):
+    assert code in _refused(keys, **layer)
+
+
+def test_every_reason_is_given_at_once():
+    codes = _refused(dict(sink_sliding_window=4, sink_window_even_layers_only=False, packed_equal_documents=True),
+                     attention_dropout=0.1)
+    assert {"B37-window", "B37-dropout", "B37-equal"} <= codes
+
+
+def test_the_flex_backend_and_an_unknown_arch_are_refused():
+    assert "B37-flex" in _refused(dict(turbo_flex_attention_backend="flex"))
+    with fake_primus_turbo():
+        assert "B37-arch" in _refused(dict(turbo_flex_attention_backend="turbo"))
+
+
+def test_the_direct_path_refuses_fp8():
+    with fake_primus_turbo():
+        codes = _refused(dict(use_turbo_flex_attention=False, use_turbo_attention=True,
+                              enable_turbo_attention_float8=True, turbo_arch="gfx942"), dtype="bf16", head_dim=32)
+    assert "B37-fp8" in codes
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_the_plan_routes_the_cross_call_per_arch(arch):
+    with fake_primus_turbo(arch=arch):
+        plan = build_plan(settings(packed_shared_prefix=True, turbo_flex_attention_backend="turbo", turbo_arch=arch),
+                          facts(packed=True, dtype="bf16", head_dim=64))
+    kinds = [k.split(":")[0] for k in plan.kernels]
+    assert "packed" in kinds and "shared-prefix cross" in kinds, plan.kernels
+    assert plan.shared_prefix and "shared-prefix rows" in plan.describe()
+
+
+def test_a_plain_layer_is_not_a_shared_prefix_layer():
+    plan = build_plan(settings(), facts(packed=True))
+    assert not plan.shared_prefix and not any("shared-prefix" in k for k in plan.kernels)

@@ -330,6 +330,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "shared-prefix.tokens": lambda: shared_prefix_attention(
         adapter(settings(packed_shared_prefix=True), facts(packed=True)), *packed_qkv(11),
         SharedPrefixLayout.of([(4, [3])])),
+    "shared-prefix.positions": lambda: _unprepared_shared_row(),
     "shared-prefix.call": lambda: shared_prefix_attention(adapter(settings(), facts(packed=True)), *packed_qkv(7),
                                                           SharedPrefixLayout.of([(4, [3])])),
 }
@@ -356,6 +357,16 @@ def _route_refused():
 
 ARCHES = {"B33": "gfx942", "B36.max-tensor": "gfx950", "B36.unequal": "gfx950"}
 """The device the fake presents for triggers that need a known arch (else none: the arch is unknown)."""
+
+
+def _unprepared_shared_row() -> None:
+    """A shared-prefix row's params that no prepared model marked, at a Megatron layer planned for them."""
+    from primus_ext.megatron import pack_shared_prefix
+
+    batch = pack_shared_prefix([(torch.arange(4), [torch.arange(3)])])
+    layer = megatron("flex-reference", keys=dict(packed_sequences=True, packed_shared_prefix=True))
+    q, k, v = packed_qkv(7, d=16)
+    layer(q, k, v, None, packed_seq_params=batch.packed_seq_params)
 
 
 def other_rank_refused() -> None:

@@ -55,6 +55,8 @@ class SharedPrefixLayout:
     items: tuple = ()
     """The row as given: documents and ``(prompt, (responses...))`` trees, in order (() where rebuilt from
     tensors inside a compiled op, which reads none of it)."""
+    longest_position: int = 0
+    """One more than the largest of ``positions`` (the rotary table a row needs), known without a host read."""
     positions: Optional[Tensor] = None
     """int64 ``[T]``: each token's position in the duplicated layout (0.. in a document or prompt, continuing
     from its prompt in a response): what position embeddings must see."""
@@ -98,7 +100,8 @@ class SharedPrefixLayout:
             cross_q=torch.tensor(cross_q, dtype=torch.int64, device=device),
             cross_kv=torch.tensor(cross_kv, dtype=torch.int64, device=device), cu_cross_q=cu_q_t,
             cu_cross_kv=cu_kv_t, max_cross_q=_longest(cu_q), max_cross_kv=_longest(cu_kv),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device))
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            longest_position=max(positions, default=-1) + 1)
 
 
 def _longest(bounds: Sequence[int]) -> int:

@@ -20,6 +20,7 @@ from .. import refusals as R
 from ..backends.base import CallArgs
 from ..backends.shared_prefix import SharedPrefixAttention, SharedPrefixLayout, cross_args
 from .adapter import TurboFlexAttention
+from .checks import empty_result, no_queries
 from .shared_prefix_ops import run_compiled
 
 
@@ -59,6 +60,8 @@ def run_shared_prefix(target: Any, handle: int, a: CallArgs, layout: SharedPrefi
     if a.dropout_p:  # the plan refuses dropout on such a layer (B37-dropout); a call cannot bring it either
         raise R.refuse(R.PREFIX_CALL, what="no attention dropout (dropout_p=0.0)")
     a = a._replace(return_lse=True)
+    if no_queries(a.q, True) and not torch.compiler.is_compiling():  # a row without tokens: no kernel
+        return empty_result(a.q, a.k, a.v, a.sink, True, False)
     target.check(a)
     cross = cross_args(a, layout) if layout.has_cross else None
     if cross is not None:

@@ -11,6 +11,7 @@ from typing import Any
 from .args import add_turbo_attention_args, settings_or_megatron_args
 from .core import TurboAttentionCore
 from .eod_packing import PackedMicroBatch, pack_eod_micro_batch
+from .shared_prefix import SharedPrefixBatch, SharedPrefixSeqParams, pack_shared_prefix, prepare_shared_prefix
 from .facts import layer_facts
 from .local import PrimusTurboLocalAttention
 from .specs import (
@@ -30,6 +31,10 @@ __all__ = [
     "get_gpt_layer_primus_turbo_local_spec",
     "layer_facts",
     "pack_eod_micro_batch",
+    "pack_shared_prefix",
+    "prepare_shared_prefix",
+    "SharedPrefixBatch",
+    "SharedPrefixSeqParams",
     "primus_turbo_te_core_attention",
     "settings_or_megatron_args",
     "use_core_attention",

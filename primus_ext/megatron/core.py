@@ -26,11 +26,12 @@ from ..call.direct import DirectTarget
 from ..call.checks import (assert_on_device, check_head_dims, check_heads, check_packed, check_packing, check_qkv,
                            check_same_boundaries, empty_result, no_queries)
 from ..call.ops import register_target, run_call
+from ..call.shared_prefix import check_planned, check_tokens, run_shared_prefix, shared_prefix_attention
 from ..call.selftest import refuse_failures, self_test, selftest_enabled
 from ..errors import UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
 from .. import refusals as R
-from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CALL_RULES, CU_DEVICE, MASK_TYPE, MASK_WITH_THD,
+from ..refusals import (PREFIX_POSITIONS, ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CALL_RULES, CU_DEVICE, MASK_TYPE, MASK_WITH_THD,
                         MISSING_SINK, NO_PACKED_ENTRY, PADDED, PADDED_TYPE, THD_WITHOUT_BOUNDS, TOP_LEFT,
                         WINDOW_ALIGNMENT, refuse)
 from ..settings import TurboAttentionSettings
@@ -224,7 +225,20 @@ class TurboAttentionCore:
         squeeze = query.dim() == 4
         q_thd, k_thd, v_thd = (t.squeeze(1) if squeeze else t for t in (query, key, value))
         q_thd, k_thd, v_thd = thd_views(q_thd, k_thd, v_thd, self.storage)  # as the self-test feeds them
-        return self._checked_packed(_Call(q_thd, k_thd, v_thd, fmt, dropout_p, sink, squeeze=squeeze), packed)
+        layout = self._shared_prefix_layout(packed, q_thd, k_thd, v_thd)
+        return self._checked_packed(_Call(q_thd, k_thd, v_thd, fmt, dropout_p, sink, squeeze=squeeze, layout=layout),
+                                    packed)
+
+    def _shared_prefix_layout(self, params: Any, q: Tensor, k: Tensor, v: Tensor) -> Any:
+        """The `SharedPrefixLayout` a packed call carries (`primus_ext.megatron.shared_prefix`), checked; or None."""
+        layout = getattr(params, "layout", None)
+        if layout is None:
+            return None
+        check_planned(self.plan)
+        if not getattr(params, "positions_given", False):
+            raise refuse(PREFIX_POSITIONS, CONTEXT, layer=self.plan.layer_number)
+        check_tokens(q, k, v, layout)
+        return layout
 
     def _run(self, call: "_Call") -> Tensor:
         plan = self.plan
@@ -329,6 +343,13 @@ class TurboAttentionCore:
         q_thd, k_thd, v_thd = call.query, call.key, call.value
         cu_q, cu_kv, max_q, max_kv = call.packed
         plan = self.plan
+        if call.layout is not None:  # a shared-prefix row: the packed call merged with its cross call (B37)
+            if self.adapter is not None:
+                return shared_prefix_attention(self.adapter, q_thd, k_thd, v_thd, call.layout, sink=call.sink,
+                                               deterministic=plan.deterministic)
+            a = CallArgs(q_thd, k_thd, v_thd, cu_q, cu_kv, max_q, max_kv, fp32_sink(call.sink), None, None, plan.causal,
+                         plan.window, plan.scale, 0.0, plan.deterministic, True)
+            return run_shared_prefix(self.direct, self.handle, a, call.layout)
         hooked = plan.mask_mod is not None
         causal = call.causal if call.causal is not None else plan.causal and not hooked
         window = call.window if call.window is not None else ((-1, -1) if hooked else plan.window)
@@ -359,6 +380,7 @@ class _Call:
     rows: Optional[Tuple[int, int]] = None  # (B, S) of a dense call run as its mask's documents
     causal: Optional[bool] = None  # the documents' own flags (None: the plan's)
     window: Optional[Tuple[int, int]] = None
+    layout: Any = None  # the `SharedPrefixLayout` of a shared-prefix row
 
 
 __all__ = ["TurboAttentionCore"]

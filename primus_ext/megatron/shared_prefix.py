@@ -18,6 +18,7 @@ packed row (``input_ids [1, T]``, ``position_ids [1, T]``, ``packed_seq_params``
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -66,7 +67,8 @@ class SharedPrefixBatch:
         """``[sequences]`` summed cross-entropy of each sequence's targets, from ``logits`` ``[1, T, V]`` (or
         ``[T, 1, V]``, or ``[T, V]``) of this row."""
         flat = logits.reshape(-1, logits.shape[-1])
-        losses = F.cross_entropy(flat.index_select(0, self.target_positions).float(), self.target_tokens,
+        work = torch.promote_types(flat.dtype, torch.float32)  # float64 logits stay float64
+        losses = F.cross_entropy(flat.index_select(0, self.target_positions).to(work), self.target_tokens,
                                  reduction="none")
         return torch.zeros(self.sequences, dtype=losses.dtype, device=losses.device).index_add(
             0, self.target_sequence, losses)
@@ -92,11 +94,10 @@ def pack_shared_prefix(groups: Sequence[Any], *, prompt_loss: bool = False) -> S
     device = parts[0][0].device
     layout = SharedPrefixLayout.of(items, device)
     tokens = torch.cat([t.reshape(-1) for row in parts for t in row]).reshape(1, -1)
-    positions, targets, at_positions, of_sequence = [], [], [], []
+    targets, at_positions, of_sequence = [], [], []
     at, sequence = 0, 0
     for item, row in zip(items, parts):
         if isinstance(item, int):
-            positions.append(torch.arange(item))
             targets.append(row[0].reshape(-1)[1:])
             at_positions.append(torch.arange(at, at + item - 1) if item else torch.arange(0))
             of_sequence.append(torch.full((max(item - 1, 0),), sequence))
@@ -104,7 +105,6 @@ def pack_shared_prefix(groups: Sequence[Any], *, prompt_loss: bool = False) -> S
             continue
         prompt_len, responses = item
         prompt = row[0].reshape(-1)
-        positions.append(torch.arange(prompt_len))
         prompt_end = offset = at + prompt_len
         for length, response in zip(responses or (0,), row[1:] or (None,)):
             if prompt_loss and prompt_len > 1:  # the prompt's own targets, once per copy
@@ -112,7 +112,6 @@ def pack_shared_prefix(groups: Sequence[Any], *, prompt_loss: bool = False) -> S
                 at_positions.append(torch.arange(at, prompt_end - 1))
                 of_sequence.append(torch.full((prompt_len - 1,), sequence))
             if length:
-                positions.append(torch.arange(prompt_len, prompt_len + length))
                 # a response's first token is predicted at its prompt's last position (its own first, with none)
                 first = torch.tensor([prompt_end - 1]) if prompt_len else torch.zeros(0, dtype=torch.long)
                 targets.append(response.reshape(-1) if prompt_len else response.reshape(-1)[1:])
@@ -125,11 +124,74 @@ def pack_shared_prefix(groups: Sequence[Any], *, prompt_loss: bool = False) -> S
                                    max_seqlen_q=layout.max_segment, max_seqlen_kv=layout.max_segment, layout=layout)
     as_long = dict(dtype=torch.long, device=device)
     return SharedPrefixBatch(
-        tokens=tokens, position_ids=torch.cat(positions).reshape(1, -1).to(**as_long), packed_seq_params=params,
+        tokens=tokens, position_ids=layout.positions.reshape(1, -1), packed_seq_params=params,
         target_tokens=torch.cat(targets).to(**as_long) if targets else torch.zeros(0, **as_long),
         target_positions=torch.cat(at_positions).to(**as_long) if at_positions else torch.zeros(0, **as_long),
         target_sequence=torch.cat(of_sequence).to(**as_long) if of_sequence else torch.zeros(0, **as_long),
         sequences=sequence)
+
+
+def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a megatron-core ``GPTModel`` give shared-prefix rows their positions; returns ``model``.
+
+    megatron-core ignores ``position_ids`` for RoPE and numbers every THD segment from 0
+    (``_apply_rotary_pos_emb_thd``), so a response would be rotated as if it started a sequence.  Prepared, the
+    model's rotary table of a shared-prefix forward holds one row per token, at the token's position in the
+    duplicated layout: megatron-core then slices it by the segments' packed offsets (its table covers every token),
+    which gives each token its own row.  Learned absolute positions read ``position_ids``, filled in from the row
+    where none are given.  Each forward marks its `SharedPrefixSeqParams`, and a layer refuses a shared-prefix
+    row that carries no mark (`shared-prefix.positions`): an unprepared model never trains on wrong positions."""
+    kind = getattr(model, "position_embedding_type", None)
+    config = getattr(model, "config", None)
+    problems = []
+    if kind not in ("rope", "learned_absolute", "none"):
+        problems.append(f"position_embedding_type={kind} (rope, learned_absolute and none are read here)")
+    if kind == "rope" and getattr(config, "apply_rope_fusion", False):
+        problems.append("apply_rope_fusion=True (the fused THD kernel numbers each segment from 0 itself)")
+    if kind == "rope" and getattr(config, "multi_latent_attention", False):
+        problems.append("multi_latent_attention=True (MLA applies RoPE inside its own attention)")
+    if problems:
+        raise R.refuse_build(R.PREFIX_MODEL, what="; ".join(problems))
+    if getattr(model, "_primus_ext_shared_prefix", False):
+        return model
+    rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
+    state: dict[str, Any] = {"layout": None}
+    if rotary is not None:
+        table = rotary.forward  # the bound (cached) method: a per-instance forward shadows it below
+
+        def per_token(max_seq_len: int, *args: Any, **kwargs: Any) -> Tensor:
+            layout = state["layout"]
+            if layout is None:
+                return table(max_seq_len, *args, **kwargs)
+            # the whole table from position 0 (packed_seq: no CP slicing; CP > 1 is refused, B37-cp)
+            cp_group = kwargs.get("cp_group", args[2] if len(args) > 2 else None)
+            return table(max(layout.longest_position, 1), 0, True, cp_group).index_select(0, layout.positions)
+
+        rotary.forward = per_token
+
+    def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        params = bound.arguments.get("packed_seq_params")
+        layout = getattr(params, "layout", None)
+        state["layout"] = layout
+        if layout is None:
+            return None
+        given = bound.arguments.get("position_ids")
+        if given is None:
+            bound.arguments["position_ids"] = layout.positions.reshape(1, -1)
+        elif not (isinstance(given, Tensor) and given.data_ptr() == layout.positions.data_ptr()
+                  and given.numel() == layout.positions.numel()):
+            raise R.refuse_build(R.PREFIX_POSITION_IDS)
+        params.positions_given = True
+        return bound.args, bound.kwargs
+
+    def after(*_: Any) -> None:
+        state["layout"] = None
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after)
+    model._primus_ext_shared_prefix = True
+    return model
 
 
 def _tokens(value: Any) -> bool:
@@ -137,4 +199,4 @@ def _tokens(value: Any) -> bool:
         value.dim() == 1 or value.shape[0] == 1)
 
 
-__all__ = ["SharedPrefixBatch", "SharedPrefixSeqParams", "pack_shared_prefix"]
+__all__ = ["SharedPrefixBatch", "SharedPrefixSeqParams", "pack_shared_prefix", "prepare_shared_prefix"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .catalogue import rule
+from .catalogue import build_rule, rule
 
 # -- what Megatron hands core attention (`primus_ext.megatron.call_contract`) ------------------
 _MASK_ALTERNATIVE = ("pass attention_mask=None (Megatron: --no-create-attention-mask-in-dataloader); the layer "
@@ -117,5 +117,23 @@ PREFIX_CALL = rule(
     "set packed_shared_prefix: true on the layer's settings (its plan then refuses at build what cannot be "
     "merged, B37), or pack each response after its own copy of the prompt (ordinary documents).")
 
+PREFIX_POSITIONS = rule(
+    "shared-prefix.positions", ("packed_seq_params",),
+    "a shared-prefix row reached layer {layer} of a model that was not prepared for shared-prefix rows: megatron-core "
+    "numbers RoPE positions from 0 in every THD segment, so each response would be rotated as if it started a "
+    "sequence, not as if it followed its prompt.",
+    "call primus_ext.megatron.prepare_shared_prefix(model) once after building the GPT model (it gives every token "
+    "its position in the duplicated layout).")
+PREFIX_MODEL = build_rule(
+    "shared-prefix.model", ("position_embedding_type", "apply_rope_fusion"),
+    "prepare_shared_prefix cannot give a shared-prefix row its positions in this model: {what}.",
+    "use position_embedding_type rope (unfused: apply_rope_fusion: false), learned_absolute or none for "
+    "shared-prefix training, or pack each response after its own copy of the prompt (ordinary documents).")
+PREFIX_POSITION_IDS = build_rule(
+    "shared-prefix.model", ("position_ids",),
+    "a shared-prefix row was given position_ids other than its own (pack_shared_prefix's): the responses would "
+    "be numbered as those say, not as the duplicated layout numbers them.",
+    "pass the batch's position_ids (SharedPrefixBatch.position_ids) or none, which prepare_shared_prefix fills in.")
 
-__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY", "PREFIX_LAYOUT", "PREFIX_TOKENS", "PREFIX_CALL"]
+
+__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY", "PREFIX_LAYOUT", "PREFIX_TOKENS", "PREFIX_CALL", "PREFIX_POSITIONS", "PREFIX_MODEL", "PREFIX_POSITION_IDS"]

@@ -3,6 +3,8 @@ exactly, every reason at once, and `check`'s routes name the cross call per arch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from primus_ext.errors import UnsupportedConfigError
@@ -63,3 +65,33 @@ def test_the_plan_routes_the_cross_call_per_arch(arch):
 def test_a_plain_layer_is_not_a_shared_prefix_layer():
     plan = build_plan(settings(), facts(packed=True))
     assert not plan.shared_prefix and not any("shared-prefix" in k for k in plan.kernels)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_check_shows_the_two_varlen_calls_and_the_merge_per_arch(capsys, arch):
+    from primus_ext.cli import main
+
+    example = Path(__file__).resolve().parent.parent / "configs" / "examples" / "shared_prefix.yaml"
+    code = main(["check", str(example), "--arch", arch])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"kernels on {arch}" in out and "packed: AITER" in out and "shared-prefix cross: AITER" in out
+    assert "shared-prefix rows: layers 1, 2: 2 varlen calls per row" in out and "merged through their LSEs" in out
+    assert "shared prefix (thd)" in out and "each response also sees its whole prompt" in out
+
+
+def test_check_refuses_what_cannot_be_merged_with_every_reason(capsys, tmp_path):
+    from primus_ext.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_layers: 1\nhidden_size: 256\nnum_attention_heads: 8\nnum_query_groups: 4\nseq_length: 1024\n"
+                   "attention_dropout: 0.1\nwindow_size: [128, 0]\npacked_sequences: true\npacked_shared_prefix: true\n"
+                   "packed_equal_documents: true\nuse_turbo_attention: true\nuse_turbo_flex_attention: true\n"
+                   "turbo_flex_attention_backend: flex\n")
+    code = main(["check", str(bad)])
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert code == 2, text
+    for said in ("a window cannot cut it", "each of the two calls would draw its own dropout",
+                 "are not of one length", "torch's FlexAttention is bound here as an entry"):
+        assert said in text, said

@@ -147,6 +147,8 @@ def _packing(plan: AttentionPlan) -> str:
         return "documents from EOD, packed THD"
     if plan.mask_documents:
         return "documents from attention_mask, varlen"
+    if plan.shared_prefix:
+        return "shared prefix (thd)"
     return {True: "packed (thd)", False: "unpacked"}.get(plan.packed, "either")  # type: ignore[arg-type]
 
 
@@ -266,6 +268,18 @@ def _kernel_notes(plans: Sequence[AttentionPlan]) -> list[str]:
             f"q/k/v stored {storage}" for (arch, build, kernels, storage), layers in groups.items()]
 
 
+def _shared_prefix_notes(plans: Sequence[AttentionPlan]) -> list[str]:
+    """How a shared-prefix row runs (B37): its two varlen calls and the merge, named once for the layers."""
+    layers = [plan.layer_number for plan in plans if plan.shared_prefix]
+    if not layers:
+        return []
+    return [f"shared-prefix rows: {layer_list(layers)}: 2 varlen calls per row, 'packed' (every prompt, response and "
+            "document causal, the sink here) and 'shared-prefix cross' (each tree's responses against its whole "
+            "prompt, non-causal), merged through their LSEs; the backward runs each kernel's backward given the merged "
+            "output and LSE (B37). Train with primus_ext.megatron.pack_shared_prefix rows on a model prepared by "
+            "prepare_shared_prefix(model)"]
+
+
 def _cp_notes(config: Mapping[str, Any], plans: Sequence[AttentionPlan]) -> list[str]:
     """``context parallel: layers 1-4: ... runs as Ulysses``, layers with equal settings together."""
     groups: dict[tuple, list[int]] = {}
@@ -357,7 +371,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     print(format_table([_row(layer, o) for layer, o in outcomes]), file=out)
     if plans:
         print(file=out)
-        notes = _backend_notes(plans) + _kernel_notes(plans) + _cp_notes(config, plans) + _tp_notes(config, ranks)
+        notes = (_backend_notes(plans) + _kernel_notes(plans) + _shared_prefix_notes(plans) + _cp_notes(config, plans)
+                 + _tp_notes(config, ranks))
         for line in notes:
             print(line, file=out)
         if any(cell in ("-", "none") for _, o in outcomes if isinstance(o, AttentionPlan)

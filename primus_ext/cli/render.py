@@ -65,7 +65,9 @@ def describe_mask(plan: AttentionPlan) -> str:
     else:
         name = library_name(plan.mask_mod) or plan.mask_hook or "mask_mod"
         text = f"custom mask {name}"
-    if plan.packed:
+    if plan.shared_prefix:
+        text += ", inside each packed document; in a shared-prefix row each response also sees its whole prompt"
+    elif plan.packed:
         text += ", inside each packed document"
     if plan.sink:
         text += ", with sink"

@@ -66,8 +66,18 @@ def _check(run, items, dtype, sink=False, heads=(4, 2), d=16):
     layout = SharedPrefixLayout.of(items)
     leaves = _inputs(layout.total, heads[0], heads[1], d, dtype, sink)
     out = run(*leaves[:3], layout, sink=leaves[3] if sink else None)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got = torch.autograd.grad(out, leaves, grad)
+    grad = grad_out_for(out)
+    assert_oracle(items, leaves, out, grad, torch.autograd.grad(out, leaves, grad))
+
+
+def grad_out_for(out: torch.Tensor) -> torch.Tensor:
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+
+
+def assert_oracle(items, leaves, out, grad, got) -> None:
+    """``out`` and the gradients ``got`` of ``leaves`` (q, k, v[, sink]) given ``grad`` equal the tree mask's float64
+    oracle within the tolerances of ``out``'s dtype."""
+    dtype, sink = out.dtype, len(leaves) == 4
     exact = [t.detach().double().requires_grad_(True) for t in leaves]
     want, _ = oracle.packed_attention(*exact[:3], tree_mask(items), sink=exact[3] if sink else None)
     assert oracle.mismatch(out, want, oracle.OUTPUT_TOL[dtype]) is None

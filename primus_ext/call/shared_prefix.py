@@ -18,10 +18,10 @@ from torch import Tensor
 
 from .. import refusals as R
 from ..backends.base import CallArgs
-from ..backends.shared_prefix import SharedPrefixAttention, SharedPrefixLayout, cross_args
+from ..backends.shared_prefix import SharedPrefixAttention, SharedPrefixLayout
 from .adapter import TurboFlexAttention
 from .checks import empty_result, no_queries
-from .shared_prefix_ops import run_compiled
+from .shared_prefix_ops import checked_calls, pairs_of, run_compiled
 
 
 def shared_prefix_attention(adapter: TurboFlexAttention, q: Tensor, k: Tensor, v: Tensor,
@@ -62,18 +62,12 @@ def run_shared_prefix(target: Any, handle: int, a: CallArgs, layout: SharedPrefi
     a = a._replace(return_lse=True)
     if no_queries(a.q, True) and not torch.compiler.is_compiling():  # a row without tokens: no kernel
         return empty_result(a.q, a.k, a.v, a.sink, True, False)
-    target.check(a)
-    cross = cross_args(a, layout) if layout.has_cross else None
-    if cross is not None:
-        target.check(cross)
-    self_pair, cross_pair = target.pair(a), (target.pair(cross) if cross is not None else None)
-    if self_pair is None or (cross is not None and cross_pair is None):
-        which = "the packed call" if self_pair is None else "the cross call"
-        raise R.refuse(R.PREFIX_CALL, what=f"kernel-level forward and backward pairs that return and take an LSE, "
-                                           f"which this backend has not for {which} of this row")
+    cross = checked_calls(target, a, layout)
     if torch.compiler.is_compiling():
+        # Not the pairs here: their lookup builds the dispatch model's objects, which Dynamo cannot trace once the
+        # row's lengths are dynamic (a second layout broke the graph); the op pairs the calls when it runs.
         return run_compiled(handle, a, layout)
-    return SharedPrefixAttention.apply(a.q, a.k, a.v, a.sink, layout, a, self_pair, cross_pair)
+    return SharedPrefixAttention.apply(a.q, a.k, a.v, a.sink, layout, a, *pairs_of(target, a, cross))
 
 
 __all__ = ["check_planned", "check_tokens", "run_shared_prefix", "shared_prefix_attention"]

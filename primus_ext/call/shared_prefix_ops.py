@@ -15,11 +15,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import refusals as R
 from ..backends.base import CallArgs, kernel_rng
 from ..backends.dispatch_keys import autograd_keys_lifted
 from ..backends.shared_prefix import SharedPrefixLayout, cross_args, merged_backward, merged_forward
 from .checks import assert_boundaries
-from .ops import NAMESPACE, _fit, _lse_dtype, target
+from .ops import NAMESPACE, OpTarget, _fit, _lse_dtype, target
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], segments: Tensor, cross_q: Tensor,
@@ -34,16 +35,29 @@ def _call(q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], segments: Ten
     return a, layout
 
 
-def _pairs(handle: int, a: CallArgs, layout: SharedPrefixLayout) -> tuple:
-    """The checked pairs of the two calls, as the eager call chose them (`run_shared_prefix`)."""
-    found = target(handle)
+def checked_calls(found: OpTarget, a: CallArgs, layout: SharedPrefixLayout) -> Optional[CallArgs]:
+    """The cross call of the self call ``a`` (None without one), both checked on ``found``'s routes (B33)."""
     found.check(a)
-    pairs = [found.pair(a), None]
-    if layout.has_cross:
-        cross = cross_args(a, layout)
+    cross = cross_args(a, layout) if layout.has_cross else None
+    if cross is not None:
         found.check(cross)
-        pairs[1] = found.pair(cross)
-    return tuple(pairs)
+    return cross
+
+
+def pairs_of(found: OpTarget, a: CallArgs, cross: Optional[CallArgs]) -> tuple:
+    """``(self_pair, cross_pair)``, or our refusal: the eager call and the ops choose them here alike."""
+    self_pair, cross_pair = found.pair(a), (found.pair(cross) if cross is not None else None)
+    if self_pair is None or (cross is not None and cross_pair is None):
+        which = "the packed call" if self_pair is None else "the cross call"
+        raise R.refuse(R.PREFIX_CALL, what=f"kernel-level forward and backward pairs that return and take an LSE, "
+                                           f"which this backend has not for {which} of this row")
+    return self_pair, cross_pair
+
+
+def _pairs(handle: int, a: CallArgs, layout: SharedPrefixLayout) -> tuple:
+    """The pairs of the two calls, checked again when the graph runs (a traced graph skips the eager checks)."""
+    found = target(handle)
+    return pairs_of(found, a, checked_calls(found, a, layout))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::shared_prefix_attention", mutates_args=())
@@ -120,4 +134,4 @@ def run_compiled(handle: int, a: CallArgs, layout: SharedPrefixLayout) -> Tensor
     return out
 
 
-__all__ = ["run_compiled", "shared_prefix_attention", "shared_prefix_attention_backward"]
+__all__ = ["checked_calls", "pairs_of", "run_compiled", "shared_prefix_attention", "shared_prefix_attention_backward"]

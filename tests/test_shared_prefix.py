@@ -146,3 +146,17 @@ def test_tokens_that_are_not_the_layouts_are_refused():
     with pytest.raises(UnsupportedInputError) as err:
         shared_prefix_attention(_adapter(), q, k, v, layout)
     assert "shared-prefix.tokens" in err.value.codes
+
+
+@pytest.mark.parametrize("items", ROWS)
+@pytest.mark.parametrize("sink", [False, True])
+def test_the_flex_backend_computes_the_tree_mask_in_one_call(items, sink):
+    """torch's FlexAttention on the row's tree mask (forward: its CPU kernel has no backward; the device check
+    runs the backward)."""
+    adapter = _adapter("flex", sink=sink)
+    layout = SharedPrefixLayout.of(items)
+    leaves = _inputs(layout.total, 4, 2, 16, torch.float64, sink)
+    with torch.no_grad():
+        out = shared_prefix_attention(adapter, *leaves[:3], layout, sink=leaves[3] if sink else None)
+    want, _ = oracle.packed_attention(*leaves[:3], tree_mask(items), sink=leaves[3] if sink else None)
+    assert oracle.mismatch(out, want, oracle.OUTPUT_TOL[torch.float64]) is None

@@ -39,8 +39,7 @@ def test_every_reason_is_given_at_once():
     assert {"B37-window", "B37-dropout", "B37-equal"} <= codes
 
 
-def test_the_flex_backend_and_an_unknown_arch_are_refused():
-    assert "B37-flex" in _refused(dict(turbo_flex_attention_backend="flex"))
+def test_an_unknown_arch_is_refused_on_primus_turbo():
     with fake_primus_turbo():
         assert "B37-arch" in _refused(dict(turbo_flex_attention_backend="turbo"))
 
@@ -93,5 +92,5 @@ def test_check_refuses_what_cannot_be_merged_with_every_reason(capsys, tmp_path)
     text = captured.out + captured.err
     assert code == 2, text
     for said in ("a window cannot cut it", "each of the two calls would draw its own dropout",
-                 "are not of one length", "torch's FlexAttention is bound here as an entry"):
+                 "are not of one length", "torch's flex_attention has no dropout"):
         assert said in text, said

@@ -86,6 +86,9 @@ class BackendCapabilities:
     dispatch: Optional[str] = None
     """The dispatch model that routes its calls to kernels per arch (`TURBO_DISPATCH`), or None: the plan then
     checks the routes of that model at build (B33) and lays tensors out for its kernels."""
+    tree_mask: bool = False
+    """Computes a shared-prefix row's tree mask itself, in one call (``tree``: torch's FlexAttention); else the row
+    runs as two kernel-pair calls merged through their LSEs (B37)."""
     notes: Tuple[str, ...] = field(default=())
 
     @property

@@ -25,6 +25,7 @@ stand-in with its exact call contract, for CPU tests of the glue's gradients).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
@@ -37,6 +38,7 @@ from .. import refusals as R
 from ..attention.pattern import Pattern
 from .base import HOOKS_TRACED, AttentionBackend, BackendCapabilities, KernelCall, Output
 from .flex_cache import BLOCK_MASKS, BlockMaskCache, boundary_state
+from .shared_prefix import tree_mod
 from .flex_masks import (captured_bytes, captured_state, document_mod, in_score_dtype, learned_in, learned_tensors,
                          pattern_mod, reads_argument, user_hook, with_alibi)
 
@@ -90,6 +92,7 @@ class FlexBackend(AttentionBackend):
             dropout=False,  # torch's flex_attention has no dropout
             deterministic_backward=False,  # not shown deterministic
             learned_tables=False,  # its captured-buffer gradient is not shown here
+            tree_mask=True,
             notes=("BlockMasks built once per key and shared by every layer",),
         )
 
@@ -128,6 +131,19 @@ class FlexBackend(AttentionBackend):
         out, lse = self._attend(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), score_mod, block_mask, call)
         out = out.transpose(1, 2)[0]
         return (out, lse[0]) if call.return_lse else out
+
+    def tree(self, q: Tensor, k: Tensor, v: Tensor, layout: Any, call: KernelCall) -> Tensor:
+        """A shared-prefix row (`primus_ext.backends.shared_prefix.SharedPrefixLayout`) as one call on its tree mask:
+        ``[T, Hq, Dv]``; the sink, scale and GQA as any packed call of the layer."""
+        self._refuse_unsupported(call, q, k, v)
+        total = q.shape[0]
+        key = ("shared prefix", total, q.device, self.block_size)
+        block_mask = self.block_masks.get(key, boundary_state(layout.group, layout.part), lambda: (
+            self._create(tree_mod(layout.group, layout.part), None, None, total, total, q.device),
+            2 * total * 8)) if total else None
+        out, _ = self._attend(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), None, block_mask,
+                              dataclasses.replace(call, return_lse=False))
+        return out.transpose(1, 2)[0]
 
     # ----------------------------------------------------------------------------- parts
     def document_block_mask(self, pattern: Pattern, cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor, total_q: int,

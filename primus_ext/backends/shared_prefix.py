@@ -55,6 +55,10 @@ class SharedPrefixLayout:
     items: tuple = ()
     """The row as given: documents and ``(prompt, (responses...))`` trees, in order (() where rebuilt from
     tensors inside a compiled op, which reads none of it)."""
+    group: Optional[Tensor] = None
+    """int64 ``[T]``: the document or tree each token belongs to, numbered along the row."""
+    part: Optional[Tensor] = None
+    """int64 ``[T]``: 0 in a document or a prompt, ``i`` in a tree's ``i``-th response (the tree mask of `tree_mod`)."""
     longest_position: int = 0
     """One more than the largest of ``positions`` (the rotary table a row needs), known without a host read."""
     positions: Optional[Tensor] = None
@@ -70,9 +74,9 @@ class SharedPrefixLayout:
     def of(items: Sequence[Item], device: Any = "cpu") -> "SharedPrefixLayout":
         """The layout of a row of ``items`` (see `Item`); malformed items are refused with our error."""
         row = _items(items)
-        starts, cross_q, cross_kv, cu_q, cu_kv, positions = [0], [], [], [0], [0], []
+        starts, cross_q, cross_kv, cu_q, cu_kv, positions, group, part = [0], [], [], [0], [0], [], [], []
         at = 0
-        for item in row:
+        for number, item in enumerate(row):
             if isinstance(item, int):
                 lengths = (item,)
                 positions.extend(range(item))
@@ -88,7 +92,9 @@ class SharedPrefixLayout:
                     cross_q.extend(range(at + prompt, at + prompt + answered))
                     cu_q.append(cu_q[-1] + answered)
                     cu_kv.append(cu_kv[-1] + prompt)
-            for length in lengths:
+            for index, length in enumerate(lengths):
+                group.extend([number] * length)
+                part.extend([index] * length)
                 at += length
                 if length:
                     starts.append(at)
@@ -101,6 +107,8 @@ class SharedPrefixLayout:
             cross_kv=torch.tensor(cross_kv, dtype=torch.int64, device=device), cu_cross_q=cu_q_t,
             cu_cross_kv=cu_kv_t, max_cross_q=_longest(cu_q), max_cross_kv=_longest(cu_kv),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            group=torch.tensor(group, dtype=torch.int64, device=device),
+            part=torch.tensor(part, dtype=torch.int64, device=device),
             longest_position=max(positions, default=-1) + 1)
 
 
@@ -127,6 +135,19 @@ def _items(items: Any) -> tuple:
             continue
         raise R.refuse(R.PREFIX_LAYOUT, got=f"the item {short_repr(item)}")
     return tuple(row)
+
+
+def tree_mod(group: Tensor, part: Tensor) -> Any:
+    """The tree mask of a row as a FlexAttention ``mask_mod``: within one document or tree, a token sees its own
+    part causally (a document, a prompt, one response) and a response token sees the whole prompt (part 0)."""
+
+    def shared_prefix(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        same_tree = group[q_idx] == group[kv_idx]
+        own = (part[q_idx] == part[kv_idx]) & (q_idx >= kv_idx)
+        prompt = (part[kv_idx] == 0) & (part[q_idx] > 0)
+        return same_tree & (own | prompt)
+
+    return shared_prefix
 
 
 def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -208,5 +229,5 @@ def cross_args(a_self: CallArgs, layout: SharedPrefixLayout) -> CallArgs:
                            window=(-1, -1), return_lse=True)
 
 
-__all__ = ["Item", "SharedPrefixAttention", "SharedPrefixLayout", "cross_args", "merge_partials", "merged_backward",
+__all__ = ["Item", "SharedPrefixAttention", "SharedPrefixLayout", "cross_args", "merge_partials", "merged_backward", "tree_mod",
            "merged_forward"]

@@ -62,6 +62,9 @@ def run_shared_prefix(target: Any, handle: int, a: CallArgs, layout: SharedPrefi
     a = a._replace(return_lse=True)
     if no_queries(a.q, True) and not torch.compiler.is_compiling():  # a row without tokens: no kernel
         return empty_result(a.q, a.k, a.v, a.sink, True, False)
+    caps = getattr(target, "caps", None)
+    if caps is not None and caps.tree_mask:  # the backend computes the tree mask itself, as one call
+        return target.backend.tree(a.q, a.k, a.v, layout, target.kernel_call(a))
     cross = checked_calls(target, a, layout)
     if torch.compiler.is_compiling():
         # Not the pairs here: their lookup builds the dispatch model's objects, which Dynamo cannot trace once the

@@ -8,14 +8,14 @@ only where each query's softmax is the union of the two calls' key sets and noth
 mask or score hook (the calls run fixed masks), no dropout (each kernel would draw its own mask and
 keep its own rng state for a backward given the merged output), no context parallelism (megatron-core
 splits THD rows per segment), and kernels whose forward returns the LSE and whose backward takes it:
-the kernel-level pairs, never the public entries.
+the kernel-level pairs, never the public entries.  A backend that computes the tree mask itself in one call
+(`BackendCapabilities.tree_mask`: torch's FlexAttention) needs no merge, but the same settings.
 """
 
 from __future__ import annotations
 
 from typing import Tuple
 
-from ..backends.base import HOOKS_TRACED
 from .rule_input import Rule, RuleInput
 
 
@@ -71,13 +71,6 @@ SHARED_PREFIX_RULES: Tuple[Rule, ...] = (
          "are not of one length.",
          "set packed_equal_documents: false on shared-prefix layers.",
          lambda c: _on(c) and bool(c.settings.packed_equal_documents)),
-    Rule("B37-flex", ("packed_shared_prefix", "turbo_flex_attention_backend"),
-         "packed_shared_prefix on the {backend} backend: the merge runs each call's kernel-level forward (which "
-         "returns the LSE) and backward (which takes the merged one), and torch's FlexAttention is bound here as an "
-         "entry, not as such a pair.",
-         "set turbo_flex_attention_backend: turbo (Primus-Turbo's varlen kernels) or reference (exact, any device), "
-         + _ALTERNATIVE,
-         lambda c: _on(c) and c.flex and c.caps is not None and c.caps.hooks == HOOKS_TRACED),
     Rule("B37-fp8", ("packed_shared_prefix", "enable_turbo_attention_float8"),
          "packed_shared_prefix with enable_turbo_attention_float8: the fp8 entry is Primus-Turbo's own Triton "
          "attention, which has no kernel-level pair returning the LSE for the merge.",

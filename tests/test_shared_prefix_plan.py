@@ -27,6 +27,7 @@ def _refused(keys: dict, **layer) -> set[str]:
     ({}, dict(window_size=(8, 0)), "B37-window"),
     (dict(turbo_flex_attention_mask_mod="primus_ext.attention.masks:causal"), {}, "B37-hooks"),
     ({}, dict(attention_dropout=0.1), "B37-dropout"),
+    ({}, dict(context_parallel_size=2, cp_comm_type="a2a"), "B37-cp"),
     (dict(packed_equal_documents=True), {}, "B37-equal"),
 ])
 def test_what_the_merge_cannot_compute_is_refused_at_build(keys, layer, code):

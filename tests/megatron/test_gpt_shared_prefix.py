@@ -5,6 +5,7 @@ gfx942 and gfx950 (and the direct path), with learned absolute positions and wit
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,12 +35,13 @@ def _groups(seed: int = 5) -> list[Any]:
     return [tokens(g) if isinstance(g, int) else (tokens(g[0]), [tokens(r) for r in g[1]]) for g in GROUPS]
 
 
-def _model(keys: dict, position: str, dtype: torch.dtype, seed: int = 0) -> GPTModel:
+def _model(keys: dict, position: str, dtype: torch.dtype, seed: int = 0, **cfg_keys: Any) -> GPTModel:
     torch.manual_seed(seed)
-    cfg = gpt.config(params_dtype=dtype, **({"bf16": True} if dtype == torch.bfloat16 else {}))
+    cfg = gpt.config(params_dtype=dtype, **({"bf16": True} if dtype == torch.bfloat16 else {}), **cfg_keys)
     settings = gpt.settings(packed_sequences=True, packed_shared_prefix=True, **keys)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_primus_turbo_local_spec(settings),
-                     vocab_size=gpt.VOCAB, max_sequence_length=64, position_embedding_type=position)
+                     vocab_size=gpt.VOCAB, max_sequence_length=64, position_embedding_type=position,
+                     parallel_output=False)  # whole-vocabulary logits on every TP rank
     return model.to(dtype)
 
 
@@ -73,9 +75,9 @@ def _shared_losses(model: GPTModel, groups: list[Any]) -> torch.Tensor:
     return batch.sequence_losses(out)
 
 
-def _compare(keys: dict, position: str, dtype: torch.dtype, tol: float) -> None:
+def _compare(keys: dict, position: str, dtype: torch.dtype, tol: float, **cfg_keys: Any) -> None:
     groups = _groups()
-    model = prepare_shared_prefix(_model(keys, position, dtype))
+    model = prepare_shared_prefix(_model(keys, position, dtype, **cfg_keys))
     shared = _shared_losses(model, groups)
     grads_shared = torch.autograd.grad(shared.sum(), list(model.parameters()), allow_unused=True)
     duplicated = _duplicated_losses(model, groups)
@@ -139,3 +141,20 @@ def test_other_position_ids_and_fused_rope_are_refused():
     with pytest.raises(UnsupportedConfigError) as err:
         prepare_shared_prefix(fused)
     assert "apply_rope_fusion" in str(err.value)
+
+
+def _tp_rank(rank: int, port: int, out_dir: str) -> None:
+    from tests.megatron.conftest import gloo_world
+
+    with gloo_world(rank, port, 2, tp=2, timeout_s=300):
+        torch.cuda.current_device = lambda: "cpu"  # as `rope_on_cpu`, in this spawned process
+        _compare(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"), "rope",
+                 torch.float64, 1e-10, tensor_model_parallel_size=2, num_attention_heads=4, num_query_groups=2)
+        torch.save({"rank": rank}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_shared_rows_equal_the_duplicated_layout_at_tensor_parallel_2(tmp_path):
+    """Each TP rank's heads and shards: its losses and every gradient it holds equal the duplicated layout's."""
+    from tests.megatron.conftest import spawn_ranks
+
+    assert [r["rank"] for r in spawn_ranks(_tp_rank, 2, tmp_path)] == [0, 1]

@@ -2,7 +2,7 @@
 
 Under ``torch.compile`` every attention call of primus_ext is one custom op
 (``torch.ops.primus_ext.dense_attention`` / ``varlen_attention``, see
-`primus_ext.call.ops`), so a compiled transformer block keeps one graph.  With
+`primus_ext.call.ops`; a shared-prefix row's ``shared_prefix_attention``), so a compiled transformer block keeps one graph.  With
 selective activation checkpointing, `attention_save_policy` saves the op's outputs
 so that backward does not run attention's forward again::
 
@@ -18,7 +18,13 @@ from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .call.ops import FORWARD_OPS, NAMESPACE
+from .call.ops import FORWARD_OPS as _CALL_OPS
+from .call.ops import NAMESPACE
+from .call.shared_prefix_ops import shared_prefix_attention
+
+FORWARD_OPS = _CALL_OPS + (shared_prefix_attention._opoverload,)
+"""Every attention forward op: a call's, and a shared-prefix row's merged one (whose backward also needs its
+``out`` and ``lse``, so selective checkpointing saves it as the others)."""
 
 OP_NAMESPACE = NAMESPACE
 

@@ -158,3 +158,22 @@ def test_shared_rows_equal_the_duplicated_layout_at_tensor_parallel_2(tmp_path):
     from tests.megatron.conftest import spawn_ranks
 
     assert [r["rank"] for r in spawn_ranks(_tp_rank, 2, tmp_path)] == [0, 1]
+
+
+def test_a_compiled_model_trains_on_shared_rows_as_eager():
+    """torch.compile of the whole prepared GPT (megatron-core's own THD RoPE breaks the graph at its host reads,
+    docs/compile.md): the hooks that give the positions run compiled too, and the losses and gradients are eager's."""
+    torch._dynamo.reset()
+    model = prepare_shared_prefix(_model(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"),
+                                         "rope", torch.float64))
+    groups = _groups()
+    eager = _shared_losses(model, groups)
+    want = torch.autograd.grad(eager.sum(), list(model.parameters()))
+    compiled = torch.compile(model, backend="aot_eager")
+    batch = pack_shared_prefix(groups)
+    got = batch.sequence_losses(compiled(batch.tokens, batch.position_ids, None,
+                                         packed_seq_params=batch.packed_seq_params))
+    torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got.sum(), list(model.parameters())), want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, _duplicated_losses(model, groups), rtol=1e-10, atol=1e-12)

@@ -331,6 +331,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
         adapter(settings(packed_shared_prefix=True), facts(packed=True)), *packed_qkv(11),
         SharedPrefixLayout.of([(4, [3])])),
     "shared-prefix.positions": lambda: _unprepared_shared_row(),
+    "shared-prefix.boundaries": lambda: _unprepared_shared_row(given=True),
     "shared-prefix.call": lambda: shared_prefix_attention(adapter(settings(), facts(packed=True)), *packed_qkv(7),
                                                           SharedPrefixLayout.of([(4, [3])])),
 }
@@ -359,11 +360,16 @@ ARCHES = {"B33": "gfx942", "B36.max-tensor": "gfx950", "B36.unequal": "gfx950"}
 """The device the fake presents for triggers that need a known arch (else none: the arch is unknown)."""
 
 
-def _unprepared_shared_row() -> None:
-    """A shared-prefix row's params that no prepared model marked, at a Megatron layer planned for them."""
+def _unprepared_shared_row(given: bool = False) -> None:
+    """A shared-prefix row's params that no prepared model marked (``given``: marked, with boundaries of its own),
+    at a Megatron layer planned for them."""
     from primus_ext.megatron import pack_shared_prefix
 
     batch = pack_shared_prefix([(torch.arange(4), [torch.arange(3)])])
+    if given:
+        params = batch.packed_seq_params
+        params.positions_given, params.cu_seqlens_q = True, params.layout.segments.clone()
+        params.cu_seqlens_kv = params.cu_seqlens_q
     layer = megatron("flex-reference", keys=dict(packed_sequences=True, packed_shared_prefix=True))
     q, k, v = packed_qkv(7, d=16)
     layer(q, k, v, None, packed_seq_params=batch.packed_seq_params)

@@ -26,12 +26,12 @@ from ..call.direct import DirectTarget
 from ..call.checks import (assert_on_device, check_head_dims, check_heads, check_packed, check_packing, check_qkv,
                            check_same_boundaries, empty_result, no_queries)
 from ..call.ops import register_target, run_call
-from ..call.shared_prefix import check_planned, check_tokens, run_shared_prefix, shared_prefix_attention
+from ..call.shared_prefix import check_tokens, run_shared_prefix, shared_prefix_attention
 from ..call.selftest import refuse_failures, self_test, selftest_enabled
 from ..errors import UnsupportedInputError
 from ..plan import AttentionPlan, build_plan
 from .. import refusals as R
-from ..refusals import (PREFIX_POSITIONS, ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CALL_RULES, CU_DEVICE, MASK_TYPE, MASK_WITH_THD,
+from ..refusals import (ATTENTION_BIAS, BOTTOM_RIGHT, BOUNDS_NOT_THD, CALL_RULES, CU_DEVICE, MASK_TYPE, MASK_WITH_THD,
                         MISSING_SINK, NO_PACKED_ENTRY, PADDED, PADDED_TYPE, THD_WITHOUT_BOUNDS, TOP_LEFT,
                         WINDOW_ALIGNMENT, refuse)
 from ..settings import TurboAttentionSettings
@@ -42,6 +42,7 @@ from .document_mask import document_boundaries
 from .facts import layer_facts
 from .dropout_rng import LayerDropoutRng, model_parallel_tracker
 from .rank_agreement import RankAgreement, agreement_group
+from .shared_prefix import checked_layout
 
 
 CONTEXT = "Megatron core attention"
@@ -197,6 +198,7 @@ class TurboAttentionCore:
         check_qkv(query, key, value)
         check_heads(query, key, self.facts.num_heads, self.facts.kv_heads)
         check_head_dims(query, value, self.plan.head_dim, self.plan.head_dim_v)
+        layout = checked_layout(self.plan, packed_seq_params)  # a shared-prefix row (B37), before its boundaries
         fmt = qkv_format(packed_seq_params, self.default_qkv_format)
         packed = self._packing(packed_seq_params, fmt)
         if packed is None:  # a dense call: sbhd (or bshd), with one batch size for q and k
@@ -225,20 +227,10 @@ class TurboAttentionCore:
         squeeze = query.dim() == 4
         q_thd, k_thd, v_thd = (t.squeeze(1) if squeeze else t for t in (query, key, value))
         q_thd, k_thd, v_thd = thd_views(q_thd, k_thd, v_thd, self.storage)  # as the self-test feeds them
-        layout = self._shared_prefix_layout(packed, q_thd, k_thd, v_thd)
+        if layout is not None:
+            check_tokens(q_thd, k_thd, v_thd, layout)
         return self._checked_packed(_Call(q_thd, k_thd, v_thd, fmt, dropout_p, sink, squeeze=squeeze, layout=layout),
                                     packed)
-
-    def _shared_prefix_layout(self, params: Any, q: Tensor, k: Tensor, v: Tensor) -> Any:
-        """The `SharedPrefixLayout` a packed call carries (`primus_ext.megatron.shared_prefix`), checked; or None."""
-        layout = getattr(params, "layout", None)
-        if layout is None:
-            return None
-        check_planned(self.plan)
-        if not getattr(params, "positions_given", False):
-            raise refuse(PREFIX_POSITIONS, CONTEXT, layer=self.plan.layer_number)
-        check_tokens(q, k, v, layout)
-        return layout
 
     def _run(self, call: "_Call") -> Tensor:
         plan = self.plan

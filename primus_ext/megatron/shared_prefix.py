@@ -29,6 +29,8 @@ from torch import Tensor
 
 from .. import refusals as R
 from ..backends.shared_prefix import SharedPrefixLayout
+from ..call.shared_prefix import check_planned
+from .call_contract import CONTEXT
 from ..errors import short_repr
 
 
@@ -120,8 +122,11 @@ def pack_shared_prefix(groups: Sequence[Any], *, prompt_loss: bool = False) -> S
             offset += length
             sequence += 1  # a response with its copy of the prompt (a prompt without responses: itself)
         at = offset
-    params = SharedPrefixSeqParams(qkv_format="thd", cu_seqlens_q=layout.segments, cu_seqlens_kv=layout.segments,
-                                   max_seqlen_q=layout.max_segment, max_seqlen_kv=layout.max_segment, layout=layout)
+    # No boundaries until a prepared model's forward gives them: a model that was not prepared (any attention, also
+    # one that is not primus_ext's) then has no boundaries to run the row as plain documents by.  The lengths stay:
+    # megatron-core sizes its rotary table by them before any layer runs, and primus_ext's layers refuse the row.
+    params = SharedPrefixSeqParams(qkv_format="thd", max_seqlen_q=layout.max_segment, max_seqlen_kv=layout.max_segment,
+                                   layout=layout)
     as_long = dict(dtype=torch.long, device=device)
     return SharedPrefixBatch(
         tokens=tokens, position_ids=layout.positions.reshape(1, -1), packed_seq_params=params,
@@ -150,6 +155,7 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
         problems.append("apply_rope_fusion=True (the fused THD kernel numbers each segment from 0 itself)")
     if kind == "rope" and getattr(config, "multi_latent_attention", False):
         problems.append("multi_latent_attention=True (MLA applies RoPE inside its own attention)")
+    problems += _unplanned_layers(model)
     if problems:
         raise R.refuse_build(R.PREFIX_MODEL, what="; ".join(problems))
     if getattr(model, "_primus_ext_shared_prefix", False):
@@ -183,6 +189,7 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
                   and given.numel() == layout.positions.numel()):
             raise R.refuse_build(R.PREFIX_POSITION_IDS)
         params.positions_given = True
+        params.cu_seqlens_q = params.cu_seqlens_kv = layout.segments
         return bound.args, bound.kwargs
 
     def after(*_: Any) -> None:
@@ -194,9 +201,40 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _unplanned_layers(model: torch.nn.Module) -> list[str]:
+    """The attention layers that would run a shared-prefix row as plain documents: every megatron-core attention's
+    core must be primus_ext's, planned with ``packed_shared_prefix: true``."""
+    from megatron.core.transformer.attention import Attention
+
+    found = []
+    for name, module in model.named_modules():
+        core = getattr(module, "core_attention", None) if isinstance(module, Attention) else None
+        plan = getattr(core, "plan", None)
+        if core is not None and not getattr(plan, "shared_prefix", False):
+            why = "not planned with packed_shared_prefix: true" if plan is not None else "not primus_ext's"
+            found.append(f"{name}.core_attention ({type(core).__name__}) is {why}, so it would run each response "
+                         "without its prompt")
+    return found
+
+
+def checked_layout(plan: Any, params: Any) -> Optional[SharedPrefixLayout]:
+    """The `SharedPrefixLayout` a layer's packed call carries (None: an ordinary call), or our refusal: a layer not
+    planned for one, a model not prepared, boundaries that are not the layout's."""
+    layout = getattr(params, "layout", None)
+    if layout is None:
+        return None
+    check_planned(plan)
+    if not getattr(params, "positions_given", False):
+        raise R.refuse(R.PREFIX_POSITIONS, CONTEXT, layer=getattr(plan, "layer_number", "?"))
+    for which in ("cu_seqlens_q", "cu_seqlens_kv"):
+        if getattr(params, which) is not layout.segments:
+            raise R.refuse(R.PREFIX_BOUNDS, CONTEXT, which=which)
+    return layout
+
+
 def _tokens(value: Any) -> bool:
     return isinstance(value, Tensor) and not value.dtype.is_floating_point and value.dim() in (1, 2) and (
         value.dim() == 1 or value.shape[0] == 1)
 
 
-__all__ = ["SharedPrefixBatch", "SharedPrefixSeqParams", "pack_shared_prefix", "prepare_shared_prefix"]
+__all__ = ["SharedPrefixBatch", "SharedPrefixSeqParams", "checked_layout", "pack_shared_prefix", "prepare_shared_prefix"]

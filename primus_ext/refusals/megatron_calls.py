@@ -124,6 +124,11 @@ PREFIX_POSITIONS = rule(
     "sequence, not as if it followed its prompt.",
     "call primus_ext.megatron.prepare_shared_prefix(model) once after building the GPT model (it gives every token "
     "its position in the duplicated layout).")
+PREFIX_BOUNDS = rule(
+    "shared-prefix.boundaries", ("packed_seq_params",),
+    "a shared-prefix row's packed_seq_params carry {which} other than its layout's segments: the packed call and "
+    "the cross call would attend by two different descriptions of the row.",
+    "pass the SharedPrefixSeqParams pack_shared_prefix made, unchanged (its cu_seqlens are its layout's segments).")
 PREFIX_MODEL = build_rule(
     "shared-prefix.model", ("position_embedding_type", "apply_rope_fusion"),
     "prepare_shared_prefix cannot give a shared-prefix row its positions in this model: {what}.",
@@ -136,4 +141,4 @@ PREFIX_POSITION_IDS = build_rule(
     "pass the batch's position_ids (SharedPrefixBatch.position_ids) or none, which prepare_shared_prefix fills in.")
 
 
-__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY", "PREFIX_LAYOUT", "PREFIX_TOKENS", "PREFIX_CALL", "PREFIX_POSITIONS", "PREFIX_MODEL", "PREFIX_POSITION_IDS"]
+__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY", "PREFIX_LAYOUT", "PREFIX_TOKENS", "PREFIX_CALL", "PREFIX_POSITIONS", "PREFIX_BOUNDS", "PREFIX_MODEL", "PREFIX_POSITION_IDS"]

@@ -109,23 +109,43 @@ def test_shared_rows_equal_the_duplicated_layout_on_the_fakes_kernels(arch, flex
 
 
 def test_an_unprepared_model_refuses_a_shared_row_naming_the_fix():
-    model = _model(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"), "rope",
+    model = _model(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"), "learned_absolute",
                    torch.float64)
     with pytest.raises(UnsupportedInputError) as err:
         _shared_losses(model, _groups())
     assert "shared-prefix.positions" in err.value.codes and "prepare_shared_prefix" in str(err.value)
 
 
-def test_a_layer_without_the_key_refuses_a_shared_row():
+def test_an_unprepared_rope_model_stops_before_any_attention():
+    """megatron-core's THD RoPE needs the boundaries the row gets only from a prepared forward: it fails there
+    (megatron-core's own error, before primus_ext's layers can refuse), never trains on wrong positions."""
+    model = _model(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"), "rope",
+                   torch.float64)
+    with pytest.raises(Exception):
+        _shared_losses(model, _groups())
+
+
+def test_a_model_with_a_layer_not_planned_for_shared_rows_is_refused_when_prepared():
     torch.manual_seed(0)
     settings = gpt.settings(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference")
-    model = prepare_shared_prefix(GPTModel(config=gpt.config(params_dtype=torch.float64),
-                                           transformer_layer_spec=get_gpt_layer_primus_turbo_local_spec(settings),
-                                           vocab_size=gpt.VOCAB, max_sequence_length=64,
-                                           position_embedding_type="rope").double())
-    with pytest.raises(UnsupportedInputError) as err:
-        _shared_losses(model, _groups())
-    assert "shared-prefix.call" in err.value.codes and "packed_shared_prefix" in str(err.value)
+    model = GPTModel(config=gpt.config(params_dtype=torch.float64),
+                     transformer_layer_spec=get_gpt_layer_primus_turbo_local_spec(settings),
+                     vocab_size=gpt.VOCAB, max_sequence_length=64, position_embedding_type="rope").double()
+    with pytest.raises(UnsupportedConfigError) as err:
+        prepare_shared_prefix(model)
+    assert "shared-prefix.model" in err.value.codes and "not planned with packed_shared_prefix: true" in str(err.value)
+
+
+def test_an_unprepared_foreign_attention_gets_no_boundaries_to_run_documents_by():
+    """A model prepare_shared_prefix never saw (any attention, primus_ext's or not) finds no cu_seqlens in a
+    shared-prefix row's params, so it cannot run the row as plain documents; a prepared forward fills them in."""
+    batch = pack_shared_prefix(_groups())
+    params = batch.packed_seq_params
+    assert params.cu_seqlens_q is None and params.cu_seqlens_kv is None
+    model = prepare_shared_prefix(_model(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"),
+                                         "learned_absolute", torch.float64))
+    model(batch.tokens, batch.position_ids, None, packed_seq_params=params)
+    assert params.cu_seqlens_q is params.layout.segments and params.positions_given
 
 
 def test_other_position_ids_and_fused_rope_are_refused():

@@ -16,7 +16,10 @@ checkout this package lives in).  Results go to ``benchmarks/results/<name>.json
   (one build) against built per layer, beside torch's ``create_block_mask``, at 8k and 32k.
 * ``hook_proofs``: what proving user mask / score hooks (B31) costs a 96-layer model
   build, at 4k and 128k tokens.
+* ``shared_prefix``: RL shared-prefix rows (`pack_shared_prefix`) against the duplicated layout
+  (each response after its own prompt copy): tokens, GPT step time, attention time and memory,
+  P = 1k and 4k, n = 4 and 16, R = 512.
 """
 
 NAMES = ("adapter_overhead", "copies_and_syncs", "reference_vs_sdpa", "gpt_step", "hook_proofs", "eod_packing",
-         "flex_blockmask")
+         "flex_blockmask", "shared_prefix")

@@ -27,8 +27,7 @@ built from the same seed take them, so their first losses must agree (reported).
 Paths: on CPU the flex path on the ``reference`` backend, float32.  On a GPU
 (``torch.cuda.is_available()``), bf16: the flex path on Primus-Turbo's kernels (``turbo``) and
 the direct varlen path (``use_turbo_flex_attention: false``), both where ``primus_turbo`` imports,
-and the ``flex`` backend (torch FlexAttention), which refuses shared rows at build (B37-flex), so
-only its duplicated row is measured.  ``--fake`` runs the Primus-Turbo paths on primus_ext's CPU
+and the ``flex`` backend (torch FlexAttention, one call on the row's tree mask).  ``--fake`` runs the Primus-Turbo paths on primus_ext's CPU
 fake (gfx942) instead, to check this code without a GPU; its times are the fake's, not a GPU's.
 
 No goal is set for these rows: they report.
@@ -226,20 +225,17 @@ def measure(path: str, prompt: int, responses: int, length: int, repeats: int, d
             dtype: torch.dtype, arch: Optional[str]) -> dict[str, Any]:
     rows = Rows(prompt, responses, length, device)
     max_len = prompt + length
-    shared_ok = path != "flex"  # B37-flex: the flex backend refuses shared rows at build
     first: dict[str, list] = {"duplicated": [], "shared": []}
     candidates: dict[str, Callable[[], None]] = {}
-    settings = _settings(path, shared_ok, arch)
+    settings = _settings(path, True, arch)
     candidates["duplicated step"] = _stepper(_model(settings, dtype, device, max_len), rows.duplicated_loss,
                                              device, first["duplicated"])
-    if shared_ok:
-        candidates["shared step"] = _stepper(_model(settings, dtype, device, max_len), rows.shared_loss, device,
-                                             first["shared"])
+    candidates["shared step"] = _stepper(_model(settings, dtype, device, max_len), rows.shared_loss, device,
+                                         first["shared"])
     if path in ("reference", "turbo", "flex"):  # the flex path's adapter alone (the direct path has none)
         adapter = _adapter(settings, dtype, max_len)
         candidates["duplicated attention"] = _attention(adapter, rows, False, dtype, device)
-        if shared_ok:
-            candidates["shared attention"] = _attention(adapter, rows, True, dtype, device)
+        candidates["shared attention"] = _attention(adapter, rows, True, dtype, device)
     memory = {name: peak_mib(fn, device) for name, fn in candidates.items()}  # also the warm-up call
     timing = c.interleaved(candidates, repeats=repeats, scale=1e3)
     dup_pairs, shared_pairs = pairs(prompt, responses, length)
@@ -250,14 +246,11 @@ def measure(path: str, prompt: int, responses: int, length: int, repeats: int, d
         "pairs": {"duplicated": dup_pairs, "shared": shared_pairs}, "pairs_ratio": shared_pairs / dup_pairs,
         "first_loss": {k: v[0] if v else None for k, v in first.items()},
     }
-    if shared_ok:
-        result["step_ratio"] = timing["shared step"]["median"] / timing["duplicated step"]["median"]
-        if "shared attention" in timing:
-            result["attention_ratio"] = timing["shared attention"]["median"] / timing["duplicated attention"]["median"]
-        a, b = result["first_loss"]["duplicated"], result["first_loss"]["shared"]
-        result["first_loss_rel_diff"] = abs(a - b) / abs(a)
-    else:
-        result["shared"] = "refused at build (B37-flex): the flex backend has no kernel-level pair for the merge"
+    result["step_ratio"] = timing["shared step"]["median"] / timing["duplicated step"]["median"]
+    if "shared attention" in timing:
+        result["attention_ratio"] = timing["shared attention"]["median"] / timing["duplicated attention"]["median"]
+    a, b = result["first_loss"]["duplicated"], result["first_loss"]["shared"]
+    result["first_loss_rel_diff"] = abs(a - b) / abs(a)
     return result
 
 
@@ -304,7 +297,7 @@ def _row(r: dict[str, Any]) -> list[Any]:
     prompt = r["prompt"]
     return [r["path"], f"{prompt // 1024}k" if prompt % 1024 == 0 else prompt, r["responses"],
             f"{r['tokens']['duplicated']} / {r['tokens']['shared']}",
-            _ms(t["duplicated step"]), _ms(t["shared step"]) if "shared step" in t else "refused (B37-flex)",
+            _ms(t["duplicated step"]), _ms(t["shared step"]) if "shared step" in t else "-",
             ratio("step_ratio"), both(t, "attention", lambda x: f"{x['median']:.0f}"), ratio("attention_ratio"),
             ratio("pairs_ratio"), both(m, "step", lambda x: f"{x:.0f}"), both(m, "attention", lambda x: f"{x:.0f}"),
             f"{r['first_loss_rel_diff']:.1e}" if "first_loss_rel_diff" in r else "-"]

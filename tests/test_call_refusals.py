@@ -332,6 +332,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
         SharedPrefixLayout.of([(4, [3])])),
     "shared-prefix.positions": lambda: _unprepared_shared_row(),
     "shared-prefix.boundaries": lambda: _unprepared_shared_row(given=True),
+    "shared-prefix.changed": lambda: _changed_layout(),
     "shared-prefix.call": lambda: shared_prefix_attention(adapter(settings(), facts(packed=True)), *packed_qkv(7),
                                                           SharedPrefixLayout.of([(4, [3])])),
 }
@@ -366,13 +367,22 @@ def _unprepared_shared_row(given: bool = False) -> None:
     from primus_ext.megatron import pack_shared_prefix
 
     batch = pack_shared_prefix([(torch.arange(4), [torch.arange(3)])])
-    if given:
-        params = batch.packed_seq_params
-        params.positions_given, params.cu_seqlens_q = True, params.layout.segments.clone()
-        params.cu_seqlens_kv = params.cu_seqlens_q
     layer = megatron("flex-reference", keys=dict(packed_sequences=True, packed_shared_prefix=True))
+    if given:  # as a prepared model marks the row and its layers, but boundaries that are not the layout's
+        params = batch.packed_seq_params
+        params.positions_given = layer.core.shared_prefix_mark = 1
+        params.cu_seqlens_q = params.cu_seqlens_kv = cu(0, 7)
     q, k, v = packed_qkv(7, d=16)
     layer(q, k, v, None, packed_seq_params=batch.packed_seq_params)
+
+
+def _changed_layout() -> None:
+    """A shared-prefix layout refilled between its row's forward and backward."""
+    layout = SharedPrefixLayout.of([(4, [3]), (2, [1])])
+    q, k, v = (t.requires_grad_(True) for t in packed_qkv(10))
+    out = shared_prefix_attention(adapter(settings(packed_shared_prefix=True), facts(packed=True)), q, k, v, layout)
+    layout.cu_cross_kv[1] = 3
+    out.sum().backward()
 
 
 def other_rank_refused() -> None:

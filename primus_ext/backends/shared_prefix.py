@@ -29,6 +29,7 @@ from torch import Tensor
 from .. import refusals as R
 from ..errors import short_repr
 from .base import CallArgs, KernelPair
+from .check_op import tensor_version
 
 Item = Union[int, tuple]
 """A document (its token count) or a tree (``(prompt, [response, ...])``, token counts)."""
@@ -100,7 +101,8 @@ class SharedPrefixLayout:
                     starts.append(at)
         cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=device)
         cu_kv_t = torch.tensor(cu_kv, dtype=torch.int32, device=device)
-        segments = torch.tensor(starts, dtype=torch.int32, device=device)
+        # a row of no tokens is one empty segment ([0, 0]): boundaries always hold 0 and the token count
+        segments = torch.tensor(starts if len(starts) > 1 else [0, 0], dtype=torch.int32, device=device)
         return SharedPrefixLayout(
             items=row, total=at, segments=segments, max_segment=_longest(starts),
             cross_q=torch.tensor(cross_q, dtype=torch.int64, device=device),
@@ -210,14 +212,22 @@ class SharedPrefixAttention(torch.autograd.Function):
         out, lse, rng_self, rng_cross = merged_forward(a, layout, self_pair, cross_pair)
         ctx.save_for_backward(q, k, v, sink, out, lse, rng_self, rng_cross)
         ctx.layout, ctx.self_args, ctx.pairs = layout, self_args, (self_pair, cross_pair)
+        ctx.versions = _versions(layout)  # the layout is no saved tensor: torch would not see it refilled
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple:
         q, k, v, sink, out, lse, rng_self, rng_cross = ctx.saved_tensors
+        if _versions(ctx.layout) != ctx.versions:
+            raise R.refuse(R.PREFIX_CHANGED)
         a = ctx.self_args._replace(q=q, k=k, v=v, sink=sink)
         dq, dk, dv, dsink = merged_backward(a, ctx.layout, *ctx.pairs, grad_out, out, lse, rng_self, rng_cross)
         return dq, dk, dv, dsink, None, None, None, None
+
+
+def _versions(layout: SharedPrefixLayout) -> tuple:
+    return tuple(tensor_version(t) for t in (layout.segments, layout.cross_q, layout.cross_kv, layout.cu_cross_q,
+                                             layout.cu_cross_kv))
 
 
 def cross_args(a_self: CallArgs, layout: SharedPrefixLayout) -> CallArgs:

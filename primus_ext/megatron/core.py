@@ -74,6 +74,7 @@ class TurboAttentionCore:
     """Plan + kernel binding of one layer; `forward` speaks Megatron's contract."""
 
     default_qkv_format = "sbhd"
+    shared_prefix_mark: Optional[int] = None  # set by `prepare_shared_prefix` on its model's layers
 
     def __init__(self, *, config: Any, layer_number: int, attn_mask_type: Any, attention_dropout: Optional[float],
                  softmax_scale: Optional[float], k_channels: Optional[int], v_channels: Optional[int],
@@ -198,7 +199,7 @@ class TurboAttentionCore:
         check_qkv(query, key, value)
         check_heads(query, key, self.facts.num_heads, self.facts.kv_heads)
         check_head_dims(query, value, self.plan.head_dim, self.plan.head_dim_v)
-        layout = checked_layout(self.plan, packed_seq_params)  # a shared-prefix row (B37), before its boundaries
+        layout = checked_layout(self.plan, packed_seq_params, self.shared_prefix_mark)  # a shared-prefix row (B37), before its boundaries
         fmt = qkv_format(packed_seq_params, self.default_qkv_format)
         packed = self._packing(packed_seq_params, fmt)
         if packed is None:  # a dense call: sbhd (or bshd), with one batch size for q and k

@@ -19,6 +19,7 @@ packed row (``input_ids [1, T]``, ``position_ids [1, T]``, ``packed_seq_params``
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -31,6 +32,8 @@ from .. import refusals as R
 from ..backends.shared_prefix import SharedPrefixLayout
 from ..call.shared_prefix import check_planned
 from .call_contract import CONTEXT
+
+_MARKS = itertools.count(1)
 from ..errors import short_repr
 
 
@@ -40,6 +43,9 @@ class SharedPrefixSeqParams(PackedSeqParams):
     segments are prompts and which their responses."""
 
     layout: Optional[SharedPrefixLayout] = None
+    positions_given: Optional[int] = None
+    """The mark of the model `prepare_shared_prefix` prepared whose forward gave the row its positions and its
+    boundaries (a layer refuses a shared-prefix row without its own model's mark, `shared-prefix.positions`)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,13 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
     if getattr(model, "_primus_ext_shared_prefix", False):
         return model
     rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
+    # Which model positioned a row: a row positioned by this model is no proof for another (an RL reference model
+    # scoring the policy's batch), and the mark must outlive the forward (a recomputed layer checks it again).
+    mark = next(_MARKS)
+    for module in model.modules():
+        core = getattr(module, "core", None)
+        if hasattr(core, "shared_prefix_mark"):  # primus_ext's layers (`TurboAttentionCore`)
+            core.shared_prefix_mark = mark
     state: dict[str, Any] = {"layout": None}
     if rotary is not None:
         table = rotary.forward  # the bound (cached) method: a per-instance forward shadows it below
@@ -188,7 +201,10 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
         elif not (isinstance(given, Tensor) and given.data_ptr() == layout.positions.data_ptr()
                   and given.numel() == layout.positions.numel()):
             raise R.refuse_build(R.PREFIX_POSITION_IDS)
-        params.positions_given = True
+        for which in ("cu_seqlens_q", "cu_seqlens_kv"):  # the layout is the row: boundaries are only ever its own
+            if getattr(params, which) is not None and getattr(params, which) is not layout.segments:
+                raise R.refuse(R.PREFIX_BOUNDS, CONTEXT, which=which)
+        params.positions_given = mark
         params.cu_seqlens_q = params.cu_seqlens_kv = layout.segments
         return bound.args, bound.kwargs
 
@@ -196,7 +212,7 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
         state["layout"] = None
 
     model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after)
+    model.register_forward_hook(after, always_call=True)  # also after a forward that raised
     model._primus_ext_shared_prefix = True
     return model
 
@@ -217,14 +233,15 @@ def _unplanned_layers(model: torch.nn.Module) -> list[str]:
     return found
 
 
-def checked_layout(plan: Any, params: Any) -> Optional[SharedPrefixLayout]:
+def checked_layout(plan: Any, params: Any, mark: Optional[int]) -> Optional[SharedPrefixLayout]:
     """The `SharedPrefixLayout` a layer's packed call carries (None: an ordinary call), or our refusal: a layer not
-    planned for one, a model not prepared, boundaries that are not the layout's."""
+    planned for one, a row its own model (``mark``: the layer's, from `prepare_shared_prefix`) did not position,
+    boundaries that are not the layout's."""
     layout = getattr(params, "layout", None)
     if layout is None:
         return None
     check_planned(plan)
-    if not getattr(params, "positions_given", False):
+    if mark is None or getattr(params, "positions_given", None) != mark:
         raise R.refuse(R.PREFIX_POSITIONS, CONTEXT, layer=getattr(plan, "layer_number", "?"))
     for which in ("cu_seqlens_q", "cu_seqlens_kv"):
         if getattr(params, which) is not layout.segments:

@@ -111,6 +111,12 @@ PREFIX_TOKENS = rule(
     "shared-prefix.tokens", ("q", "k", "v"),
     "q, k and v hold {got} tokens, but the shared-prefix layout describes {total}.",
     "pass the packed row the layout was made for (pack_shared_prefix gives both).")
+PREFIX_CHANGED = rule(
+    "shared-prefix.changed", ("packed_seq_params",),
+    "the shared-prefix layout's tensors were changed in place between the row's forward and its backward: the "
+    "backward would compute the gradients of another tree.",
+    "make a new layout (SharedPrefixLayout.of or pack_shared_prefix) for a new row instead of refilling one that "
+    "a forward still needs.")
 PREFIX_CALL = rule(
     "shared-prefix.call", ("packed_shared_prefix",),
     "a shared-prefix row runs as two varlen calls merged through their log-sum-exps, which needs {what}.",
@@ -125,7 +131,7 @@ PREFIX_POSITIONS = rule(
     "call primus_ext.megatron.prepare_shared_prefix(model) once after building the GPT model (it gives every token "
     "its position in the duplicated layout).")
 PREFIX_BOUNDS = rule(
-    "shared-prefix.boundaries", ("packed_seq_params",),
+    "shared-prefix.boundaries", ("{which}",),
     "a shared-prefix row's packed_seq_params carry {which} other than its layout's segments: the packed call and "
     "the cross call would attend by two different descriptions of the row.",
     "pass the SharedPrefixSeqParams pack_shared_prefix made, unchanged (its cu_seqlens are its layout's segments).")
@@ -141,4 +147,4 @@ PREFIX_POSITION_IDS = build_rule(
     "pass the batch's position_ids (SharedPrefixBatch.position_ids) or none, which prepare_shared_prefix fills in.")
 
 
-__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY", "PREFIX_LAYOUT", "PREFIX_TOKENS", "PREFIX_CALL", "PREFIX_POSITIONS", "PREFIX_BOUNDS", "PREFIX_MODEL", "PREFIX_POSITION_IDS"]
+__all__ = ["QKV_FORMAT", "MASK_OBJECT", "MASK_ON_LAYER", "MASK_SHAPE", "MASK_VALUES", "CP_PACKED", "CP_MASK_ON_LAYER", "CP_MASK_SHAPE", "CP_MASK_VALUES", "RANK_REFUSED", "DROPOUT_TRACKER_GONE", "DROPOUT_COMPILED", "CP_LENGTH", "EOD_TOKENS", "EOD_MAX_DOCUMENTS", "EOD_TOO_MANY", "PREFIX_LAYOUT", "PREFIX_TOKENS", "PREFIX_CALL", "PREFIX_POSITIONS", "PREFIX_BOUNDS", "PREFIX_CHANGED", "PREFIX_MODEL", "PREFIX_POSITION_IDS"]

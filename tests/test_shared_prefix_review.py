@@ -13,12 +13,16 @@ from hypothesis import strategies as st
 
 from primus_ext.backends.shared_prefix import SharedPrefixLayout
 from primus_ext.call.shared_prefix import shared_prefix_attention
-from primus_ext.errors import UnsupportedInputError
+from primus_ext.call.adapter import TurboFlexAttention
+from primus_ext.errors import UnsupportedConfigError, UnsupportedInputError
 from primus_ext.megatron.shared_prefix import SharedPrefixSeqParams
+from primus_ext.plan import build_plan
 from primus_ext.testing import fake_primus_turbo
 from tests.megatron.conftest import megatron_world  # noqa: F401 - the gloo world Megatron's modules need
 
 from .fuzz import oracle
+from .helpers import facts
+from .helpers import settings as turbo_settings
 from .test_call_refusals import megatron
 from .test_shared_prefix import _adapter, _inputs, assert_oracle, grad_out_for, tree_mask
 
@@ -168,3 +172,28 @@ def test_drawn_rows_equal_the_tree_mask_oracle(items, arch, sink, heads):
         got = torch.autograd.grad(out, leaves, grad, allow_unused=True, materialize_grads=True)
     if layout.total:
         assert_oracle(items, leaves, out, grad, got)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_a_layer_flydsl_could_take_with_equal_segments_runs_on_aiters_pair(arch):
+    """FINDING: GQA 8/1, head dim 128, bf16 on gfx950 built, but every call was refused: FlyDSL takes the packed
+    call exactly when its segments are equal, which the pair choice cannot know without a host read.  The merge
+    runs its pairs itself, eager and compiled alike, so it takes AITER's, which computes any segments."""
+    with fake_primus_turbo(arch=arch):
+        plan = build_plan(turbo_settings(packed_shared_prefix=True, turbo_flex_attention_backend="turbo", turbo_arch=arch),
+                          facts(num_heads=8, num_kv_heads=1, head_dim=128, packed=True, dtype="bf16"))
+        items = [(8, [4, 3]), 5, (4, [4, 4])]
+        layout = SharedPrefixLayout.of(items)
+        gen = torch.Generator().manual_seed(3)
+        q = torch.randn(layout.total, 8, 128, generator=gen).bfloat16().requires_grad_(True)
+        k, v = (torch.randn(layout.total, 1, 128, generator=gen).bfloat16().requires_grad_(True) for _ in range(2))
+        out = shared_prefix_attention(TurboFlexAttention(plan), q, k, v, layout)
+    want, _ = oracle.packed_attention(*(t.detach().double() for t in (q, k, v)), tree_mask(items))
+    assert oracle.mismatch(out, want, oracle.OUTPUT_TOL[torch.bfloat16]) is None
+
+
+def test_autotune_is_refused_at_build():
+    with fake_primus_turbo(arch="gfx950"), pytest.raises(UnsupportedConfigError) as err:
+        build_plan(turbo_settings(packed_shared_prefix=True, turbo_flex_attention_backend="turbo", turbo_arch="gfx950",
+                            use_turbo_autotune=True), facts(packed=True, dtype="bf16", head_dim=64))
+    assert "B37-autotune" in err.value.codes

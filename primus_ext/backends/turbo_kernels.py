@@ -176,10 +176,13 @@ def discover_kernels() -> TurboKernels:
     return TurboKernels(aiter=discover(), flydsl=discover_flydsl(), hipkittens=discover_hipkittens())
 
 
-def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, int]) -> Optional[str]:
+def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, int],
+                    general: bool = False) -> Optional[str]:
     """The backend eager's dispatcher is known to pick for this call, or None where it is not
     known from the call's metadata: refused, autotuned among several, or a varlen call that
-    FlyDSL takes exactly when its documents are equal, which only a host read would tell."""
+    FlyDSL takes exactly when its documents are equal, which only a host read would tell.  With
+    ``general`` (a caller that runs the pair itself, eager and compiled alike, so no public entry's
+    choice has to be matched) such a varlen call gets the backend that takes any documents."""
     entry = DENSE if a.cu_q is None else VARLEN
     backend = routes.backend(entry, a, causal, window)
     if backend is None or routes.arch is None:
@@ -192,7 +195,7 @@ def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple
     found = route(features, selection)
     if len(found.candidates) > 1 or not found.ok or found.backend is None:
         return None  # autotune keeps whichever is fastest
-    if entry == VARLEN and selection.pin is None and not equal:
+    if entry == VARLEN and selection.pin is None and not equal and not general:
         if route_on(dataclasses.replace(features, equal_documents=True), FLYDSL) is not None:
             return None  # FlyDSL if the documents happen to be equal, else AITER: eager reads them
     if found.backend != backend and not (entry == VARLEN and equal):
@@ -201,17 +204,18 @@ def _routed_backend(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple
 
 
 def kernel_pair(kernels: Optional[TurboKernels], routes: Optional[CallRoutes], a: CallArgs, causal: bool,
-                window: tuple[int, int]) -> Optional[KernelPair]:
+                window: tuple[int, int], general: bool = False) -> Optional[KernelPair]:
     """The kernel-level pair of the backend eager runs for a call the public entry would get as
-    ``(causal, window)``, when that build has it and the backend's own gates hold; else None."""
+    ``(causal, window)``, when that build has it and the backend's own gates hold; else None
+    (``general``: see `_routed_backend`)."""
     if kernels is None or routes is None:
         return None
-    key = _call_key(routes, a, causal, window)
+    key = (_call_key(routes, a, causal, window), general)
     if key in kernels.chosen:
         return kernels.chosen[key]
     if len(kernels.chosen) >= _CHOSEN_MAX:
         kernels.chosen.clear()
-    pair = kernels.chosen[key] = _choose(kernels, routes, a, causal, window)
+    pair = kernels.chosen[key] = _choose(kernels, routes, a, causal, window, general)
     return pair
 
 
@@ -229,8 +233,8 @@ def _call_key(routes: CallRoutes, a: CallArgs, causal: bool, window: tuple[int, 
 
 
 def _choose(kernels: TurboKernels, routes: CallRoutes, a: CallArgs, causal: bool,
-            window: tuple[int, int]) -> Optional[KernelPair]:
-    backend = _routed_backend(routes, a, causal, window)
+            window: tuple[int, int], general: bool = False) -> Optional[KernelPair]:
+    backend = _routed_backend(routes, a, causal, window, general)
     if backend == "AITER" and kernels.aiter is not None:
         return AiterPair(kernels.aiter, causal, window, routes.arch)
     build = getattr(routes, "build", BUILD_A6A16CD)

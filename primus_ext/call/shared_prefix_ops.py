@@ -16,9 +16,12 @@ import torch
 from torch import Tensor
 
 from .. import refusals as R
-from ..backends.base import CallArgs, kernel_rng
+from ..attention.pattern import pattern_from_flash_args
+from ..backends.base import CallArgs, KernelPair, kernel_rng
 from ..backends.dispatch_keys import autograd_keys_lifted
 from ..backends.shared_prefix import SharedPrefixLayout, cross_args, merged_backward, merged_forward
+from ..backends.turbo import turbo_window_args
+from ..backends.turbo_kernels import kernel_pair
 from .checks import assert_boundaries
 from .ops import NAMESPACE, OpTarget, _fit, _lse_dtype, target
 
@@ -44,9 +47,22 @@ def checked_calls(found: OpTarget, a: CallArgs, layout: SharedPrefixLayout) -> O
     return cross
 
 
+def _pair(found: OpTarget, a: CallArgs) -> Optional[KernelPair]:
+    """The target's pair for ``a``; on Primus-Turbo's kernels where none is known from the call's metadata because
+    FlyDSL would take it only with equal documents, AITER's (which takes any): the merge runs the pair itself, eager
+    and compiled alike, so it need not follow the public entry's choice, which reads the boundaries."""
+    pair = found.pair(a)
+    kernels = getattr(found, "kernels", None) or getattr(getattr(found, "backend", None), "kernels", None)
+    routes = getattr(found, "routes", None)
+    if pair is not None or kernels is None or routes is None:
+        return pair
+    causal, window = turbo_window_args(pattern_from_flash_args(a.causal, a.window))
+    return kernel_pair(kernels, routes, a, causal, window, general=True)
+
+
 def pairs_of(found: OpTarget, a: CallArgs, cross: Optional[CallArgs]) -> tuple:
     """``(self_pair, cross_pair)``, or our refusal: the eager call and the ops choose them here alike."""
-    self_pair, cross_pair = found.pair(a), (found.pair(cross) if cross is not None else None)
+    self_pair, cross_pair = _pair(found, a), (_pair(found, cross) if cross is not None else None)
     if self_pair is None or (cross is not None and cross_pair is None):
         which = "the packed call" if self_pair is None else "the cross call"
         raise R.refuse(R.PREFIX_CALL, what=f"kernel-level forward and backward pairs that return and take an LSE, "

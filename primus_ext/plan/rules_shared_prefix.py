@@ -76,6 +76,12 @@ SHARED_PREFIX_RULES: Tuple[Rule, ...] = (
          "attention, which has no kernel-level pair returning the LSE for the merge.",
          "set enable_turbo_attention_float8: false on shared-prefix layers, " + _ALTERNATIVE,
          lambda c: _on(c) and c.on_direct and bool(c.settings.enable_turbo_attention_float8)),
+    Rule("B37-autotune", ("packed_shared_prefix", "use_turbo_autotune"),
+         "packed_shared_prefix with use_turbo_autotune: the merge runs one kernel-level pair per call, chosen from the "
+         "call's metadata, while autotune keeps whichever kernel backend it timed fastest; no pair can be bound.",
+         "set use_turbo_autotune: false on shared-prefix layers (or pin a backend with PRIMUS_TURBO_ATTN_BACKEND), or "
+         "turbo_flex_attention_backend: reference.",
+         lambda c: _on(c) and (c.on_turbo or c.on_direct) and bool(c.settings.use_turbo_autotune)),
     Rule("B37-arch", ("packed_shared_prefix", "turbo_arch"),
          "packed_shared_prefix on Primus-Turbo's kernels with no known arch: the merge calls the kernel-level pair "
          "the dispatch model picks for each call on the arch, which is unknown here.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from primus_ext.errors import UnsupportedConfigError
 from primus_ext.plan import build_plan
@@ -95,3 +96,25 @@ def test_check_refuses_what_cannot_be_merged_with_every_reason(capsys, tmp_path)
     for said in ("a window cannot cut it", "each of the two calls would draw its own dropout",
                  "are not of one length", "torch's flex_attention has no dropout"):
         assert said in text, said
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_the_self_test_runs_a_tree_row_through_the_merge_and_catches_a_wrong_one(arch, monkeypatch):
+    from primus_ext.backends import shared_prefix as merge
+    from primus_ext.call.selftest_shared_prefix import shared_prefix_route
+
+    with fake_primus_turbo(arch=arch):
+        plan = build_plan(settings(packed_shared_prefix=True, turbo_flex_attention_backend="turbo", turbo_arch=arch),
+                          facts(packed=True, dtype="bf16", head_dim=64))
+        good = shared_prefix_route(plan, torch.device("cpu"), torch.bfloat16)
+        assert good is not None and good.ok and good.backward_error == good.backward_error, good
+        # a merge that forgets the prompt: each response's cross partial weighs nothing
+        monkeypatch.setattr(merge, "merge_partials", lambda out_a, lse_a, out_b, lse_b: (out_a, lse_a))
+        bad = shared_prefix_route(plan, torch.device("cpu"), torch.bfloat16)
+    assert not bad.ok and "differ from exact math" in bad.error
+
+
+def test_a_plan_without_shared_prefix_rows_has_no_such_self_test_route():
+    from primus_ext.call.selftest_shared_prefix import shared_prefix_route
+
+    assert shared_prefix_route(build_plan(settings(), facts(packed=True)), torch.device("cpu"), torch.float32) is None

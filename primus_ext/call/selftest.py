@@ -358,6 +358,8 @@ def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] 
     backend (`candidates`), each pinned for its run; a flex plan's on ``flex_kernel`` if given (a
     function with ``flex_attention``'s contract), else torch's.  Of two results one row names, a
     failure is kept."""
+    from .selftest_shared_prefix import shared_prefix_route  # it builds on this module's results
+
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     results: dict[str, RouteResult] = {}
     for plan in plans:
@@ -369,6 +371,9 @@ def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] 
                     found = check_route(plan, packed, device, chosen, split, pinned, flex_kernel)
                     if found.route not in results or not found.ok:
                         results[found.route] = found
+        found = shared_prefix_route(plan, device, chosen)  # a shared-prefix layer's merge (B37)
+        if found is not None and (found.route not in results or not found.ok):
+            results[found.route] = found
     return list(results.values())
 
 

@@ -4,12 +4,8 @@ the float64 tree-mask oracle, forward and backward."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from primus_ext.backends.shared_prefix import SharedPrefixLayout
 from primus_ext.call.shared_prefix import shared_prefix_attention
@@ -142,36 +138,6 @@ def test_a_layout_changed_in_place_before_a_compiled_backward_is_refused_by_us()
         with pytest.raises(UnsupportedInputError) as err:
             out.float().sum().backward()
         assert "shared-prefix.changed" in err.value.codes
-
-_LENGTH = st.integers(0, 9)
-_GROUP = st.one_of(_LENGTH, st.tuples(_LENGTH, st.lists(_LENGTH, max_size=4)))
-_ADAPTERS: dict = {}
-
-
-@settings(max_examples=90, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(items=st.lists(_GROUP, min_size=1, max_size=3), arch=st.sampled_from([None, "gfx942", "gfx950"]),
-       sink=st.booleans(), heads=st.sampled_from([(4, 4), (4, 2), (4, 1)]))
-def test_drawn_rows_equal_the_tree_mask_oracle(items, arch, sink, heads):
-    """Documents and trees of 0..4 responses, lengths 0..9 (empty prompts, responses and rows included), GQA, and a
-    sink on `reference` (Primus-Turbo's varlen kernels refuse a sink at build, B33): output and every gradient,
-    the sink's included, within the tolerances of the inputs' dtype."""
-    sink = sink and arch is None
-    dtype = torch.bfloat16 if arch else torch.float64
-    with fake_primus_turbo(arch=arch) if arch else contextlib.nullcontext():
-        key = (arch, sink, heads)
-        if key not in _ADAPTERS:  # a plan per setting, as a model builds one per layer
-            _ADAPTERS[key] = _adapter("turbo", arch, sink=sink, heads=heads, dtype="bf16") if arch else _adapter(
-                sink=sink, heads=heads)
-        layout = SharedPrefixLayout.of(items)
-        leaves = [t.detach().to(dtype if i < 3 else torch.float32).requires_grad_(True)
-                  for i, t in enumerate(_inputs(layout.total, *heads, 16, torch.float32, sink))]
-        out = shared_prefix_attention(_ADAPTERS[key], *leaves[:3], layout, sink=leaves[3] if sink else None)
-        assert out.shape == (layout.total, heads[0], 16) and out.dtype == dtype
-        grad = grad_out_for(out)
-        got = torch.autograd.grad(out, leaves, grad, allow_unused=True, materialize_grads=True)
-    if layout.total:
-        assert_oracle(items, leaves, out, grad, got)
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])

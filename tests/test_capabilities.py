@@ -86,6 +86,10 @@ ROWS = {
                                   "turbo_flex_attention_mask_mod_kwargs": {"prefix_length": 8}},
                                  facts={"megatron_mask": True}, hook=True),
     "documents from EOD, packed THD": Row({"reset_attention_mask": True}, facts={"packed": True}),
+    "RL shared-prefix rows (no arch known here: turbo_arch names it, or the device)": Row(
+        {"packed_shared_prefix": True}, facts={"packed": True}),
+    "RL shared-prefix rows + window": Row({"packed_shared_prefix": True, "sink_sliding_window": 128,
+                                           "sink_window_even_layers_only": False}, facts={"packed": True}),
     "ALiBi position embedding": Row(facts={"position_embedding_type": "alibi"}),
     "deterministic": Row({"deterministic_mode": True}),
     "deterministic, Primus-Turbo main": Row({"deterministic_mode": True}, build="main"),

@@ -40,6 +40,9 @@ ACCEPTED = {
                            Pattern(30, 0, cuts=(100,))),
     "documents_bidirectional": (lambda b, h, q, kv: (q < 100) == (kv < 100), Pattern(-1, -1, cuts=(100,))),
     "documents_xor": (lambda b, h, q, kv: ((q < 512) ^ (kv >= 512)) & (kv <= q), Pattern(-1, 0, cuts=(512,))),
+    "documents_band": (lambda b, h, q, kv: ((q < 100) == (kv < 100)) & ((q - kv).abs() <= 3),
+                       Pattern(3, 3, cuts=(100,))),
+    "band": (lambda b, h, q, kv: (q - kv).abs() <= 256, Pattern(256, 256)),
     "causal_with_a_position_atom": (lambda b, h, q, kv: (q >= 0) & (kv <= q), Pattern(-1, 0)),
 }
 NEAR_MISSES = {

@@ -102,6 +102,11 @@ class Cells:
             runs, kinds = [r for r, _ in parts], set().union(*(k for _, k in parts))
             return self._connective(kind, runs), kinds
         if kind in _COMPARE and len(kids) == 2 and all(z3.is_int(c) for c in kids):
+            for side, other in ((0, 1), (1, 0)):  # a <op> If(c, x, y) is If(c, a <op> x, a <op> y): |q - kv|
+                if z3.is_app_of(kids[side], z3.Z3_OP_ITE):
+                    c, x, y = kids[side].children()
+                    pick = (lambda t: (t, kids[other])) if side == 0 else (lambda t: (kids[other], t))
+                    return self._bool(z3.If(c, e.decl()(*pick(x)), e.decl()(*pick(y))))
             left, right = self._term(kids[0]), self._term(kids[1])
             op, lr, rr = _COMPARE[kind], left.run, right.run
             return (lambda q, kv: op(lr(q, kv), rr(q, kv))), {self._atom(left, right)}

@@ -166,14 +166,15 @@ def check_score(hook: Callable[..., Any], kind: str, slopes: Optional[Sequence[f
             slope = torch.tensor(slopes, dtype=torch.float64)[h - head_offset].view(1, -1, 1)
             distance = (kv - q).double().view(1, 1, -1)
             expected = expected + slope * (distance if kind == "alibi" else -distance.abs())
-        scale = expected.abs() + score.double().abs() + 1.0
+        # what the kernel's own float32 sum gives: a finite score plus a bias rounds, it does not overflow
+        target = expected.float().double()
+        tolerance = 1e-5 * (expected.abs() + score.double().abs() + 1.0)
         for how, got in _calls(hook, block, score):
             if isinstance(got, str):
                 return f"raises {got} when called with {how}"
             if not got.dtype.is_floating_point:
                 return f"returns {got.dtype}, not a score, when called with {how}"
-            # what the kernel's own float32 sum gives: a finite score plus a bias rounds, it does not overflow
-            bad = ~((got.double() - expected.float().double()).abs() <= 1e-5 * scale)
+            bad = ~((got.double() - target).abs() <= tolerance)
             if bool(bad.any()):
                 at = tuple(bad.nonzero()[0])
                 return (f"behaves differently when called than when traced: called with {how}, at "

@@ -13,7 +13,7 @@ agreement is evidence only, never a reason to run a hook on a fixed kernel.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -95,12 +95,12 @@ _MAPS = {False: ((None, None, 0, 0), (None, 0, None, None), (0, None, None, None
 """``in_dims`` of the nested vmaps over pairs, heads and batches (with a score: its own axes too)."""
 
 
-def _calls(fn: Callable[..., Any], block: Block, score: Optional[torch.Tensor]) -> list[tuple[str, Any]]:
+def _calls(fn: Callable[..., Any], block: Block, score: Optional[torch.Tensor]) -> Iterator[tuple[str, Any]]:
     """``(how, result)`` of the two calls torch and the reference backend make, each result shaped
-    ``(batches, heads, pairs)``: nested ``torch.vmap`` over 0-d indices, and broadcast index tensors."""
+    ``(batches, heads, pairs)``: nested ``torch.vmap`` over 0-d indices, and broadcast index tensors.  Made one
+    at a time: a caller that stops at the first difference (or needs torch's call only) makes no other."""
     b, h, q, kv = block
     shape = (len(b), len(h), len(q))
-    out: list[tuple[str, Any]] = []
     for how in ("torch.vmap on 0-d index tensors, as create_block_mask and flex_attention call it",
                 "index tensors, as the reference backend calls it"):
         try:
@@ -113,10 +113,10 @@ def _calls(fn: Callable[..., Any], block: Block, score: Optional[torch.Tensor]) 
                 else:
                     result = fn(*((score,) if score is not None else ()), b.view(-1, 1, 1), h.view(1, -1, 1),
                                 q.view(1, 1, -1), kv.view(1, 1, -1))
-            out.append((how, torch.as_tensor(result).expand(shape)))
+            got: Any = torch.as_tensor(result).expand(shape)
         except Exception as exc:  # noqa: BLE001 - a hook that fails when really called is not what was proven
-            out.append((how, f"{type(exc).__name__}: {exc}"))
-    return out
+            got = f"{type(exc).__name__}: {exc}"
+        yield how, got
 
 
 def _first(bad: torch.Tensor, block: Block) -> str:
@@ -258,7 +258,7 @@ def _smoke(hook: Callable[..., Any], kind: str) -> str:
     keys = torch.arange(8)
     block = (torch.arange(2), torch.arange(2), keys.repeat_interleave(8), keys.repeat(8))
     score = torch.randn((2, 2, 64), generator=torch.Generator().manual_seed(0)) if kind == "score_mod" else None
-    how, got = _calls(hook, block, score)[0]
+    how, got = next(_calls(hook, block, score))
     return f"raises {got} when called with {how}" if isinstance(got, str) else ""
 
 

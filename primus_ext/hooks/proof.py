@@ -10,7 +10,9 @@ ALiBi ``score - slope[h] * |q - kv|`` over the reals, one float32 slope per head
 The hook is checked against the provable subset (`hook_subset`), traced (`hook_trace`),
 turned into a z3 formula (`hook_z3`) and the candidate pattern is derived by the solver
 itself (the widest reach to either side, the first position where a document starts),
-then proven equal (score hooks: `hook_score`).  Nothing is sampled: either the solver
+then proven equal (score hooks: `hook_score`).  Formulas of a shape modelled exactly are
+decided without it, with the same candidates: windows (`window`), documents and chunks
+(`structure`), per-head score tables (`bias`); anything else goes to the solver.  Nothing is sampled: either the solver
 proves equality, or the hook is not run on a kernel; a proof is then cross-checked
 against the hook called as torch calls it (`hook_crosscheck`), which can only refuse.
 

@@ -76,6 +76,7 @@ class Cells:
 
     def __init__(self, q: z3.ArithRef, kv: z3.ArithRef) -> None:
         self.q, self.kv = q, kv
+        self.ids = (q.get_id(), kv.get_id())
         self.starts: dict[str, set[int]] = {"q": {0}, "kv": {0}, "d": set()}
         self.chunk: Optional[int] = None
         self.kinds: set[str] = set()  # atom kinds seen: q, kv, d, chunk, steps
@@ -90,20 +91,23 @@ class Cells:
         return run
 
     def _bool(self, e: z3.ExprRef) -> tuple[Eval, set[str]]:
-        if z3.is_true(e) or z3.is_false(e):
-            value = z3.is_true(e)
+        # Dispatched on the node's kind and its operands' sorts: each z3 query costs, so none is made twice.
+        kind = e.decl().kind()
+        if kind in (z3.Z3_OP_TRUE, z3.Z3_OP_FALSE):
+            value = kind == z3.Z3_OP_TRUE
             return (lambda q, kv: value), set()
-        kind, kids = e.decl().kind(), e.children()
+        kids = e.children()
         if kind == z3.Z3_OP_ITE:
             (c, ck), (a, ak), (b, bk) = (self._bool(x) for x in kids)
             return (lambda q, kv: a(q, kv) if c(q, kv) else b(q, kv)), ck | ak | bk
-        if kids and all(z3.is_bool(c) for c in kids):
+        sort = kids[0].sort_kind() if kids else None
+        if sort == z3.Z3_BOOL_SORT:
             parts = [self._bool(c) for c in kids]
             runs, kinds = [r for r, _ in parts], set().union(*(k for _, k in parts))
             return self._connective(kind, runs), kinds
-        if kind in _COMPARE and len(kids) == 2 and all(z3.is_int(c) for c in kids):
+        if kind in _COMPARE and len(kids) == 2 and sort == z3.Z3_INT_SORT:
             for side, other in ((0, 1), (1, 0)):  # a <op> If(c, x, y) is If(c, a <op> x, a <op> y): |q - kv|
-                if z3.is_app_of(kids[side], z3.Z3_OP_ITE):
+                if kids[side].decl().kind() == z3.Z3_OP_ITE:
                     c, x, y = kids[side].children()
                     pick = (lambda t: (t, kids[other])) if side == 0 else (lambda t: (kids[other], t))
                     return self._bool(z3.If(c, e.decl()(*pick(x)), e.decl()(*pick(y))))
@@ -159,16 +163,21 @@ class Cells:
         self.starts[axis] |= {r, r + 1}
 
     def _term(self, e: z3.ExprRef) -> _Term:
-        if not z3.is_int(e):
-            raise _Outside
-        if z3.is_int_value(e):
-            value = e.as_long()
+        # Integer terms only: a leaf is an integer numeral or an index, and no operation below turns a real
+        # into an integer (z3's real division and to_real are other kinds), so checking leaves checks all.
+        kind = e.decl().kind()
+        if kind == z3.Z3_OP_ANUM:
+            if e.sort_kind() != z3.Z3_INT_SORT:
+                raise _Outside
+            value = int(e.as_string())
             return _Term(lambda q, kv: value, {"1": Fraction(value)})
-        if e.eq(self.q):
-            return _Term(lambda q, kv: q, {"q": Fraction(1)})
-        if e.eq(self.kv):
-            return _Term(lambda q, kv: kv, {"kv": Fraction(1)})
-        kind, kids = e.decl().kind(), e.children()
+        if kind == z3.Z3_OP_UNINTERPRETED:
+            if e.get_id() == self.ids[0]:
+                return _Term(lambda q, kv: q, {"q": Fraction(1)})
+            if e.get_id() == self.ids[1]:
+                return _Term(lambda q, kv: kv, {"kv": Fraction(1)})
+            raise _Outside
+        kids = e.children()
         if kind == z3.Z3_OP_ITE:
             return self._step(*kids)
         if kind == z3.Z3_OP_IDIV and len(kids) == 2:
@@ -207,15 +216,15 @@ class Cells:
 
     def _chunk(self, x: z3.ExprRef, d: z3.ExprRef) -> _Term:
         """``index / C`` in z3 (Euclidean division: floor for C > 0, Python's ``//``)."""
-        if not z3.is_int_value(d) or not 0 < d.as_long() <= _ROOT_MAX:
+        if d.decl().kind() != z3.Z3_OP_ANUM or d.sort_kind() != z3.Z3_INT_SORT or not 0 < d.as_long() <= _ROOT_MAX:
             raise _Outside
         size = d.as_long()
         if self.chunk not in (None, size):
             raise _Outside
         self.chunk = size
-        if x.eq(self.q):
+        if x.get_id() == self.ids[0]:
             return _Term(lambda q, kv: q // size, {"q/C": Fraction(1)})
-        if x.eq(self.kv):
+        if x.get_id() == self.ids[1]:
             return _Term(lambda q, kv: kv // size, {"kv/C": Fraction(1)})
         raise _Outside
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_ext.hooks import proof as hook_proof, score as hook_score
+from primus_ext.hooks import score as hook_score
 from primus_ext.hooks.proof import prove_score
+
+from .helpers import proven_both_ways
 
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 SLOPES64 = SLOPES.double()
@@ -36,19 +38,7 @@ NOT_DECIDED = {
 
 
 def _both(hook, monkeypatch):
-    hook_proof._BY_OBJECT.clear()
-    hook_proof._BY_FINGERPRINT.clear()
-    calls = []
-    real = hook_score._all_heads
-    with monkeypatch.context() as m:
-        m.setattr(hook_score, "_all_heads", lambda *a: calls.append(real(*a)) or calls[-1])
-        fast = prove_score(hook, num_heads=4)
-    hook_proof._BY_OBJECT.clear()
-    hook_proof._BY_FINGERPRINT.clear()
-    with monkeypatch.context() as m:
-        m.setattr(hook_score, "_all_heads", lambda *a: None)
-        slow = prove_score(hook, num_heads=4)
-    return fast, slow, calls
+    return proven_both_ways(prove_score, hook, monkeypatch, hook_score, "_all_heads")
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))

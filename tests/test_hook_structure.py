@@ -18,6 +18,8 @@ from primus_ext.hooks.proof import prove_mask
 from primus_ext.hooks.structure import decide
 from primus_ext.hooks.trace import trace_hook
 
+from .helpers import proven_both_ways
+
 BOUNDS = torch.tensor([512, 2560])
 SMALL_BOUNDS = torch.tensor([3, 7, 20])
 
@@ -68,14 +70,7 @@ def _formula(hook) -> tuple[z3.BoolRef, z3.ArithRef, z3.ArithRef]:
 
 
 def _proofs(hook, monkeypatch):
-    hook_proof._BY_OBJECT.clear()
-    hook_proof._BY_FINGERPRINT.clear()
-    fast = prove_mask(hook, num_heads=2)
-    hook_proof._BY_OBJECT.clear()
-    hook_proof._BY_FINGERPRINT.clear()
-    with monkeypatch.context() as m:
-        m.setattr(hook_proof, "decide", lambda *a: None)
-        slow = prove_mask(hook, num_heads=2)
+    fast, slow, _ = proven_both_ways(prove_mask, hook, monkeypatch, hook_proof, "decide")
     return fast, slow
 
 

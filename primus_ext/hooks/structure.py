@@ -297,7 +297,7 @@ def decide(mask: z3.BoolRef, q: z3.ArithRef, kv: z3.ArithRef) -> Optional[Patter
             expected = cells.compile(pattern_formula(candidate, q, kv))
             if all(hook(a, b) == expected(a, b) for a, b, _, _ in cells.points()):
                 return candidate
-    except _Outside:
+    except (_Outside, z3.Z3Exception, RecursionError):  # not modelled here: the solver decides
         return None
     return None
 

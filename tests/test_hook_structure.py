@@ -30,6 +30,8 @@ ACCEPTED = {
                         Pattern(10, 0, chunk=64)),
     "chunks_wide_window": (lambda b, h, q, kv: (q // 64 == kv // 64) & (kv <= q) & (q - kv <= 100),
                            Pattern(-1, 0, chunk=64)),
+    "chunks_of_one": (lambda b, h, q, kv: q // 1 == kv // 1, Pattern(0, 0)),
+    "chunks_of_two": (lambda b, h, q, kv: (q // 2 == kv // 2) & (kv <= q), Pattern(-1, 0, chunk=2)),
     "documents": (lambda b, h, q, kv: ((q < 512) == (kv < 512)) & ((q < 2560) == (kv < 2560)) & (kv <= q),
                   Pattern(-1, 0, cuts=(512, 2560))),
     "documents_bucketize": (lambda b, h, q, kv: (torch.bucketize(q, BOUNDS, right=True)

@@ -246,7 +246,7 @@ class Cells:
         """Atoms see only the distance and whether the key's chunk is the query's, earlier or later: the
         same chunk holds distances up to ``size - 1`` either way, another every distance of its side."""
         for lo, hi in ((-(size - 1), size - 1), (1, _LIMIT), (-_LIMIT, -1)):
-            same = lo < 0 < hi
+            same = lo <= 0 <= hi  # the same chunk: the only class holding the distance 0
             for d1, d2 in _intervals(self.starts["d"], lo, hi):
                 if same:
                     q, kv = (d1, 0) if d1 >= 0 else (0, -d1)

@@ -47,3 +47,20 @@ def packed_qkv(total: int, hq: int = 4, hkv: int = 2, d: int = 8, dtype=torch.fl
         for t in (q, k, v):
             t.requires_grad_(True)
     return q, k, v
+
+
+def proven_both_ways(prove: Any, hook: Any, monkeypatch: Any, module: Any, fast_path: str) -> tuple[Any, Any, list]:
+    """``(proof, proof with module.fast_path switched off, what the fast path returned)``, each proven cold:
+    a fast path's verdict is held to the one it stands in for."""
+    from primus_ext.hooks import proof as hook_proof
+
+    returned: list = []
+    real = getattr(module, fast_path)
+    proofs = []
+    for replacement in (lambda *a: returned.append(real(*a)) or returned[-1], lambda *a: None):
+        hook_proof._BY_OBJECT.clear()
+        hook_proof._BY_FINGERPRINT.clear()
+        with monkeypatch.context() as m:
+            m.setattr(module, fast_path, replacement)
+            proofs.append(prove(hook, num_heads=4))
+    return proofs[0], proofs[1], returned

@@ -136,7 +136,8 @@ def test_a_hook_raising_only_in_eager_zero_d_code_has_its_dtypes_read_as_torch_c
 
 
 def test_the_cross_check_calls_batch_rows_past_one_and_far_keys_at_every_head():
-    index = crosscheck._pairs(None, crosscheck._heads(0, 64), ())
-    middle = index[1] == 32
-    assert {0, 1, 2, 7} <= set(index[0].tolist())
-    assert int((index[3][middle] - index[2][middle]).abs().max()) >= 2 ** 31
+    every_head = crosscheck._blocks(None, crosscheck._heads(0, 64), ())[0]
+    batches, heads, q_idx, kv_idx = every_head
+    assert {0, 1, 2, 7} <= set(batches.tolist())
+    assert 32 in heads.tolist()  # every key offset below is called at the middle head too
+    assert int((kv_idx - q_idx).abs().max()) >= 2 ** 31

@@ -13,7 +13,7 @@ agreement is evidence only, never a reason to run a hook on a fixed kernel.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -74,60 +74,73 @@ def _grid(rows: torch.Tensor, offsets: torch.Tensor, full: bool) -> tuple[torch.
     return q[keep], kv[keep]
 
 
-def _pairs(pattern: Optional[Pattern], heads: tuple[list[int], list[int]],
-           constants: Sequence[int] = ()) -> list[torch.Tensor]:
-    """Flat ``b, h, q_idx, kv_idx`` vectors: each chosen row with the keys at each chosen offset, for the batch
-    indices `BATCHES` and every head; at the end heads also with the keys at every chosen row."""
+Block = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""``b``, ``h`` and paired ``q_idx``, ``kv_idx`` vectors: the hook is called at every batch, head and pair."""
+
+
+def _blocks(pattern: Optional[Pattern], heads: tuple[list[int], list[int]],
+            constants: Sequence[int] = ()) -> list[Block]:
+    """Each chosen row with the keys at each chosen offset, for the batch indices `BATCHES` and every head; at
+    the end heads also with the keys at every chosen row.  Kept as blocks, not flat points: a call maps its
+    batch, head and pair axes as torch maps them, and no index vector is repeated for every plane."""
     rows_list, offsets_list = _positions(pattern, constants)
     rows, offsets = torch.tensor(rows_list, dtype=torch.int64), torch.tensor(offsets_list, dtype=torch.int64)
-    every, ends = heads
-    parts = []
-    for chosen, full in ((every, False), (ends, True)):
-        q, kv = _grid(rows, offsets, full)
-        planes = torch.tensor([(b, h) for b in BATCHES for h in chosen], dtype=torch.int64).view(-1, 2)
-        n = len(q)
-        parts.append([planes[:, 0].repeat_interleave(n), planes[:, 1].repeat_interleave(n), q.repeat(len(planes)),
-                      kv.repeat(len(planes))])
-    return [torch.cat(pieces) for pieces in zip(*parts)]
+    batches = torch.tensor(BATCHES, dtype=torch.int64)
+    return [(batches, torch.tensor(chosen, dtype=torch.int64), *_grid(rows, offsets, full))
+            for chosen, full in zip(heads, (False, True)) if chosen]
 
 
-def _calls(fn: Callable[..., Any], index: Sequence[torch.Tensor],
-           score: Optional[torch.Tensor]) -> list[tuple[str, Any]]:
-    """``(how, result)`` of the two calls torch and the reference backend make, on flat point vectors."""
-    out: list[tuple[str, Any]] = []
-    args = ((score,) if score is not None else ()) + tuple(index)
+_MAPS = {False: ((None, None, 0, 0), (None, 0, None, None), (0, None, None, None)),
+         True: ((0, None, None, 0, 0), (0, None, 0, None, None), (0, 0, None, None, None))}
+"""``in_dims`` of the nested vmaps over pairs, heads and batches (with a score: its own axes too)."""
+
+
+def _calls(fn: Callable[..., Any], block: Block, score: Optional[torch.Tensor]) -> Iterator[tuple[str, Any]]:
+    """``(how, result)`` of the two calls torch and the reference backend make, each result shaped
+    ``(batches, heads, pairs)``: nested ``torch.vmap`` over 0-d indices, and broadcast index tensors.  Made one
+    at a time: a caller that stops at the first difference (or needs torch's call only) makes no other."""
+    b, h, q, kv = block
+    shape = (len(b), len(h), len(q))
     for how in ("torch.vmap on 0-d index tensors, as create_block_mask and flex_attention call it",
                 "index tensors, as the reference backend calls it"):
         try:
             with torch.no_grad():
-                result = torch.vmap(fn)(*args) if how.startswith("torch") else fn(*args)
-            out.append((how, torch.as_tensor(result).expand(index[0].shape)))
+                if how.startswith("torch"):
+                    mapped = fn
+                    for dims in _MAPS[score is not None]:
+                        mapped = torch.vmap(mapped, in_dims=dims)
+                    result = mapped(*((score,) if score is not None else ()), b, h, q, kv)
+                else:
+                    result = fn(*((score,) if score is not None else ()), b.view(-1, 1, 1), h.view(1, -1, 1),
+                                q.view(1, 1, -1), kv.view(1, 1, -1))
+            got: Any = torch.as_tensor(result).expand(shape)
         except Exception as exc:  # noqa: BLE001 - a hook that fails when really called is not what was proven
-            out.append((how, f"{type(exc).__name__}: {exc}"))
-    return out
+            got = f"{type(exc).__name__}: {exc}"
+        yield how, got
 
 
-def _first(bad: torch.Tensor, index: Sequence[torch.Tensor]) -> str:
-    at = int(bad.nonzero()[0, 0])
-    return ", ".join(f"{n}={int(t[at])}" for n, t in zip(("b", "h", "q_idx", "kv_idx"), index))
+def _first(bad: torch.Tensor, block: Block) -> str:
+    i, j, k = (int(x) for x in bad.nonzero()[0])
+    b, h, q, kv = block
+    return f"b={int(b[i])}, h={int(h[j])}, q_idx={int(q[k])}, kv_idx={int(kv[k])}"
 
 
 def check_mask(hook: Callable[..., Any], pattern: Pattern, num_heads: Optional[int], head_offset: int,
                constants: Sequence[int] = ()) -> str:
     """Empty when ``hook`` called both ways equals ``pattern`` at every chosen point; else what differs."""
-    index = _pairs(pattern, _heads(head_offset, num_heads), constants)
-    expected = pattern.allows(index[2], index[3])
-    for how, got in _calls(hook, index, None):
-        if isinstance(got, str):
-            return f"raises {got} when called with {how}"
-        if got.dtype != torch.bool:
-            return f"returns {got.dtype}, not a boolean mask, when called with {how}"
-        bad = got != expected
-        if bool(bad.any()):
-            allows = bool(got[int(bad.nonzero()[0, 0])])
-            return (f"behaves differently when called than when traced: called with {how}, at "
-                    f"{_first(bad, index)} it {'allows' if allows else 'blocks'} attention, the proven "
-                    f"{pattern.describe()} does not")
+    for block in _blocks(pattern, _heads(head_offset, num_heads), constants):
+        expected = pattern.allows(block[2], block[3])
+        for how, got in _calls(hook, block, None):
+            if isinstance(got, str):
+                return f"raises {got} when called with {how}"
+            if got.dtype != torch.bool:
+                return f"returns {got.dtype}, not a boolean mask, when called with {how}"
+            bad = got != expected
+            if bool(bad.any()):
+                allows = bool(got[tuple(bad.nonzero()[0])])
+                return (f"behaves differently when called than when traced: called with {how}, at "
+                        f"{_first(bad, block)} it {'allows' if allows else 'blocks'} attention, the proven "
+                        f"{pattern.describe()} does not")
     return ""
 
 
@@ -144,30 +157,39 @@ def check_score(hook: Callable[..., Any], kind: str, slopes: Optional[Sequence[f
     every, ends = _heads(head_offset, num_heads)
     if slopes is not None:
         every, ends = ([h for h in hs if h - head_offset < len(slopes)] for hs in (every, ends))
-    index = _pairs(None, (every, ends), constants)
     gen = torch.Generator().manual_seed(0)
-    score = (torch.randn(index[0].shape, generator=gen) * 4).float()
-    extreme = torch.tensor(EXTREME_SCORES, dtype=torch.float32)
-    score[: len(score) // 2] = extreme.repeat(len(score) // (2 * len(extreme)) + 1)[: len(score) // 2]
-    expected = score.double()
-    if kind != "identity" and slopes is not None:
-        slope = torch.tensor(slopes, dtype=torch.float64)[index[1] - head_offset]
-        distance = (index[3] - index[2]).double()
-        expected = expected + slope * (distance if kind == "alibi" else -distance.abs())
-    scale = expected.abs() + score.double().abs() + 1.0
-    for how, got in _calls(hook, index, score):
-        if isinstance(got, str):
-            return f"raises {got} when called with {how}"
-        if not got.dtype.is_floating_point:
-            return f"returns {got.dtype}, not a score, when called with {how}"
+    for block in _blocks(None, (every, ends), constants):
+        b, h, q, kv = block
+        score = _scores((len(b), len(h), len(q)), gen)
+        expected = score.double()
+        if kind != "identity" and slopes is not None:
+            slope = torch.tensor(slopes, dtype=torch.float64)[h - head_offset].view(1, -1, 1)
+            distance = (kv - q).double().view(1, 1, -1)
+            expected = expected + slope * (distance if kind == "alibi" else -distance.abs())
         # what the kernel's own float32 sum gives: a finite score plus a bias rounds, it does not overflow
-        bad = ~((got.double() - expected.float().double()).abs() <= 1e-5 * scale)
-        if bool(bad.any()):
-            at = int(bad.nonzero()[0, 0])
-            return (f"behaves differently when called than when traced: called with {how}, at "
-                    f"{_first(bad, index)} with score {float(score[at]):.4g} it returns {float(got[at]):.6g}, the "
-                    f"proven {kind} gives {float(expected[at]):.6g}")
+        target = expected.float().double()
+        tolerance = 1e-5 * (expected.abs() + score.double().abs() + 1.0)
+        for how, got in _calls(hook, block, score):
+            if isinstance(got, str):
+                return f"raises {got} when called with {how}"
+            if not got.dtype.is_floating_point:
+                return f"returns {got.dtype}, not a score, when called with {how}"
+            bad = ~((got.double() - target).abs() <= tolerance)
+            if bool(bad.any()):
+                at = tuple(bad.nonzero()[0])
+                return (f"behaves differently when called than when traced: called with {how}, at "
+                        f"{_first(bad, block)} with score {float(score[at]):.4g} it returns {float(got[at]):.6g}, "
+                        f"the proven {kind} gives {float(expected[at]):.6g}")
     return ""
+
+
+def _scores(shape: tuple[int, int, int], gen: torch.Generator) -> torch.Tensor:
+    """Ordinary scores, and on half the points the float32 extremes (`EXTREME_SCORES`)."""
+    score = (torch.randn(shape, generator=gen) * 4).float().reshape(-1)
+    extreme = torch.tensor(EXTREME_SCORES, dtype=torch.float32)
+    half = len(score) // 2
+    score[:half] = extreme.repeat(half // len(extreme) + 1)[:half]
+    return score.reshape(shape)
 
 
 def as_torch_calls(hook: Callable[..., Any], kind: str) -> Callable[..., Any]:
@@ -233,10 +255,10 @@ def range_problem(hook: Callable[..., Any], kind: str, head_offset: int, num_hea
 
 
 def _smoke(hook: Callable[..., Any], kind: str) -> str:
-    grid = torch.cartesian_prod(*(torch.arange(n) for n in (2, 2, 8, 8)))
-    index = list(grid.unbind(1))
-    score = torch.randn(len(grid), generator=torch.Generator().manual_seed(0)) if kind == "score_mod" else None
-    how, got = _calls(hook, index, score)[0]
+    keys = torch.arange(8)
+    block = (torch.arange(2), torch.arange(2), keys.repeat_interleave(8), keys.repeat(8))
+    score = torch.randn((2, 2, 64), generator=torch.Generator().manual_seed(0)) if kind == "score_mod" else None
+    how, got = next(_calls(hook, block, score))
     return f"raises {got} when called with {how}" if isinstance(got, str) else ""
 
 

@@ -182,6 +182,9 @@ class Encoder:
         self.ops: set[str] = set()
         self.dtypes = node_dtypes(graph)
         self._batched: set[fx.Node] = set()  # fixed nodes whose value comes from the indices (batched under vmap)
+        self.tables: dict[int, tuple[z3.ExprRef, list[Fraction], z3.ExprRef]] = {}
+        """A captured table read at a symbolic index, by the id of its ``If`` chain: ``(chain, values, index)``,
+        so that walks of the formula read it in one step (`bias`, `solver`), not node by node."""
 
     def run(self, inputs: dict[str, Any]) -> z3.ExprRef:
         try:
@@ -354,10 +357,13 @@ class Encoder:
                 raise Unsupported(f"indexes {base.name} (length {n}) at {k}, out of range")
             return element(table[k].item())
         self.obligations.append((z3.And(i >= 0, i < n), f"indexes {base.name} (length {n}) out of range"))
-        values = [element(x) for x in table.tolist()]
+        raw = table.tolist()
+        values = [element(x) for x in raw]
         result = values[-1]
         for k in range(n - 2, -1, -1):
             result = z3.If(i == k, values[k], result)
+        if not table.dtype == torch.bool:
+            self.tables[result.get_id()] = (result, [Fraction(x) for x in raw], i)
         return result
 
 

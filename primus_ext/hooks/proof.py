@@ -10,7 +10,9 @@ ALiBi ``score - slope[h] * |q - kv|`` over the reals, one float32 slope per head
 The hook is checked against the provable subset (`hook_subset`), traced (`hook_trace`),
 turned into a z3 formula (`hook_z3`) and the candidate pattern is derived by the solver
 itself (the widest reach to either side, the first position where a document starts),
-then proven equal (score hooks: `hook_score`).  Nothing is sampled: either the solver
+then proven equal (score hooks: `hook_score`).  Formulas of a shape modelled exactly are
+decided without it, with the same candidates: windows (`window`), documents and chunks
+(`structure`), per-head score tables (`bias`); anything else goes to the solver.  Nothing is sampled: either the solver
 proves equality, or the hook is not run on a kernel; a proof is then cross-checked
 against the hook called as torch calls it (`hook_crosscheck`), which can only refuse.
 
@@ -38,11 +40,11 @@ from .ops import INDEX_BOUND, Unsupported, boolean
 from .score import ALIBI, SYMMETRIC, ScoreProof, hook_class, prove_score_trace
 from .solver import broken_obligation, extreme, head_domain, solve, uses_reals, where_text
 from .window import difference_window
+from .structure import MAX_CUTS, decide, pattern_formula
 from .encoder import Encoder
 from ..attention.library import library_name, library_pattern
 from ..attention.pattern import FULL, MaskMod, Pattern, ScoreMod
 
-MAX_CUTS = 64  # constant document boundaries looked for before giving up
 GUESS_ROW = 1 << 12  # query row a candidate window is read from (then proven, never trusted)
 PROOFS: Counter = Counter()
 """How many proofs were run (``mask_mod`` / ``score_mod``): cache hits do not count."""
@@ -61,22 +63,6 @@ class MaskProof:
     @property
     def hook_class(self) -> str:
         return hook_class(self.outside, self.pattern is not None)
-
-
-def pattern_formula(pattern: Pattern, q: z3.ArithRef, kv: z3.ArithRef) -> z3.BoolRef:
-    """``pattern.allows(q, kv)`` as a z3 formula (length-free patterns only)."""
-    ok: list[Any] = []
-    if pattern.left >= 0:
-        ok.append(q - kv <= pattern.left)
-    if pattern.right >= 0:
-        ok.append(kv - q <= pattern.right)
-    if pattern.chunk is not None:
-        ok.append(q / pattern.chunk == kv / pattern.chunk)
-    for cut in pattern.cuts or ():
-        ok.append((q >= cut) == (kv >= cut))
-    if pattern.boundaries is not None:
-        raise ValueError("fixed-length document patterns are not proven")
-    return z3.And(*ok) if ok else z3.BoolVal(True)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -139,6 +125,10 @@ class _MaskProver:
         window = difference_window(mask, self.q, self.kv)  # the common hooks: exact without the solver
         if window is not None:
             return self.result(window, f"proven {window.describe()} for every position")
+        decided = decide(mask, self.q, self.kv)  # documents and chunks: exact without the solver
+        if decided is not None:
+            return self.result(decided, "proven full attention" if decided == FULL else
+                               f"proven {decided.describe()} for every position")
         guess = self.guess()
         if guess is not None and self.differs(mask, guess) is None:
             return self.result(guess, f"proven {guess.describe()} for every position")

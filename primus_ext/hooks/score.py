@@ -15,6 +15,7 @@ from .subset import Outside
 from .trace import Assumption, HookTrace
 from .encoder import Encoder, node_dtypes
 from .floats import score_path
+from .bias import per_head
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,13 @@ def prove_score_trace(trace: HookTrace, num_heads: Optional[int], head_offset: i
     domain = [z3.And(v >= 0, v < INDEX_BOUND) for v in (b, h, q, kv)] + [head_domain(h, num_heads, head_offset)]
     per_head = "the head index" in trace.reads and bool(num_heads)
     first_head, count = head_offset, int(num_heads or 0)  # the rank's global heads, whose slopes these are
+    if per_head:  # one encoding for every head; what it cannot decide is proven head by head below
+        found = _all_heads(trace, names, domain, range(first_head, first_head + count))
+        if found is not None:
+            if all(slope == 0 for slope in found):
+                return result("identity", "proven to return the score unchanged")
+            values = tuple(float(s) for s in found)
+            return result(ALIBI, f"proven ALiBi: score + slope[h] * (kv - q) with slopes {list(values)}", values)
     heads: list[Optional[int]] = list(range(first_head, first_head + count)) if per_head else [None]
     slopes: list[Fraction] = []
     forms: list[str] = []  # each head's candidate form
@@ -127,6 +135,28 @@ def prove_score_trace(trace: HookTrace, num_heads: Optional[int], head_offset: i
 
 ALIBI, SYMMETRIC = "alibi", "alibi-symmetric"
 """The two ALiBi forms a score hook is proven to be (`ScoreProof.kind`)."""
+
+
+def _all_heads(trace: HookTrace, names: dict[str, Any], domain: list[Any],
+               heads: range) -> Optional[list[Fraction]]:
+    """The float32 ALiBi slope of each head when the hook, encoded once with a symbolic head, is exactly
+    ``score + slope[h] * (kv - q)`` for every head (`bias.per_head`) and keeps its obligations; else None."""
+    encoder = Encoder(trace.graph, trace.tensor_names)
+    try:
+        out = num(encoder.run({"score": names["score"], "b": names["b"], "h": names["h"], "q_idx": names["q"],
+                               "kv_idx": names["kv"]}))
+    except Unsupported:
+        return None
+    poly = per_head(out, names, heads, encoder.tables)
+    if poly is None or any(c != 1 for c in poly["score"]) or any(c != 0 for c in poly["1"]) or any(
+            a != -b for a, b in zip(poly["q"], poly["kv"])):
+        return None
+    slopes = poly["kv"]
+    if not all(_float32(s) for s in slopes):
+        return None
+    if broken_obligation(encoder, domain, names, {"h": (heads.start, heads.stop - 1)}):
+        return None
+    return slopes
 
 
 def _offset(diff: Any, names: dict, head: Optional[int], q_at: int, kv_at: int) -> Optional[Fraction]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any, Optional, Union
 
 import z3
@@ -56,9 +57,14 @@ def uses_reals(formula: z3.ExprRef) -> bool:
     return False
 
 
-def broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.ExprRef]) -> str:
-    """Empty when every obligation (index ranges, no overflow) holds for all inputs: one query."""
-    if not encoder.obligations or all(_by_intervals(o) for o, _ in encoder.obligations):
+def broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.ExprRef],
+                      ranges: Optional[dict[str, tuple[int, int]]] = None) -> str:
+    """Empty when every obligation (index ranges, no overflow) holds for all inputs: one query, unless interval
+    bounds of each obligation's terms already show it.  ``ranges``: an index variable's bounds where the domain
+    narrows it (the rank's heads), by name; any other index lies in ``[0, INDEX_BOUND)``."""
+    # bounds by term: a table's If chain (between its least and greatest value) recurs in several obligations
+    seen: dict[int, Any] = {key: (min(values), max(values)) for key, (_, values, _) in encoder.tables.items()}
+    if not encoder.obligations or all(_by_intervals(o, ranges or {}, seen) for o, _ in encoder.obligations):
         return ""
     status, model = solve(*domain, z3.Not(z3.And(*[o for o, _ in encoder.obligations])))
     if status == "unsat":
@@ -71,15 +77,39 @@ def broken_obligation(encoder: Encoder, domain: list[Any], names: dict[str, z3.E
     return "breaks an obligation"
 
 
-def _interval(e: z3.ExprRef) -> Optional[tuple[int, int]]:
-    """Bounds of an integer term when every index lies in ``[0, INDEX_BOUND)``; None if not simple."""
-    if z3.is_int_value(e):
-        return e.as_long(), e.as_long()
+def _number(e: z3.ExprRef) -> Optional[Fraction]:
+    """An integer or rational constant's exact value, else None."""
+    return Fraction(e.as_string()) if z3.is_app_of(e, z3.Z3_OP_ANUM) else None
+
+
+def _interval(e: z3.ExprRef, ranges: dict[str, tuple[int, int]],
+              seen: dict[int, Any]) -> Optional[tuple[Fraction, Fraction]]:
+    """Bounds of a term when every index lies in its range (``ranges``, else ``[0, INDEX_BOUND)``); None if
+    not simple.  An ``If`` lies between its branches' bounds (a table read: its values)."""
+    key = e.get_id()
+    if key not in seen:
+        seen[key] = _bounds(e, ranges, seen)
+    return seen[key]
+
+
+def _bounds(e: z3.ExprRef, ranges: dict[str, tuple[int, int]],
+            seen: dict[int, Any]) -> Optional[tuple[Fraction, Fraction]]:
+    value = _number(e)
+    if value is not None:
+        return value, value
     if z3.is_const(e) and z3.is_int(e):
-        return 0, INDEX_BOUND - 1  # an index variable (a head range only narrows it)
-    parts = [_interval(c) for c in e.children()]
+        lo, hi = ranges.get(str(e), (0, INDEX_BOUND - 1))  # an index variable
+        return Fraction(lo), Fraction(hi)
+    if z3.is_app_of(e, z3.Z3_OP_ITE):
+        branches = [_interval(c, ranges, seen) for c in e.children()[1:]]
+        if any(b is None for b in branches):
+            return None
+        return min(b[0] for b in branches), max(b[1] for b in branches)  # type: ignore[index]
+    parts = [_interval(c, ranges, seen) for c in e.children()]
     if not parts or any(p is None for p in parts):
         return None
+    if z3.is_app_of(e, z3.Z3_OP_TO_REAL):
+        return parts[0]
     if z3.is_add(e) or z3.is_sub(e):
         lo, hi = parts[0]  # type: ignore[misc]
         for plo, phi in parts[1:]:  # type: ignore[misc]
@@ -97,13 +127,14 @@ def _interval(e: z3.ExprRef) -> Optional[tuple[int, int]]:
     return None
 
 
-def _by_intervals(obligation: z3.BoolRef) -> bool:
+def _by_intervals(obligation: z3.BoolRef, ranges: dict[str, tuple[int, int]], seen: dict[int, Any]) -> bool:
     """True when interval bounds alone show ``obligation`` (a conjunction of ``term <op> constant``) holds."""
     atoms = obligation.children() if z3.is_and(obligation) else [obligation]
     for atom in atoms:
-        if atom.num_args() != 2 or not z3.is_int_value(atom.arg(1)):
+        c = _number(atom.arg(1)) if atom.num_args() == 2 else None
+        if c is None:
             return False
-        bounds, c = _interval(atom.arg(0)), atom.arg(1).as_long()
+        bounds = _interval(atom.arg(0), ranges, seen)
         if bounds is None:
             return False
         lo, hi = bounds

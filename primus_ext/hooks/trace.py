@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from .fxtrace import symbolic_trace
 from .subset import COMBINATORS, Outside, number_list, outside_subset, user_code
 
 _META_ATTRS = {"device", "dtype", "shape", "ndim", "is_cuda"}
@@ -390,7 +391,7 @@ def trace_hook(hook: Callable[..., Any], kind: str) -> HookTrace:
         graph, problem = None, f"is outside the provable subset: it uses {outside.describe()}"
     else:
         try:
-            graph, problem = fx.symbolic_trace(_root(hook, kind)), ""
+            graph, problem = symbolic_trace(_root(hook, kind)), ""
         except fx.proxy.TraceError as exc:
             graph, problem = None, f"uses Python control flow on index or score values ({exc})"
         except Exception as exc:  # noqa: BLE001 - any failure to trace leaves the hook unprovable

@@ -59,8 +59,9 @@ def document_boundaries(mask: Any, batch: int, q_len: int, kv_len: int,
     seq = q_len
     total = batch * seq
     bound = total if max_documents is None else max_documents
-    if total == 0:  # no token, so no document to count: each row an empty one, in the bound's fixed shape
-        return torch.zeros((batch if max_documents is None else max_documents) + 1, dtype=torch.int32,
+    if total == 0:  # no token, so no document to count: each row an empty one, in the bound's fixed shape; no
+        # row is one empty document (boundaries always hold 0 and the token count, which the varlen check asks)
+        return torch.zeros((max(batch, 1) if max_documents is None else max_documents) + 1, dtype=torch.int32,
                            device=mask.device)
     limit = f"{max_documents}"  # plain strings in the closures: a compiled graph keeps the refusals as constants
     if bound < batch:

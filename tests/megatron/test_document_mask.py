@@ -114,6 +114,20 @@ def test_a_micro_batch_without_tokens_is_the_empty_result_not_a_refusal(path, ma
     assert out.shape[0] == 0 and out.numel() == 0
 
 
+@pytest.mark.parametrize("max_documents", [None, 4])
+@pytest.mark.parametrize("path", ["flex-turbo", "flex-reference"])
+def test_a_micro_batch_of_no_row_is_the_empty_result_not_a_refusal(path, max_documents):
+    """Found by the long fuzz profile (batch size 0, sequence 1): the boundaries of no row were one entry, [0],
+    which the varlen check refuses as a malformed cu_seqlens_q; no row is one empty document, [0, 0]."""
+    cu = document_mask.document_boundaries(_causal(0, 1), 0, 1, 1, max_documents)
+    assert cu.dtype == torch.int32 and cu.numel() >= 2 and not cu.any()
+    with fake_primus_turbo():
+        layer = _layer(path, reset_attention_mask_max_documents=max_documents)
+        q, k, v = _qkv(batch=0, seq=1)
+        out = layer(q, k, v, _causal(0, 1))
+    assert out.shape == (1, 0, 64) and out.numel() == 0
+
+
 def test_a_plain_causal_mask_is_one_document_per_row():
     with fake_primus_turbo():
         layer = _layer()

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import importlib
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -44,37 +43,12 @@ from ..backends.turbo import load_ops
 from .. import refusals as R
 from ..plan.plan import AttentionPlan
 from . import selftest_flex as flex_test
+from .selftest_result import TOLERANCE, RouteResult
+from .selftest_shared_prefix import shared_prefix_route
 
 MIN_SEQ = 64
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
-TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-4, torch.float64: 1e-9}
-"""Max error, relative to the largest reference value, that a route may show per dtype
-(bf16's 8-bit mantissa rounds each product to ~4e-3; blockwise and one-pass softmax
-round differently, and errors add over a 64-key row)."""
-
-
-@dataclass(frozen=True)
-class RouteResult:
-    """One route's self-test: ``error`` is set when it could not run or disagreed.  ``pinned``: the
-    kernel backend pinned for the run (autotune), "" when the dispatcher chose; ``skipped``: why a
-    pinned backend did not run (upstream's "cannot handle" ``ValueError``: it does not take the
-    call, so autotune cannot keep it either), which is no failure; ``unchecked``: what the run could
-    not check and why (a flex route's backward on the CPU, `selftest_flex.FORWARD_ONLY`), no failure."""
-
-    route: str
-    kernels: str
-    forward_error: float
-    backward_error: float
-    ms: float
-    error: str = ""
-    pinned: str = ""
-    skipped: str = ""
-    unchecked: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
 
 
 _DONE: dict[tuple, RouteResult] = {}
@@ -358,8 +332,6 @@ def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] 
     backend (`candidates`), each pinned for its run; a flex plan's on ``flex_kernel`` if given (a
     function with ``flex_attention``'s contract), else torch's.  Of two results one row names, a
     failure is kept."""
-    from .selftest_shared_prefix import shared_prefix_route  # it builds on this module's results
-
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     results: dict[str, RouteResult] = {}
     for plan in plans:

@@ -22,7 +22,7 @@ from ..backends.shared_prefix import SharedPrefixLayout
 from ..plan.plan import AttentionPlan
 from . import selftest_flex as flex_test
 from .adapter import TurboFlexAttention
-from .selftest import TOLERANCE, RouteResult
+from .selftest_result import TOLERANCE, RouteResult
 from .shared_prefix import shared_prefix_attention
 
 ROW = [(12, [6, 0, 1]), 5, (7, [9, 4])]

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from ..backends import turbo_import_problem
+from ..backends.arch import device_arch
 from .. import refusals as R
 from ..errors import UnsupportedConfigError, UnsupportedInputError
 from ..settings import TurboAttentionSettings
@@ -131,6 +132,11 @@ def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tu
     """
     direct = settings.replace(use_turbo_flex_attention=False)
     hooked = any(p.mask_hook or p.score_hook for p in plans)
+    if not hooked and settings.packed_shared_prefix and settings.turbo_arch == "auto" and not device_arch():
+        return FLEX, settings.replace(turbo_flex_attention_backend="flex"), cfg, (
+            "shared-prefix layers on Primus-Turbo bind the kernel pairs of a known arch, and none is known here "
+            "(B37-arch); the same model on the flex backend (turbo_flex_attention_backend: flex) is the second "
+            "implementation")
     if not hooked:
         return "direct", direct, cfg, ""
     patterns = {p.pattern for p in plans}

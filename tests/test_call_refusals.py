@@ -333,6 +333,7 @@ TRIGGERS: dict[str, Callable[[], Any]] = {
     "shared-prefix.positions": lambda: _unprepared_shared_row(),
     "shared-prefix.boundaries": lambda: _unprepared_shared_row(given=True),
     "shared-prefix.changed": lambda: _changed_layout(),
+    "shared-prefix.position-ids": lambda: _other_position_ids(),
     "shared-prefix.call": lambda: shared_prefix_attention(adapter(settings(), facts(packed=True)), *packed_qkv(7),
                                                           SharedPrefixLayout.of([(4, [3])])),
 }
@@ -374,6 +375,17 @@ def _unprepared_shared_row(given: bool = False) -> None:
         params.cu_seqlens_q = params.cu_seqlens_kv = cu(0, 7)
     q, k, v = packed_qkv(7, d=16)
     layer(q, k, v, None, packed_seq_params=batch.packed_seq_params)
+
+
+def _other_position_ids() -> None:
+    """A prepared GPT's forward of a shared-prefix row given position_ids that are not the row's own."""
+    from primus_ext.megatron import pack_shared_prefix, prepare_shared_prefix
+
+    model = prepare_shared_prefix(gpt.build_gpt(gpt.settings(
+        use_turbo_flex_attention=True, turbo_flex_attention_backend="reference", packed_sequences=True,
+        packed_shared_prefix=True)))
+    batch = pack_shared_prefix([(torch.arange(4), [torch.arange(3)])])
+    model(batch.tokens, batch.position_ids.clone(), None, packed_seq_params=batch.packed_seq_params)
 
 
 def _changed_layout() -> None:

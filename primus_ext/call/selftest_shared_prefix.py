@@ -30,7 +30,9 @@ ROW = [(12, [6, 0, 1]), 5, (7, [9, 4])]
 
 
 def _tree_mask(layout: SharedPrefixLayout) -> torch.Tensor:
-    """``[T, T]`` bool, from each token's tree and part (0: document or prompt; i: the i-th response)."""
+    """``[T, T]`` bool, from each token's tree and part (0: document or prompt; i: the i-th response).  Written
+    here, not `tree_mod` evaluated densely: the flex backend runs `tree_mod`, and its self-test must not compare
+    that mask with itself."""
     group, part = layout.group, layout.part
     at = torch.arange(layout.total, device=group.device)
     same = group[:, None] == group[None, :]

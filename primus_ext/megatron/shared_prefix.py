@@ -150,8 +150,9 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
     model's rotary table of a shared-prefix forward holds one row per token, at the token's position in the
     duplicated layout: megatron-core then slices it by the segments' packed offsets (its table covers every token),
     which gives each token its own row.  Learned absolute positions read ``position_ids``, filled in from the row
-    where none are given.  Each forward marks its `SharedPrefixSeqParams`, and a layer refuses a shared-prefix
-    row that carries no mark (`shared-prefix.positions`): an unprepared model never trains on wrong positions."""
+    where none are given.  Each forward hands its `SharedPrefixSeqParams` the layout's segments as boundaries and
+    marks it with this model's mark, and a layer refuses a shared-prefix row without its own model's mark
+    (`shared-prefix.positions`): an unprepared model never trains on wrong positions."""
     kind = getattr(model, "position_embedding_type", None)
     config = getattr(model, "config", None)
     problems = []
@@ -200,10 +201,8 @@ def prepare_shared_prefix(model: torch.nn.Module) -> torch.nn.Module:
             bound.arguments["position_ids"] = layout.positions.reshape(1, -1)
         elif not (isinstance(given, Tensor) and given.data_ptr() == layout.positions.data_ptr()
                   and given.numel() == layout.positions.numel()):
-            raise R.refuse_build(R.PREFIX_POSITION_IDS)
-        for which in ("cu_seqlens_q", "cu_seqlens_kv"):  # the layout is the row: boundaries are only ever its own
-            if getattr(params, which) is not None and getattr(params, which) is not layout.segments:
-                raise R.refuse(R.PREFIX_BOUNDS, CONTEXT, which=which)
+            raise R.refuse(R.PREFIX_POSITION_IDS, CONTEXT)
+        _check_boundaries(params, layout, unset=True)  # boundaries a caller set are refused, not overwritten
         params.positions_given = mark
         params.cu_seqlens_q = params.cu_seqlens_kv = layout.segments
         return bound.args, bound.kwargs
@@ -243,10 +242,17 @@ def checked_layout(plan: Any, params: Any, mark: Optional[int]) -> Optional[Shar
     check_planned(plan)
     if mark is None or getattr(params, "positions_given", None) != mark:
         raise R.refuse(R.PREFIX_POSITIONS, CONTEXT, layer=getattr(plan, "layer_number", "?"))
-    for which in ("cu_seqlens_q", "cu_seqlens_kv"):
-        if getattr(params, which) is not layout.segments:
-            raise R.refuse(R.PREFIX_BOUNDS, CONTEXT, which=which)
+    _check_boundaries(params, layout, unset=False)
     return layout
+
+
+def _check_boundaries(params: Any, layout: SharedPrefixLayout, *, unset: bool) -> None:
+    """The layout is the row: its params' boundaries are its segments (or, before a prepared forward, ``unset``,
+    none), compared by identity so no call reads them."""
+    for which in ("cu_seqlens_q", "cu_seqlens_kv"):
+        bounds = getattr(params, which)
+        if bounds is not layout.segments and not (unset and bounds is None):
+            raise R.refuse(R.PREFIX_BOUNDS, CONTEXT, which=which)
 
 
 def _tokens(value: Any) -> bool:

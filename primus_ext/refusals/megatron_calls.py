@@ -140,8 +140,8 @@ PREFIX_MODEL = build_rule(
     "prepare_shared_prefix cannot give a shared-prefix row its positions in this model: {what}.",
     "use position_embedding_type rope (unfused: apply_rope_fusion: false), learned_absolute or none for "
     "shared-prefix training, or pack each response after its own copy of the prompt (ordinary documents).")
-PREFIX_POSITION_IDS = build_rule(
-    "shared-prefix.model", ("position_ids",),
+PREFIX_POSITION_IDS = rule(
+    "shared-prefix.position-ids", ("position_ids",),
     "a shared-prefix row was given position_ids other than its own (pack_shared_prefix's): the responses would "
     "be numbered as those say, not as the duplicated layout numbers them.",
     "pass the batch's position_ids (SharedPrefixBatch.position_ids) or none, which prepare_shared_prefix fills in.")

@@ -152,9 +152,9 @@ def test_other_position_ids_and_fused_rope_are_refused():
     model = prepare_shared_prefix(_model(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"),
                                          "learned_absolute", torch.float64))
     batch = pack_shared_prefix(_groups())
-    with pytest.raises(UnsupportedConfigError) as err:
+    with pytest.raises(UnsupportedInputError) as err:
         model(batch.tokens, batch.position_ids.clone(), None, packed_seq_params=batch.packed_seq_params)
-    assert "shared-prefix.model" in err.value.codes
+    assert "shared-prefix.position-ids" in err.value.codes
     fused = _model(dict(use_turbo_flex_attention=True, turbo_flex_attention_backend="reference"), "rope",
                    torch.float64)
     fused.config.apply_rope_fusion = True

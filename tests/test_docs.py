@@ -18,6 +18,14 @@ def test_every_setting_key_is_in_the_yaml_reference():
     assert not missing, f"undocumented keys: {missing}"
 
 
+def test_every_model_key_check_reads_is_in_the_yaml_reference_s_megatron_table():
+    from primus_ext.settings.model_keys import READERS
+
+    table = (DOCS / "yaml_reference.md").read_text().split("## Megatron keys that the plan reads", 1)[1]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
+    assert documented == set(READERS), (sorted(set(READERS) - documented), sorted(documented - set(READERS)))
+
+
 def test_refusal_table_matches_the_rules():
     text = (DOCS / "refusals.md").read_text().split("## Refused at call time")[0]
     documented = set(re.findall(r"^\| `([\w-]+)` \|", text, flags=re.M))

@@ -26,6 +26,18 @@ BUILD_HELP = ("the Primus-Turbo build whose kernel dispatch --arch checks where 
 _QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed")
 
 
+def _primus_root(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--primus-root", default=None, metavar="DIR",
+                         help="Primus checkout whose configs a Primus experiment YAML is merged from "
+                              "(default: the installed primus package)")
+
+
+def _loading(command: str) -> None:
+    """Say what the first seconds go to, where a person watches: importing torch and megatron-core."""
+    if sys.stderr.isatty():
+        print(f"primus-ext {command}: loading torch and megatron-core ...", file=sys.stderr, flush=True)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="primus-ext", description="FlexAttention masks on Primus-Turbo kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,18 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--arch", choices=("gfx942", "gfx950"), default=None,
                        help="check Primus-Turbo's kernel dispatch for this GPU (MI300 = gfx942, MI355 = gfx950)")
     check.add_argument("--turbo-build", choices=BUILD_NAMES, default=None, help=BUILD_HELP)
-    check.add_argument("--primus-root", default=None, metavar="DIR",
-                       help="Primus checkout whose configs a Primus experiment YAML is merged from "
-                            "(default: the installed primus package)")
+    _primus_root(check)
     demo = sub.add_parser("demo", help="train a tiny Megatron GPT on CPU through the flex path")
     demo.add_argument("config", nargs="?", default=None, help="YAML (default: the embedded example)")
     demo.add_argument("--steps", type=int, default=None, help="training steps")
+    _primus_root(demo)
     selftest = sub.add_parser("selftest", help="run each distinct Turbo or FlexAttention route of a config once against the reference")
     selftest.add_argument("config", nargs="?", default=None, help="YAML (default: a small config of common kinds)")
     selftest.add_argument("--arch", choices=("gfx942", "gfx950"), default=None, help="plan for this GPU")
     selftest.add_argument("--turbo-build", choices=BUILD_NAMES, default=None, help=BUILD_HELP)
     selftest.add_argument("--fault", action="append", default=[], metavar="NAME",
                           help="switch on a known silent defect of the CPU fake (sink_backward_ignores_right_window)")
+    _primus_root(selftest)
     bench = sub.add_parser("bench", help="run the benchmarks of a source checkout (all, or the NAMEs given)")
     bench.add_argument("names", nargs="*", metavar="NAME", help="benchmark names (default: all)")
     bench.add_argument("--list", action="store_true", help="list the benchmark names and exit")
@@ -59,6 +71,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     for text in _QUIET:
         warnings.filterwarnings("ignore", message=text)
+    if args.command in ("check", "demo", "selftest"):
+        _loading(args.command)
     try:
         if args.command == "check":
             from .check import run_check
@@ -68,7 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "selftest":
             from .selftest import run_selftest
 
-            return run_selftest(args.config, args.arch, args.fault, turbo_build=args.turbo_build)
+            return run_selftest(args.config, args.arch, args.fault, turbo_build=args.turbo_build,
+                                primus_root=args.primus_root)
         if args.command == "convert-checkpoint":
             from .convert import run_convert
 
@@ -79,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_bench(args.names, args.list)
         from .demo import run_demo
 
-        return run_demo(args.config, args.steps)
+        return run_demo(args.config, args.steps, primus_root=args.primus_root)
     except BrokenPipeError:  # e.g. `primus-ext check x.yaml | head`: the reader left, not an error
         sys.stderr.close()
         return 0

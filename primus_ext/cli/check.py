@@ -24,6 +24,8 @@ import sys
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 
+import torch
+
 from ..attention.heads import head_range
 from ..backends import turbo_import_problem
 from ..call.agreement import DROP_IN, PLAN
@@ -31,41 +33,23 @@ from ..backends.context_parallel import describe_comm
 from .. import refusals as R
 from ..errors import Reason, UnsupportedConfigError
 from ..megatron.facts import layer_facts
-from ..megatron.validate import transformer_config_problems
 from ..plan import build_plan
 from ..plan.build import layer_window
 from ..plan.plan import AttentionPlan
 from ..settings import TurboAttentionSettings
-from ..settings.model_keys import model_key_problems
-from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
 from ..testing import fake_primus_turbo
-from .check_primus import primus_merged, primus_refusal, primus_run_settings
+from .config_input import REFUSED, read_input
 from .render import ascii_grid, layer_kinds, layer_list, write_png
 from .turbo_build_option import build_option_problem, stand_in_note
 
 PICTURE_LEN = 512
 """Sequence length of the pictures when the YAML has no seq_length (proofs need none)."""
 
-REFUSED = 2
-
 COLUMNS = ("layer", "path", "backend", "dense entry", "packed entry", "causal", "window", "sink",
            "packing", "hooks (proven as)")
 
 LEGEND = ("entries: '-' = this layer gets no such batches (packed_sequences), "
           "'none' = the installed kernels have no such entry")
-
-
-def _load(path: str) -> dict[str, Any]:
-    return load_yaml_mapping(path, allow_empty=False)
-
-
-def _model_problems(config: Mapping[str, Any]) -> list[str]:
-    """What is missing or malformed among the model-shape keys the plans need (each key's typed reader), then
-    what megatron-core's own ``TransformerConfig`` refuses of them together."""
-    reasons = model_key_problems(config)
-    if not reasons:
-        reasons = transformer_config_problems(config)
-    return [reason.render() for reason in reasons]
 
 
 Outcome = Union[AttentionPlan, UnsupportedConfigError]
@@ -231,19 +215,6 @@ def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: b
     return f"{path}: {count}, {seq}, {heads} query heads / {groups} key-value groups"
 
 
-def settings_for(config: dict, arch: Optional[str], err: Any,
-                 read: Callable[[dict], TurboAttentionSettings] = TurboAttentionSettings.from_dict,
-                 ) -> Optional[TurboAttentionSettings]:
-    """The config's settings (``--arch`` applied), or None after printing why they are refused."""
-    if arch is not None:
-        config["turbo_arch"] = arch
-    try:
-        return read(config)
-    except UnsupportedConfigError as exc:
-        print(exc, file=err)
-        return None
-
-
 @contextlib.contextmanager
 def _turbo_for(arch: Optional[str], build: Optional[str] = None) -> Iterator[str]:
     """With ``--arch`` and no Primus-Turbo here, plan against the CPU fake's entries, imitating the
@@ -278,6 +249,17 @@ def _shared_prefix_notes(plans: Sequence[AttentionPlan]) -> list[str]:
             "prompt, non-causal), merged through their LSEs; the backward runs each kernel's backward given the merged "
             "output and LSE (B37). Train with primus_ext.megatron.pack_shared_prefix rows on a model prepared by "
             "prepare_shared_prefix(model)"]
+
+
+def _flex_notes(plans: Sequence[AttentionPlan]) -> list[str]:
+    """Layers on the ``flex`` backend where no GPU is: they plan, but torch's flex_attention has no CPU backward."""
+    layers = [plan.layer_number for plan in plans if plan.backend == "flex"]
+    if not layers or torch.cuda.is_available():
+        return []
+    return [f"cannot train here: {layer_list(layers)} run on the flex backend, and torch's flex_attention has no "
+            "CPU backward (this machine has no GPU): a training step here is refused at its first backward, and "
+            "primus-ext demo refuses to start. They train on a GPU; to train on this CPU set "
+            "turbo_flex_attention_backend: reference (or auto, which picks it here)"]
 
 
 def _cp_notes(config: Mapping[str, Any], plans: Sequence[AttentionPlan]) -> list[str]:
@@ -325,35 +307,13 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     if problem:
         print(problem, file=err)
         return REFUSED
-    config, primus = primus_merged(path, _load(path), primus_root, out)
-    fragment = is_module_fragment(config)
-    settings = settings_for(config, arch, err, primus_run_settings if primus else TurboAttentionSettings.from_dict)
-    refusal = primus_refusal(path, config, settings, primus_root) if primus and settings is not None else None
-    if refusal is not None:  # the patch's condition would stop this run
-        print(refusal, file=err)
-    if settings is None or refusal is not None:
-        return REFUSED
-    # the patch's condition is false (an owner primus left here has Primus's own path): nothing of ours runs
-    if primus and (not settings.use_turbo_flex_attention or settings.turbo_flex_attention_owner == "primus"):
-        why = ("use_turbo_flex_attention is not true" if not settings.use_turbo_flex_attention
-               else "turbo_flex_attention_owner is primus")
-        print(f"{why}: primus_ext's patch stays out of this run, and Primus builds its own attention (nothing to "
-              "plan here).", file=out)
+    found = read_input(path, out, err, arch=arch, primus_root=primus_root, seq_len=seq_len)
+    if isinstance(found, int):
+        return found
+    if found.idle:
+        print(found.idle, file=out)
         return 0
-    if fragment:
-        print(fragment_note(path, settings), file=out)
-        return 0
-    if seq_len is not None:
-        if not 1 <= seq_len <= 2 ** 31 - 1:
-            raise R.refuse_build(R.CLI_OPTION, option="--seq-len", what=f"--seq-len must be a positive integer below "
-                                 f"2**31, got {seq_len}", alternative="give the training sequence length, such as 4096.")
-        config["seq_length"] = seq_len
-    problems = _model_problems(config)
-    if problems:
-        print(f"primus_ext cannot read the model shape of {path}:", file=err)
-        for text in problems:
-            print(f"  - {text}", file=err)
-        return REFUSED
+    config, settings = found.config, found.settings
     try:
         ranks: dict[int, list[AttentionPlan]] = {}
         with _turbo_for(arch, turbo_build) as note:
@@ -371,7 +331,8 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     print(format_table([_row(layer, o) for layer, o in outcomes]), file=out)
     if plans:
         print(file=out)
-        notes = (_backend_notes(plans) + _kernel_notes(plans) + _shared_prefix_notes(plans) + _cp_notes(config, plans)
+        notes = (_backend_notes(plans) + _kernel_notes(plans) + _shared_prefix_notes(plans) + _flex_notes(plans)
+                 + _cp_notes(config, plans)
                  + _tp_notes(config, ranks))
         for line in notes:
             print(line, file=out)

@@ -24,21 +24,13 @@ from __future__ import annotations
 from typing import Any, Optional, TextIO
 
 from .. import refusals as R
-from ..errors import UnsupportedConfigError, short_repr
+from ..errors import UnsupportedConfigError
 from ..settings import TurboAttentionSettings
 from ..settings.primus_config import (PrimusExperiment, configs_dir, is_experiment, primus_settings, read_experiment,
-                                      run_reasons, shared_keys, switch_reasons)
+                                      run_reasons, switch_reasons)
+from ..settings.primus_placement import placement_notes, placement_reasons, planned_sources, shared_keys, yaml_value
 from ..settings.primus_owner import owner_reasons, primus_flex_path, wants_primus_ext
 from ..settings.primus_launch import patch_environment
-
-
-def _value(value: Any) -> str:
-    """A value as the YAML shows it (``true``, ``null``), for the report."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return short_repr(value)
 
 
 def describe(experiment: PrimusExperiment) -> list[str]:
@@ -56,29 +48,33 @@ def describe(experiment: PrimusExperiment) -> list[str]:
                          f"defaults: {', '.join(same)}")
         conflicts = [s for s in shared if s.conflict]
         for s in conflicts:
-            lines.append(f"  conflict: {s.key}: Primus's primus_turbo.yaml has {_value(s.primus)}, "
-                         f"primus_ext_attention.yaml {_value(s.ours)}; this run's layers get {_value(s.merged)} "
+            lines.append(f"  conflict: {s.key}: Primus's primus_turbo.yaml has {yaml_value(s.primus)}, "
+                         f"primus_ext_attention.yaml {yaml_value(s.ours)}; this run's layers get {yaml_value(s.merged)} "
                          f"(from {s.source})")
         if not conflicts:
             lines.append("  no conflicts: every shared key has one default")
-    return lines
+    sources = planned_sources(experiment)
+    if sources:
+        lines.append("  attention and model keys this run's layers read, and where each was set:")
+        lines += [f"    {line}" for line in sources]
+    return lines + placement_notes(experiment)
 
 
 def primus_merged(path: str, config: dict[str, Any], primus_root: Optional[str],
-                  out: TextIO) -> tuple[dict[str, Any], bool]:
-    """``(config to check, is a Primus experiment)``: a Primus experiment's merged module parameters,
+                  out: TextIO) -> tuple[dict[str, Any], Optional[PrimusExperiment]]:
+    """``(config to read, the experiment or None)``: a Primus experiment's merged module parameters,
     after printing `describe`; any other YAML unchanged."""
     if not is_experiment(config):
         if primus_root is not None:
             raise R.refuse_build(R.CLI_OPTION, option="--primus-root", what=f"--primus-root is for a Primus experiment "
                                  f"YAML (one with modules:); {path} has no modules: mapping",
                                  alternative="leave --primus-root out, or give the experiment YAML.")
-        return config, False
+        return config, None
     experiment = read_experiment(path, primus_root)
     for line in describe(experiment):
         print(line, file=out)
     print(file=out)
-    return dict(experiment.params), True
+    return dict(experiment.params), experiment
 
 
 def primus_run_settings(config: dict[str, Any]) -> TurboAttentionSettings:
@@ -86,18 +82,20 @@ def primus_run_settings(config: dict[str, Any]) -> TurboAttentionSettings:
     return primus_settings(config)
 
 
-def primus_refusal(path: str, config: dict[str, Any], settings: TurboAttentionSettings,
+def primus_refusal(experiment: PrimusExperiment, config: dict[str, Any], settings: TurboAttentionSettings,
                    primus_root: Optional[str] = None) -> Optional[UnsupportedConfigError]:
     """The refusal of the patch's condition (or the launcher's) for the experiment at ``path``, where Primus
     would not install its spec provider or would drop primus_ext's patch, in the environment Primus's
     patches would see here (this one, with the experiment's ``env:`` block applied), or where the Primus
-    of ``primus_root`` (the installed one without it) has its own flex path and the owner is not named."""
+    of ``primus_root`` (the installed one without it) has its own flex path and the owner is not named; or
+    where a key the plans read is written where Primus does not apply it (`placement_reasons`)."""
+    reasons = placement_reasons(experiment)
     if not settings.use_turbo_flex_attention:
-        return None
+        return R.refuse_all(reasons, context="Primus experiment") if reasons else None
     primus_flex = primus_flex_path(str(configs_dir(primus_root).parent))
-    reasons = owner_reasons(settings, primus_flex)
+    reasons += owner_reasons(settings, primus_flex)
     if wants_primus_ext(settings, primus_flex):
-        environ, where = patch_environment(path)
+        environ, where = patch_environment(experiment.path)
         reasons += switch_reasons(config.get("enable_primus_turbo", False), environ, True, where)
         reasons += run_reasons(config)
     return R.refuse_all(reasons, context="Primus patch") if reasons else None

@@ -32,8 +32,9 @@ from ..backends.arch import device_arch
 from .. import refusals as R
 from ..errors import UnsupportedConfigError, UnsupportedInputError
 from ..settings import TurboAttentionSettings
-from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
+from ..settings.yaml_file import load_yaml_mapping
 from . import demo_model as dm
+from .config_input import read_input
 
 LOSS_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4
@@ -68,13 +69,17 @@ def load_config(path: Optional[str]) -> tuple[dict, str]:
 
 # -- progress ------------------------------------------------------------------------
 class _Progress:
-    """A tqdm bar (step, loss, tokens/s); a plain line every few steps without tqdm."""
+    """A tqdm bar (step, loss, tokens/s) on a terminal; a plain line every few steps in a log, a pipe or
+    without tqdm."""
 
     def __init__(self, label: str, total: int) -> None:
         self.label, self.total, self.tokens, self.seconds = label, total, 0, 0.0
         try:
             from tqdm import tqdm
         except ImportError:
+            self.bar = None
+            return
+        if not sys.stdout.isatty():  # a bar redrawn with \r is noise in a log or a pipe: plain lines there
             self.bar = None
         else:
             self.bar = tqdm(total=total, desc=f"{label:<6}", unit="step", file=sys.stdout, leave=True,
@@ -88,10 +93,12 @@ class _Progress:
             self.bar.set_postfix_str(f"loss={loss:.4f}, {rate:,.0f} tok/s", refresh=False)
             self.bar.update(1)
         elif step == self.total or step % max(1, self.total // 5) == 0:
-            print(f"{self.label:<6} step {step}/{self.total} loss={loss:.4f} {rate:,.0f} tok/s", flush=True)
+            print(f"{self.label:<6} step {step}/{self.total} loss={loss:.4f}, {rate:,.0f} tok/s", flush=True)
 
-    def close(self) -> float:
+    def close(self, failed: bool = False) -> float:
+        """The tokens per second so far; a failed run's bar is wiped, so the error starts its own line."""
         if self.bar is not None:
+            self.bar.leave = not failed
             self.bar.close()
         return self.tokens / max(self.seconds, 1e-9)
 
@@ -112,8 +119,10 @@ def _run(label: str, model: Any, batches: list, opts: dm.DemoOptions, device: to
         with warnings.catch_warnings():  # torch's note on eager flex_attention: on the CPU there is no other
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             steps = dm.train(model, batches, opts.lr, device, progress, replay=replay, backward=not forward_only)
-    finally:
-        rate = progress.close()
+    except BaseException:
+        progress.close(failed=True)
+        raise
+    rate = progress.close()
     each = ", each from the flex run's parameters" if replay is not None else ""
     each += ", forward only (no gradients)" if forward_only else ""
     print(f"{label} path: loss {steps[0].loss:.4f} -> {steps[-1].loss:.4f} over {len(steps)} steps{each} "
@@ -211,15 +220,26 @@ def _flex_run_on(plans: list[Any], fake: bool) -> str:
         " on the CPU fake" if fake and "turbo" in backends else "")
 
 
-def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
-    config, origin = load_config(path)
-    try:
-        settings = TurboAttentionSettings.from_dict(config)
-    except UnsupportedConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    if path is not None and is_module_fragment(config):
-        print(fragment_note(path, settings) + " For the demo, run configs/examples/demo.yaml.")
+def _trains_here(model: Any, device: torch.device) -> None:
+    """Refuse, before the first step, a flex run whose layers cannot take a backward on this device."""
+    flex = [plan.layer_number for plan in dm.layer_plans(model) if plan.backend == "flex"]
+    if flex and device.type == "cpu":
+        raise R.refuse_build(R.DEMO_KEY, key="turbo_flex_attention_backend", what=(
+            f"layers {', '.join(map(str, flex))} run on the flex backend, and torch's flex_attention has no CPU "
+            "backward, so the demo cannot train them on this machine (no GPU)"),
+            alternative="set turbo_flex_attention_backend: reference (or auto, which picks it on a CPU), or run "
+                        "the demo on a GPU.")
+
+
+def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_root: Optional[str] = None) -> int:
+    """Train the demo model of ``path`` (read as ``check`` reads it: `config_input.read_input`) and compare."""
+    found = read_input(path, sys.stdout, sys.stderr, primus_root=primus_root,
+                       default=load_config(None) if path is None else None)
+    if isinstance(found, int):
+        return found
+    config, settings, origin = found.config, found.settings, found.path
+    if found.idle and found.experiment is None:
+        print(found.idle + " For the demo, run configs/examples/demo.yaml.")
         return 0
     if not (settings.use_turbo_attention and settings.use_turbo_flex_attention):
         print("primus-ext demo: the demo trains on the flex path and compares it with the direct path; "
@@ -279,6 +299,7 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None) -> int:
                 if fake is not None:
                     print("flex path: Primus-Turbo flex entries (CPU fake)")
                 model = _model(cfg, settings, opts, seq_length, device)
+                _trains_here(model, device)
                 flex_steps = _run("flex", model, batches, opts, device)
                 _print_kernels("flex", fake)
             plans = dm.layer_plans(model)

@@ -17,7 +17,8 @@ from ..errors import UnsupportedConfigError
 from ..plan.plan import AttentionPlan
 from ..call.selftest import RouteResult, clear, refuse_failures, self_test
 from ..testing import fake_primus_turbo
-from .check import REFUSED, _load, _plans, format_table, settings_for
+from .check import _plans, format_table
+from .config_input import REFUSED, read_input
 from .turbo_build_option import build_option_problem, stand_in_note
 
 DEFAULT_CONFIG = {  # a small layer with a sink and a two-sided window (the route AITER gets wrong)
@@ -41,18 +42,23 @@ def _turbo(faults: Sequence[str], arch: Optional[str], build: Optional[str] = No
 
 
 def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequence[str] = (),
-                 out=None, err=None, turbo_build: Optional[str] = None) -> int:
+                 out=None, err=None, turbo_build: Optional[str] = None, primus_root: Optional[str] = None) -> int:
     """Print one row per route (under autotune, per route and candidate backend, the route naming the
-    backend it pinned); 0 when every route agrees with the reference, else 2."""
+    backend it pinned); 0 when every route agrees with the reference, else 2.  The file is read as
+    ``check`` reads it (`config_input.read_input`: a Primus experiment merged from ``primus_root``)."""
     out, err = out or sys.stdout, err or sys.stderr
     problem = build_option_problem(turbo_build, arch)
     if problem:
         print(problem, file=err)
         return REFUSED
-    config = _load(path) if path else dict(DEFAULT_CONFIG)
-    settings = settings_for(config, arch, err)
-    if settings is None:
-        return REFUSED
+    found = read_input(path, out, err, arch=arch, primus_root=primus_root,
+                       default=(DEFAULT_CONFIG, "the default config"))
+    if isinstance(found, int):
+        return found
+    if found.idle:
+        print(f"{found.idle} Nothing to self-test.", file=out)
+        return 0
+    config, settings = found.config, found.settings
     clear()
     with _turbo(faults, arch, turbo_build) as what:
         outcomes = _plans(settings, config)

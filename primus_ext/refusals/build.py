@@ -32,6 +32,17 @@ HOOK_UNTRUSTED = build_rule("B32", ("{setting}", "{kwargs_key}"), "{setting} = {
 YAML_FILE = build_rule("yaml-file", ("{path}",), "the file {what}.", "{alternative}")
 PRIMUS_EXPERIMENT = build_rule("primus-experiment", ("{key}",), "{what}", "{alternative}")
 
+PRIMUS_IGNORED_TOP = build_rule(
+    "primus-ignored", ("{key}",),
+    "{key}: {value} is at the top level of the experiment, where Primus reads only {top}; this run's layers get "
+    "{key}: {merged} ({source}).",
+    "move it under modules.{module}.overrides, which Primus applies last.")
+PRIMUS_IGNORED_PRESET = build_rule(
+    "primus-ignored", ("modules.{module}.{key}",),
+    "modules.{module}.{key}: {value} is written beside config: / model:, where Primus keeps it only if the module "
+    "preset lacks the key, and the presets set it; this run's layers get {key}: {merged} ({source}).",
+    "move it under modules.{module}.overrides, which Primus applies over the presets.")
+
 # -- Megatron's model-shape keys as `check` reads them (`primus_ext.settings.model_keys`) --------------------
 MODEL_KEY_MISSING = build_rule("model-key", ("{key}",), "{key} is not set; the plans need it (for example {key}: 8).",
                                "set {key} in the YAML.")

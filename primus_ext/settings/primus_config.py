@@ -53,14 +53,14 @@ from .settings import SETTING_KEYS, TurboAttentionSettings
 from .primus_launch import PATCH_ID, PRIMUS_PROVIDER_PATCH, patch_filter_reasons
 from .yaml_file import load_yaml_mapping
 
-PRIMUS_TURBO_YAML = "modules/megatron/primus_turbo.yaml"
-"""Primus's module file of its Turbo keys, under its ``configs`` folder."""
 MODULE_NAMES = ("pre_trainer", "post_trainer")
 """The modules ``primus train pretrain`` / ``posttrain`` run, in the order ``check`` looks for them."""
 
 _ENV = re.compile(r"\${([^:{}]+)(?::([^}]*))?}")  # yaml_loader.py:12
 _FLOAT = re.compile(r"^-?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)$")  # yaml_loader.py:14
 _KEPT_ON_MODULE = frozenset({"name", "framework", "config", "model", "overrides", "params"})  # parser.py:285
+TOP_KEYS = ("work_group", "user_name", "exp_name", "workspace", "platform", "modules", "env")
+"""The experiment's top-level keys Primus reads (parser.py:206-246, 317-323; ``env``: train_runtime.py:307-358)."""
 _NOT_PARAMS = frozenset({"name", "framework", "config", "model", "params", "trainer_class"})  # primus_config.py:56
 
 
@@ -77,22 +77,9 @@ class PrimusExperiment:
     """Where each top-level key's value was last set: a file (relative to ``configs``) or the experiment's key."""
     files: tuple[str, ...]
     """The files merged, lowest priority first (module chain, model chain, the experiment)."""
-
-
-@dataclass(frozen=True)
-class SharedKey:
-    """A key both Primus's ``primus_turbo.yaml`` and primus_ext's module config define."""
-
-    key: str
-    primus: Any
-    ours: Any
-    merged: Any
-    source: str
-
-    @property
-    def conflict(self) -> bool:
-        """The two files give it different defaults (``true`` and ``1`` differ: YAML types are kept)."""
-        return type(self.primus) is not type(self.ours) or self.primus != self.ours
+    ignored: tuple[tuple[str, str, Any], ...] = ()
+    """``(where, key, value)`` of each key Primus does not apply as written: ``where`` is ``top`` (the
+    experiment's top level) or ``preset`` (beside the module's config: / model:, where its preset sets the key)."""
 
 
 def _refuse(settings: tuple[str], reason: str, alternative: str) -> UnsupportedConfigError:
@@ -231,21 +218,26 @@ def configs_dir(primus_root: Optional[str]) -> Path:
 
 
 # ------------------------------------------------------------------ the merge
-def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[dict, dict]:
-    """parser.py:257-328: one module's merged config and where each key came from."""
+def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[dict, dict, list[str]]:
+    """parser.py:257-328: one module's merged config, where each key came from, and the module-level keys its
+    preset shadows."""
     if "framework" not in module:
         raise _refuse((f"{where}.framework",), f"{where} has no framework (Primus asserts it).",
                       f"add {where}.framework: megatron.")
     if "config" not in module:  # left as written: no file merged, overrides not applied
-        return dict(module), {key: f"{where}.{key}" for key in module}
+        return dict(module), {key: f"{where}.{key}" for key in module}, []
     if "model" not in module:
         raise _refuse((f"{where}.model",), f"{where} names a config but no model (Primus asserts both).",
                       f"add {where}.model: <model>.yaml.")
     framework = module["framework"]
     merged, sources = reader.preset("modules", framework, module["config"], f"{where}.config")
+    shadowed = []
     for key, value in module.items():
-        if key not in _KEPT_ON_MODULE and not key.startswith("_") and key not in merged:
-            merged[key], sources[key] = value, f"{where}.{key}"
+        if key not in _KEPT_ON_MODULE and not key.startswith("_"):
+            if key in merged:
+                shadowed.append(key)
+            else:
+                merged[key], sources[key] = value, f"{where}.{key}"
     model, model_sources = reader.preset("models", framework, module["model"], f"{where}.model")
     if "model" not in model:
         model["model"], model_sources["model"] = module["model"], f"{where}.model"
@@ -259,7 +251,7 @@ def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[
                           f"{short_repr(overrides)}.", "write one key: value per line under overrides:.")
         merged = deep_merge(merged, overrides)
         sources.update({key: f"{where}.overrides" for key in overrides})
-    return _nulls(merged), sources
+    return _nulls(merged), sources, shadowed
 
 
 def read_experiment(path: str | os.PathLike[str], primus_root: Optional[str] = None,
@@ -288,33 +280,22 @@ def read_experiment(path: str | os.PathLike[str], primus_root: Optional[str] = N
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
     chosen_files: list[str] = []
+    shadowed: list[str] = []
     for name, module in modules.items():  # Primus parses every module; one that fails stops the run
         reader.files = []
         result = _merge_module(reader, f"modules.{name}", module)
         if name == chosen:
-            (merged, sources), chosen_files = result, reader.files
+            (merged, sources, shadowed), chosen_files = result, reader.files
     given = merged.get("params")  # a module's own params mapping, under the others (primus_config.py:57-67)
     params = {**(given if isinstance(given, dict) else {}),
               **{k: v for k, v in merged.items() if k not in _NOT_PARAMS and not str(k).startswith("_")}}
     if "model" in merged:
         params["model"] = merged["model"]
+    ignored = [("top", key, value) for key, value in data.items() if key not in TOP_KEYS]
+    ignored += [("preset", key, modules[chosen][key]) for key in shadowed]
     return PrimusExperiment(str(experiment), chosen, str(configs), params,
-                            {k: v for k, v in sources.items() if k in params}, (*chosen_files, str(experiment)))
-
-
-def shared_keys(experiment: PrimusExperiment, environ: Optional[Mapping[str, str]] = None) -> Optional[list[SharedKey]]:
-    """The keys Primus's ``primus_turbo.yaml`` and primus_ext's module config (its defaults, which
-    ``configs/modules/megatron/primus_ext_attention.yaml`` lists) both define, in primus_ext's order;
-    None when this Primus has no ``primus_turbo.yaml``.  ``merged`` is what this run's layers read:
-    the merged value, or primus_ext's default when the merge lacks the key."""
-    path = Path(experiment.configs) / PRIMUS_TURBO_YAML
-    if not path.is_file():
-        return None
-    primus, _ = _Reader(Path(experiment.configs), os.environ if environ is None else environ).parse(path)
-    ours = TurboAttentionSettings().to_dict()
-    return [SharedKey(key, primus[key], ours[key], experiment.params.get(key, ours[key]),
-                      experiment.sources.get(key, "not set: primus_ext's default"))
-            for key in SETTING_KEYS if key in primus]
+                            {k: v for k, v in sources.items() if k in params}, (*chosen_files, str(experiment)),
+                            tuple(ignored))
 
 
 # ------------------------------------------------------------------ what a Primus run's args give
@@ -388,6 +369,6 @@ def run_reasons(values: Mapping[str, Any]) -> list[Reason]:
     return reasons
 
 
-__all__ = ["MODULE_NAMES", "SPECS_MODULE", "run_reasons", "PRIMUS_TURBO_YAML",
-           "PrimusExperiment", "SharedKey", "args_settings", "configs_dir", "deep_merge", "is_experiment",
-           "primus_settings", "read_experiment", "shared_keys", "switch_reasons"]
+__all__ = ["MODULE_NAMES", "TOP_KEYS", "SPECS_MODULE", "run_reasons",
+           "PrimusExperiment", "args_settings", "configs_dir", "deep_merge", "is_experiment",
+           "primus_settings", "read_experiment", "switch_reasons"]

@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from primus_ext.cli import check as check_module
+from primus_ext.cli import config_input as config_input
 from primus_ext.cli import main
 from primus_ext.cli.check import run_check
 from primus_ext.errors import UnsupportedConfigError
 from primus_ext.primus import PATCH_ID, register
 from primus_ext.primus import patch as primus_patch
 from primus_ext.settings import TurboAttentionSettings
-from primus_ext.settings.primus_config import read_experiment, shared_keys
+from primus_ext.settings.primus_config import read_experiment
+from primus_ext.settings.primus_placement import shared_keys
 from primus_ext.testing import fake_primus as P
 from primus_ext.testing import fake_primus_config as PC
 
@@ -204,8 +205,8 @@ def _patch_settings(monkeypatch, experiment: Path, root: Path) -> tuple[list, ob
 
 def _check_settings(monkeypatch, experiment: Path, root: Path) -> TurboAttentionSettings:
     seen: list[TurboAttentionSettings] = []
-    real = check_module.primus_run_settings
-    monkeypatch.setattr(check_module, "primus_run_settings", lambda config: seen.append(real(config)) or seen[-1])
+    real = config_input.primus_run_settings
+    monkeypatch.setattr(config_input, "primus_run_settings", lambda config: seen.append(real(config)) or seen[-1])
     code, out, err = _check(experiment, root)
     assert code == 0, out + err
     (settings,) = seen

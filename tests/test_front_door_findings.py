@@ -1,0 +1,201 @@
+"""One regression test per finding of the front door's newcomer review (issue: the front door, round two).
+
+Each test is what a user did and what they must see now: ``selftest`` on a Primus experiment and on the
+shipped module YAML, ``--primus-root`` on every command, an experiment's ``overrides`` read by ``demo``,
+keys placed where Primus ignores them, the loading line of ``check``, a CPU ``flex`` plan that cannot train
+said at ``check`` and refused by ``demo`` before its first step (one progress bar, none left half drawn),
+and docs that describe what runs.  The malformed-value findings (``window_size: "128,0"``, TP 3 with 8 heads,
+``softmax_type: learned``, ``kv_channels: 0``, ``hidden_size: 250``, ``attention_dropout: high``) are rows of
+tests/test_front_door_keys.py for all three commands.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from primus_ext.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TREE = ROOT / "tests" / "megatron" / "primus_tree"
+EXP = TREE / "examples" / "megatron" / "configs" / "tiny_gpt-pretrain.yaml"
+MODULE_YAML = ROOT / "configs" / "modules" / "megatron" / "primus_ext_attention.yaml"
+DEMO_YAML = ROOT / "configs" / "examples" / "demo.yaml"
+ENV = ("PRIMUS_SEQ_LENGTH", "PRIMUS_TP", "PRIMUS_MODEL", "TOKENIZED_DATA_PATH", "PRIMUS_PATCHES")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def _experiment(tmp_path: Path, edit) -> tuple[Path, Path]:
+    root = tmp_path / "primus"
+    shutil.copytree(TREE, root)
+    path = root / EXP.relative_to(TREE)
+    data = yaml.safe_load(path.read_text())
+    edit(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return root, path
+
+
+# -- selftest reads what check reads ---------------------------------------------------------------------
+def test_selftest_runs_a_primus_experiment_with_primus_root(capsys):
+    code, out, err = _run(capsys, "selftest", str(EXP), "--primus-root", str(TREE))
+    assert code == 0, err
+    assert "Primus experiment, module pre_trainer (megatron)" in out  # merged, as check merges it
+    assert f"primus-ext selftest: {EXP}" in out
+
+
+def test_selftest_on_the_shipped_module_yaml_says_what_check_says(capsys):
+    code, out, err = _run(capsys, "selftest", str(MODULE_YAML))
+    assert code == 0, err
+    assert "a module fragment" in out and "Nothing to self-test" in out
+    code, check_out, _ = _run(capsys, "check", str(MODULE_YAML))
+    assert code == 0 and check_out.strip() in out
+
+
+@pytest.mark.parametrize("command", ["check", "demo", "selftest"])
+def test_primus_root_is_an_option_of_every_command_and_refused_on_a_plain_yaml(capsys, command):
+    code, _, err = _run(capsys, command, str(DEMO_YAML), "--primus-root", str(TREE))
+    assert code == 2 and "--primus-root is for a Primus experiment" in err
+
+
+# -- demo reads an experiment as Primus merges it --------------------------------------------------------
+def test_demo_reads_the_experiment_s_overrides(tmp_path, capsys):
+    def edit(data):  # Primus's presets say use_turbo_attention: false; the overrides turn it on
+        data["modules"]["pre_trainer"]["overrides"].update(turbo_flex_attention_backend="reference")
+
+    root, path = _experiment(tmp_path, edit)
+    code, out, err = _run(capsys, "demo", str(path), "--primus-root", str(root), "--steps", "2")
+    assert code == 0, out + err
+    assert "Primus experiment" in out and "parity, step by step" in out
+    assert "use_turbo_attention: false" not in out + err
+
+
+# -- keys Primus does not apply as written ---------------------------------------------------------------
+def test_a_planned_key_at_the_experiment_s_top_level_is_refused(tmp_path, capsys):
+    root, path = _experiment(tmp_path, lambda data: data.update(attention_dropout=0.1, lr=0.5))
+    code, out, err = _run(capsys, "check", str(path), "--primus-root", str(root))
+    assert code == 2
+    assert "[attention_dropout] attention_dropout: 0.1 is at the top level of the experiment" in err
+    assert "attention_dropout: 0.0 (from models/megatron/tiny_gpt.yaml)" in err
+    assert "Alternative: move it under modules.pre_trainer.overrides" in err
+    # a key the plans do not read is listed, not refused
+    assert "ignored by Primus: lr: 0.5 at the experiment's top level" in out
+
+
+def test_a_key_beside_config_that_a_preset_sets_is_reported(tmp_path, capsys):
+    def edit(data):
+        data["modules"]["pre_trainer"].update(reset_attention_mask=True, micro_batch_size=9)
+
+    root, path = _experiment(tmp_path, edit)
+    code, out, err = _run(capsys, "check", str(path), "--primus-root", str(root))
+    assert code == 2
+    assert "[modules.pre_trainer.reset_attention_mask]" in err and "get reset_attention_mask: false" in err
+    assert "ignored by Primus: micro_batch_size: 9 beside modules.pre_trainer.config" in out
+
+
+def test_a_misplaced_key_equal_to_what_runs_is_only_listed(tmp_path, capsys):
+    root, path = _experiment(tmp_path, lambda data: data.update(num_layers=2))
+    code, out, err = _run(capsys, "check", str(path), "--primus-root", str(root))
+    assert code == 0, err
+    assert "ignored by Primus: num_layers: 2 at the experiment's top level; the run gets 2" in out
+
+
+@pytest.mark.parametrize("command", ["demo", "selftest"])
+def test_demo_and_selftest_refuse_a_misplaced_key_as_check_does(tmp_path, capsys, command):
+    root, path = _experiment(tmp_path, lambda data: data.update(use_sink_attention=False))
+    code, _, err = _run(capsys, command, str(path), "--primus-root", str(root))
+    assert code == 2 and "[use_sink_attention] use_sink_attention: false is at the top level" in err
+
+
+def test_check_shows_where_each_planned_key_was_set(capsys):
+    code, out, _ = _run(capsys, "check", str(EXP), "--primus-root", str(TREE))
+    assert code == 0
+    assert "use_turbo_flex_attention = true (modules.pre_trainer.overrides)" in out
+    assert "num_layers = 2 (models/megatron/tiny_gpt.yaml)" in out
+
+
+# -- what the first seconds go to ------------------------------------------------------------------------
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("command", ["check", "selftest"])
+def test_a_command_says_what_it_loads_on_a_terminal(monkeypatch, command):
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    main([command, str(MODULE_YAML)])
+    assert err.getvalue().startswith(f"primus-ext {command}: loading torch and megatron-core ...\n")
+
+
+def test_the_loading_line_is_printed_before_torch_is_imported():
+    code = ("import sys, io\nclass T(io.StringIO):\n    def isatty(self): return True\n"
+            "sys.stderr = T()\nfrom primus_ext.cli import _loading\n_loading('check')\n"
+            "assert 'torch' not in sys.modules, 'torch imported before the line'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# -- flex on a CPU ---------------------------------------------------------------------------------------
+def _flex_demo(tmp_path: Path) -> str:
+    data = yaml.safe_load(DEMO_YAML.read_text())
+    data["turbo_flex_attention_backend"] = "flex"
+    path = tmp_path / "flex.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_check_says_a_cpu_flex_plan_cannot_train_here(tmp_path, capsys):
+    code, out, _ = _run(capsys, "check", _flex_demo(tmp_path))
+    assert code == 0  # the plan is for the GPU that trains
+    assert "cannot train here: layers 1, 2 run on the flex backend" in out
+    assert "turbo_flex_attention_backend: reference" in out
+
+
+def test_demo_refuses_a_cpu_flex_run_before_its_first_step_with_no_progress_bar(tmp_path, capsys):
+    code, out, err = _run(capsys, "demo", _flex_demo(tmp_path), "--steps", "3")
+    assert code == 2
+    assert "[turbo_flex_attention_backend]" in err and "no CPU backward" in err
+    assert "0/3" not in out and "step 1/3" not in out  # refused before any step: no bar drawn, none twice
+
+
+def test_a_failed_run_wipes_its_bar():
+    from primus_ext.cli.demo import _Progress
+
+    class Bar:
+        leave, closed = True, False
+
+        def close(self):
+            self.closed = True
+
+    progress = _Progress("flex", 3)
+    progress.bar = Bar()
+    progress.close(failed=True)
+    assert progress.bar.closed and progress.bar.leave is False
+
+
+# -- docs that say what runs -----------------------------------------------------------------------------
+def test_getting_started_describes_the_default_demo_as_it_runs():
+    text = (ROOT / "docs" / "getting_started.md").read_text()
+    section = text.split("## 2. See it train", 1)[1].split("## 3.", 1)[0]
+    demo = yaml.safe_load(DEMO_YAML.read_text())
+    assert not demo.get("packed_sequences")
+    assert "dense rows" in section and "THD-packed documents)" not in section
+

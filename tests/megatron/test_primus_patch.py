@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,6 +351,30 @@ def test_the_launcher_refuses_a_primus_patches_list_without_its_patch(monkeypatc
         launcher([str(script)])
     with pytest.raises(SystemExit, match="no script"):
         launcher([str(tmp_path / "missing.py")])
+
+
+def test_the_launcher_refuses_a_planned_key_primus_would_ignore(monkeypatch, tmp_path):
+    """The patch's condition sees only the merged args; the launcher reads where each key was written."""
+    import shutil
+
+    import yaml
+
+    from primus_ext.primus.__main__ import main as launcher
+
+    tree = Path(__file__).resolve().parent / "primus_tree"
+    shutil.copytree(tree, tmp_path / "primus_root")
+    monkeypatch.syspath_prepend(str(tmp_path / "primus_root"))  # its primus/configs, as an installed Primus's
+    monkeypatch.delitem(sys.modules, "primus", raising=False)
+    for name in ("PRIMUS_SEQ_LENGTH", "PRIMUS_TP", "PRIMUS_MODEL", "TOKENIZED_DATA_PATH", "PRIMUS_PATCHES"):
+        monkeypatch.delenv(name, raising=False)
+    experiment = tmp_path / "primus_root" / "examples" / "megatron" / "configs" / "tiny_gpt-pretrain.yaml"
+    data = yaml.safe_load(experiment.read_text())
+    data["use_sink_attention"] = False  # at the top level: Primus never applies it, the overrides say true
+    experiment.write_text(yaml.safe_dump(data))
+    script = tmp_path / "main.py"
+    script.write_text("raise SystemExit('ran')\n")
+    with pytest.raises(SystemExit, match=r"\[use_sink_attention\] use_sink_attention: false is at the top level"):
+        launcher([str(script), "train", "pretrain", "--config", str(experiment)])
 
 
 # ------------------------------------------------------------------ two owners of use_turbo_flex_attention

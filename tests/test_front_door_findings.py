@@ -219,3 +219,24 @@ def test_selftest_runs_on_every_file_check_accepts(capsys, path):
         assert code == 0, out + err
     else:  # refused by check: selftest refuses it with our message, not a traceback
         assert code == 2 and "Alternative:" in err
+
+
+# -- the demo's own keys ---------------------------------------------------------------------------------
+def test_every_demo_key_is_documented_where_its_refusal_points():
+    import dataclasses
+
+    from primus_ext.cli.demo_model import DemoOptions
+
+    section = (ROOT / "docs" / "getting_started.md").read_text().split("## 2. See it train", 1)[1].split("## 3.")[0]
+    for field in dataclasses.fields(DemoOptions):
+        assert f"`{field.name}`" in section, field.name
+
+
+@pytest.mark.parametrize("demo", [{"steps": "10"}, {"lr": "high"}, {"steps": -1}, {"vocab_size": 0}, {"bogus": 1},
+                                  "x", {"eod_documents": "maybe"}, {"seed": 1.5}, {"max_doc_len": 100000}])
+def test_a_wrong_demo_key_is_refused_naming_it(tmp_path, capsys, demo):
+    data = {**yaml.safe_load(DEMO_YAML.read_text()), "demo": demo}
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code, out, err = _run(capsys, "demo", str(path), "--steps", "1")
+    assert code == 2 and "[demo" in err and "docs/getting_started.md (section 2)" in err and "loss=" not in out

@@ -38,7 +38,7 @@ _DEFAULTS = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def _demo(key: str, what: str,
-          alternative: str = "see docs/getting_started.md for the demo's keys.") -> UnsupportedConfigError:
+          alternative: str = "write the demo: keys as docs/getting_started.md (section 2) lists them.") -> UnsupportedConfigError:
     return R.refuse_build(R.DEMO_KEY, key=key, what=what, alternative=alternative)
 
 

@@ -240,3 +240,15 @@ def test_a_wrong_demo_key_is_refused_naming_it(tmp_path, capsys, demo):
     path.write_text(yaml.safe_dump(data))
     code, out, err = _run(capsys, "demo", str(path), "--steps", "1")
     assert code == 2 and "[demo" in err and "docs/getting_started.md (section 2)" in err and "loss=" not in out
+
+
+@pytest.mark.parametrize("key,value", [("ffn_hidden_size", "256"), ("hidden_dropout", "0.1"),
+                                       ("activation_func", "gelu"), ("normalization", "RMSnorm"),
+                                       ("init_method_std", -1), ("layernorm_epsilon", "1e-5")])
+def test_the_demo_says_which_megatron_keys_its_tiny_gpt_does_not_use(tmp_path, capsys, key, value):
+    data = {**yaml.safe_load(DEMO_YAML.read_text()), key: value}
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code, out, err = _run(capsys, "demo", str(path), "--steps", "1")
+    assert code == 0, out + err
+    assert f"not used by the demo's tiny GPT (it is built from the attention and model-shape keys only): {key}" in out

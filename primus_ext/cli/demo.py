@@ -285,6 +285,10 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_roo
         layout = (f"EOD-separated documents in {tuple(dense_mask_batches[0].tokens.shape)} rows, converted to "
                   f"packed THD (~{batches[0].documents} documents per step)")
     print(f"primus-ext demo: {origin}")
+    unused = dm.unused_keys(config)
+    if unused:
+        print(f"not used by the demo's tiny GPT (it is built from the attention and model-shape keys only): "
+              f"{', '.join(unused)}")
     print(f"model: megatron-core GPT, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads / {cfg.num_query_groups} query groups, vocab {opts.vocab_size}, "
           f"on {device.type} in {precision}; data: counting documents, {layout}", flush=True)

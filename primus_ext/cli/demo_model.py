@@ -120,6 +120,20 @@ def single_process_world() -> Iterator[None]:
 
 
 # -- model ---------------------------------------------------------------------------
+_READ = frozenset(READERS) - {"params_dtype"}
+"""The YAML's TransformerConfig keys the demo's model takes: those with a typed reader, which `config_input` has
+read (``params_dtype`` is a dtype's name there; the demo's precision follows bf16 / fp16)."""
+
+
+def unused_keys(yaml_config: Mapping[str, Any]) -> list[str]:
+    """The YAML's other TransformerConfig keys (``ffn_hidden_size``, ``normalization``, ...): the demo's tiny
+    GPT is built without them, and says so, rather than hand megatron-core values no reader has checked."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return sorted(k for k in yaml_config if k in fields and k not in _READ and k not in _FORCED)
+
+
 def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
     """A ``TransformerConfig`` from the YAML's Megatron keys, forced onto one CPU process."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -128,7 +142,7 @@ def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
         if int(yaml_config.get(key) or 1) != 1:
             raise _demo(key, f"the demo runs in one process; {key} is {yaml_config[key]}", f"set {key}: 1.")
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    values = {**_DEFAULTS, **{k: v for k, v in yaml_config.items() if k in fields}, **_FORCED}
+    values = {**_DEFAULTS, **{k: v for k, v in yaml_config.items() if k in fields and k in _READ}, **_FORCED}
     if values.get("window_size") is not None:
         why = READERS["window_size"]("window_size", values["window_size"], yaml_config)
         if why is not None:  # the typed reader `check` uses: the key named, a right value given

@@ -252,3 +252,100 @@ def test_the_demo_says_which_megatron_keys_its_tiny_gpt_does_not_use(tmp_path, c
     code, out, err = _run(capsys, "demo", str(path), "--steps", "1")
     assert code == 0, out + err
     assert f"not used by the demo's tiny GPT (it is built from the attention and model-shape keys only): {key}" in out
+
+
+# -- the hostile newcomer review's findings --------------------------------------------------------------
+GPT_OSS = ROOT / "configs" / "examples" / "gpt_oss_sinks.yaml"
+
+
+def _yaml(tmp_path: Path, base: Path, drop: tuple[str, ...] = (), **keys) -> str:
+    data = {k: v for k, v in yaml.safe_load(base.read_text()).items() if k not in drop}
+    data.update(keys)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_demo_refuses_what_check_refuses_before_training(tmp_path, capsys):
+    path = _yaml(tmp_path, GPT_OSS, position_embedding_type="alibi")
+    for command in (["check", path], ["selftest", path], ["demo", path, "--steps", "1"]):
+        code, out, err = _run(capsys, *command)
+        assert code == 2 and "[position_embedding_type, attention_bias]" in err, command
+        assert "loss=" not in out
+
+
+@pytest.mark.parametrize("value", ["ALiBi", "rop", "Rope"])
+def test_position_embedding_type_is_one_of_megatron_s(tmp_path, capsys, value):
+    code, _, err = _run(capsys, "check", _yaml(tmp_path, GPT_OSS, position_embedding_type=value))
+    assert code == 2 and "position_embedding_type must be one of learned_absolute, rope" in err
+
+
+def test_the_demo_honours_group_query_attention_false(tmp_path, capsys):
+    path = _yaml(tmp_path, DEMO_YAML, group_query_attention=False)
+    code, out, err = _run(capsys, "demo", path, "--steps", "1")
+    assert code == 0, err
+    assert "4 heads / 4 query groups" in out and "heads=4 |" in out
+
+
+def test_a_misspelt_model_key_is_refused_with_the_key_it_looks_like(tmp_path, capsys):
+    path = _yaml(tmp_path, GPT_OSS, drop=("num_query_groups",), num_query_group=2)
+    for command in ("check", "selftest", "demo"):
+        code, _, err = _run(capsys, command, path)
+        assert code == 2 and "[num_query_group]" in err and "rename it to num_query_groups" in err, command
+
+
+def test_a_misspelt_model_key_in_an_experiment_s_overrides_is_refused(tmp_path, capsys):
+    root, path = _experiment(tmp_path, lambda d: d["modules"]["pre_trainer"]["overrides"].update(num_query_group=4))
+    code, _, err = _run(capsys, "check", str(path), "--primus-root", str(root))
+    assert code == 2 and "num_query_groups keeps its value 2" in err
+
+
+def test_no_primus_config_key_is_taken_for_a_misspelt_model_key():
+    from primus_ext.megatron.validate import lookalike_model_keys
+
+    keys = (ROOT / "tests" / "megatron" / "primus_config_keys.txt").read_text().split()
+    assert not lookalike_model_keys({key: 1 for key in keys})
+
+
+def test_mla_layers_see_every_query_head_as_a_key_value_head(tmp_path, capsys):
+    path = _yaml(tmp_path, GPT_OSS, drop=("use_sink_attention", "sink_sliding_window"), multi_latent_attention=True,
+                 qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=128, seq_length=64)
+    code, out, err = _run(capsys, "check", path)
+    assert code == 0, err
+    from primus_ext.megatron.facts import layer_facts
+
+    facts = layer_facts(yaml.safe_load(Path(path).read_text()), 1)
+    assert facts.num_kv_heads == facts.num_heads == 8  # megatron-core's MLA up-projects k and v to every head
+    code, _, err = _run(capsys, "demo", path, "--steps", "1")
+    assert code == 2 and "[multi_latent_attention]" in err
+
+
+def test_selftest_runs_a_dense_reset_attention_mask_layer_on_its_varlen_route(tmp_path, capsys):
+    path = _yaml(tmp_path, ROOT / "configs" / "examples" / "eod_documents.yaml", drop=("demo",),
+                 packed_sequences=False)
+    code, out, err = _run(capsys, "selftest", path)
+    assert code == 0, out + err
+    assert "packed: causal, documents" in out and "FAILED" not in out
+
+
+def test_check_says_megatron_s_own_attention_runs_when_both_switches_are_off(tmp_path, capsys):
+    path = _yaml(tmp_path, GPT_OSS, use_turbo_attention=False, use_turbo_flex_attention=False)
+    for command in ("check", "selftest"):
+        code, out, _ = _run(capsys, command, path)
+        assert code == 0 and "Megatron's own core attention" in out and "flash_attn" not in out, command
+
+
+def test_check_names_a_hook_the_direct_path_does_not_run(tmp_path, capsys):
+    path = _yaml(tmp_path, GPT_OSS, use_turbo_flex_attention=False,
+                 turbo_flex_attention_mask_mod="primus_ext.attention.masks:prefix_lm",
+                 turbo_flex_attention_mask_mod_kwargs={"prefix_length": 64})
+    code, out, err = _run(capsys, "check", path, "--arch", "gfx942")
+    assert code == 0, err
+    assert "not used: turbo_flex_attention_mask_mod (layers 1-4 run the direct path" in out
+
+
+@pytest.mark.parametrize("picture,why", [("x.txt", "give a file name ending in .png"),
+                                         ("/no/such/folder/x.png", "does not exist")])
+def test_a_picture_that_cannot_be_written_is_refused_before_the_plans(capsys, picture, why):
+    code, out, err = _run(capsys, "check", str(DEMO_YAML), "--picture", picture)
+    assert code == 2 and why in err and out == ""

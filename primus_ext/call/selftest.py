@@ -321,6 +321,8 @@ def routes_of(plan: AttentionPlan) -> list[bool]:
     if plan.backend not in ("turbo", "flex") or (not plan.flex and (plan.dense_entry or "").endswith("_fp8_func")):
         return []  # reference needs no test; context-parallel and fp8 entries need their own harness
     hooks = plan.mask_mod is not None or plan.score_mod is not None  # packed calls with hooks are refused (B17)
+    if plan.mask_documents:  # dense batches' documents, read from Megatron's mask, run on the varlen entry
+        return [True]
     return [packed for packed in (False, True)
             if (plan.packed is None or plan.packed is packed) and not (packed and hooks)]
 

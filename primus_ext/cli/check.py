@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -251,6 +252,18 @@ def _shared_prefix_notes(plans: Sequence[AttentionPlan]) -> list[str]:
             "prepare_shared_prefix(model)"]
 
 
+def _hook_notes(settings: TurboAttentionSettings, plans: Sequence[AttentionPlan]) -> list[str]:
+    """Hooks the YAML names that the direct path leaves alone (B1: with flex off nothing changes)."""
+    hooks = [key for key in ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod")
+             if getattr(settings, key)]
+    layers = [plan.layer_number for plan in plans if not plan.flex]
+    if not hooks or not layers:
+        return []
+    return [f"not used: {', '.join(hooks)} ({layer_list(layers)} run the direct path, use_turbo_flex_attention: "
+            "false, which calls the kernels with causal / window_size only and runs no hook, B1); set "
+            "use_turbo_flex_attention: true to run the hook"]
+
+
 def _flex_notes(plans: Sequence[AttentionPlan]) -> list[str]:
     """Layers on the ``flex`` backend where no GPU is: they plan, but torch's flex_attention has no CPU backward."""
     layers = [plan.layer_number for plan in plans if plan.backend == "flex"]
@@ -289,6 +302,18 @@ def _tp_notes(config: Mapping[str, Any], ranks: Mapping[int, Sequence[AttentionP
     return lines
 
 
+def _picture_problem(picture: Optional[str]) -> str:
+    """Why ``--picture`` cannot be written, found before any plan is printed."""
+    if picture is None:
+        return ""
+    if not picture.lower().endswith(".png"):
+        return f"--picture {picture}: the picture is a PNG; give a file name ending in .png"
+    folder = os.path.dirname(os.path.abspath(picture))
+    if not os.path.isdir(folder):
+        return f"--picture {picture}: the folder {folder} does not exist; create it or name another"
+    return ""
+
+
 def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] = None,
               out=None, err=None, arch: Optional[str] = None, primus_root: Optional[str] = None,
               turbo_build: Optional[str] = None) -> int:
@@ -303,7 +328,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    problem = build_option_problem(turbo_build, arch)
+    problem = build_option_problem(turbo_build, arch) or _picture_problem(picture)
     if problem:
         print(problem, file=err)
         return REFUSED
@@ -332,6 +357,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     if plans:
         print(file=out)
         notes = (_backend_notes(plans) + _kernel_notes(plans) + _shared_prefix_notes(plans) + _flex_notes(plans)
+                 + _hook_notes(settings, plans)
                  + _cp_notes(config, plans)
                  + _tp_notes(config, ranks))
         for line in notes:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, TextIO, Union
 
 from .. import refusals as R
 from ..errors import UnsupportedConfigError
-from ..megatron.validate import transformer_config_problems
+from ..megatron.validate import lookalike_model_keys, transformer_config_problems
 from ..settings import TurboAttentionSettings
 from ..settings.model_keys import model_key_problems
 from ..settings.primus_config import PrimusExperiment
@@ -36,7 +36,9 @@ class CommandInput:
     settings: TurboAttentionSettings
     experiment: Optional[PrimusExperiment]
     idle: str = ""
-    """Why no layer of ours would run (a module fragment, Primus's own attention); empty when some would."""
+    """Why no layer of ours would run (a module fragment, Primus's or Megatron's own attention); empty when
+    some would."""
+    fragment: bool = False
 
 
 def settings_for(config: dict, arch: Optional[str], err: Any,
@@ -55,7 +57,7 @@ def settings_for(config: dict, arch: Optional[str], err: Any,
 def model_problems(config: Mapping[str, Any]) -> list[str]:
     """What is missing or malformed among the model-shape keys the plans need (each key's typed reader), then
     what megatron-core's own ``TransformerConfig`` refuses of them together."""
-    reasons = model_key_problems(config)
+    reasons = model_key_problems(config) + lookalike_model_keys(config)
     if not reasons:
         reasons = transformer_config_problems(config)
     return [reason.render() for reason in reasons]
@@ -93,7 +95,12 @@ def read_input(path: Optional[str], out: TextIO, err: TextIO, *, arch: Optional[
                       "(nothing to plan here).")
         return found
     if path is not None and is_module_fragment(config):
-        found.idle = fragment_note(path, settings)
+        found.idle, found.fragment = fragment_note(path, settings), True
+        return found
+    if not (settings.use_turbo_attention or settings.use_turbo_flex_attention):
+        found.idle = ("use_turbo_attention and use_turbo_flex_attention are false: primus_ext's spec providers build "
+                      "Megatron's own core attention for every layer (nothing of primus_ext to plan). Set "
+                      "use_turbo_attention: true (the direct Turbo path) or both (the flex path) to plan it.")
         return found
     if seq_len is not None:
         if not 1 <= seq_len <= 2 ** 31 - 1:

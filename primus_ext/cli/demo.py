@@ -34,6 +34,7 @@ from ..errors import UnsupportedConfigError, UnsupportedInputError
 from ..settings import TurboAttentionSettings
 from ..settings.yaml_file import load_yaml_mapping
 from . import demo_model as dm
+from .check import _plans, _refusal_text
 from .config_input import read_input
 
 LOSS_TOLERANCE = 1e-5
@@ -164,6 +165,13 @@ def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tu
         "the direct path cannot express the hook, so the exact reference backend is the comparison")
 
 
+def _refused_direct(exc: Any) -> str:
+    """Why there is nothing to compare with when the direct path refuses a layer the flex run trained."""
+    reasons = " ".join(f"{r.reason} ({r.code})" if r.code else r.reason for r in exc.reasons)
+    return ("the direct path (use_turbo_flex_attention: false), the comparison, refuses this layer here, while the "
+            f"flex run trained it: {reasons}")
+
+
 def _refused_by_flex(exc: Any) -> str:
     """Why there is nothing to compare with when the flex backend refuses the hook: its reasons."""
     reasons = " ".join(f"{r.reason} ({r.code})" if r.code else r.reason for r in exc.reasons)
@@ -238,7 +246,7 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_roo
     if isinstance(found, int):
         return found
     config, settings, origin = found.config, found.settings, found.path
-    if found.idle and found.experiment is None:
+    if found.fragment:
         print(found.idle + " For the demo, run configs/examples/demo.yaml.")
         return 0
     if not (settings.use_turbo_attention and settings.use_turbo_flex_attention):
@@ -261,6 +269,11 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_roo
     device = torch.device("cuda" if real_turbo and torch.cuda.is_available() else "cpu")
     # An explicit `turbo` flex backend cannot load without Primus-Turbo; give it the fake too.
     flex_on_fake = not real_turbo and settings.turbo_flex_attention_backend == "turbo"
+    with _maybe_fake(flex_on_fake):
+        refused = [(layer, o) for layer, o in _plans(settings, config) if isinstance(o, UnsupportedConfigError)]
+    if refused:  # what check refuses, the demo does not train: the same plans, before any model is built
+        print("\n".join(_refusal_text(refused)), file=sys.stderr)
+        return 2
 
     dense_mask_batches: Optional[list] = None
     if opts.eod_documents:
@@ -326,10 +339,10 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_roo
                 try:
                     if label:
                         other = _model(other_cfg, other_settings, opts, seq_length, device, core_attention)
-                except UnsupportedConfigError as exc:  # a refused partner: only torch-flex may be
-                    if label != FLEX:
+                except UnsupportedConfigError as exc:  # a refused partner: the config itself passed its plans
+                    if label not in (FLEX, "direct"):
                         raise
-                    label, why = "", _refused_by_flex(exc)
+                    label, why = "", (_refused_by_flex(exc) if label == FLEX else _refused_direct(exc))
                 if why:
                     note = f"; {FORWARD_ONLY}" if forward_only and label else ""
                     print(f"compared with: {label or 'nothing'} ({why}{note})")

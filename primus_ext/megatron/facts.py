@@ -67,13 +67,15 @@ def layer_facts(source: Any, layer_number: int, *, tp_rank: int = 0, **overrides
     heads = int(_get(source, "num_attention_heads"))
     # Megatron-LM passes num_query_groups on only with group_query_attention (a YAML may keep the number)
     gqa_off = isinstance(source, Mapping) and source.get("group_query_attention") is False
-    groups = heads if gqa_off else int(_get(source, "num_query_groups", heads))
+    # MLA's core attention gets keys and values up-projected to every query head: no groups there
+    mla = bool(_get(source, "multi_latent_attention", False))
+    groups = heads if gqa_off or mla else int(_get(source, "num_query_groups", heads))
     tp = int(_get(source, "tensor_model_parallel_size", 1))
     head_dim = _get(source, "kv_channels")
     if head_dim is None:
         head_dim = int(_get(source, "hidden_size")) // heads
     head_dim_v = None
-    if _get(source, "multi_latent_attention", False):  # MLA's core attention: q/k and v dims of its own
+    if mla:  # MLA's core attention: q/k and v dims of its own
         head_dim = int(_get(source, "qk_head_dim")) + int(_get(source, "qk_pos_emb_head_dim"))
         head_dim_v = int(_get(source, "v_head_dim"))
     facts = dict(

@@ -10,6 +10,8 @@ do not divide without ``kv_channels``, which megatron-core silently rounds down)
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import warnings
 from typing import Any, Mapping
 
@@ -58,4 +60,34 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     return []
 
 
-__all__ = ["FIELDS", "transformer_config_problems"]
+LOOKALIKE_CUTOFF = 0.9
+"""How alike (difflib's ratio, the lower of both directions) an unknown key must be to a model key to be taken for
+its typo: none of the 1,027 top-level keys of Primus fd1eeab's configs is this close to one it is not."""
+
+
+def lookalike_model_keys(config: Mapping[str, Any]) -> list[Reason]:
+    """A "did you mean" reason per key of ``config`` that neither megatron-core nor primus_ext reads and that is
+    nearly a model-shape key the plans read (``num_query_group``): as written the plan would keep the default."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from ..settings.model_keys import READERS
+    from ..settings.settings import SETTING_KEYS
+    from ..settings.yaml_file import MODEL_KEYS
+
+    known = {f.name for f in dataclasses.fields(MLATransformerConfig)} | set(SETTING_KEYS) | set(READERS)
+    targets = set(READERS) | set(MODEL_KEYS)
+    reasons = []
+    for key in config:
+        if not isinstance(key, str) or key in known:
+            continue
+        alike = {t: min(difflib.SequenceMatcher(None, key, t).ratio(), difflib.SequenceMatcher(None, t, key).ratio())
+                 for t in targets}
+        best = max(alike, key=alike.__getitem__)
+        if alike[best] >= LOOKALIKE_CUTOFF:
+            value = config.get(best)
+            reasons.append(R.MODEL_KEY_LOOKALIKE.reason_for(key=key, suggestion=best, value=(
+                f"its value {value!r}" if value is not None else "Megatron's default")))
+    return reasons
+
+
+__all__ = ["FIELDS", "lookalike_model_keys", "transformer_config_problems"]

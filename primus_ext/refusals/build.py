@@ -55,6 +55,9 @@ MODEL_KEY_HEAD_DIM = build_rule(
     "model-key", ("kv_channels", "hidden_size"),
     "kv_channels or hidden_size must be set: the head dim comes from one (for example kv_channels: 128).",
     "set kv_channels (the head dim) or hidden_size.")
+MODEL_KEY_LOOKALIKE = build_rule(
+    "model-key", ("{key}",), "{key} is not a key megatron-core or primus_ext reads, and looks like {suggestion}; as "
+    "written it is ignored and {suggestion} keeps {value}.", "rename it to {suggestion}, or remove it.")
 MODEL_KEY_VALUE = build_rule("model-key", ("{key}",), "{why}; got {got}.", "write {key} as the message shows.")
 
 # -- who owns use_turbo_flex_attention in a Primus (`primus_ext.settings.primus_owner`) ------------------------

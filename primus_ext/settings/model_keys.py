@@ -85,9 +85,6 @@ def _comm(key: str, value: Any, config: Mapping[str, Any]) -> Optional[str]:
     return f"{key} must be a string (for example {key}: a2a) or a list of strings, one per layer"
 
 
-def _text(key: str, value: Any, config: Mapping[str, Any]) -> Optional[str]:
-    return None if isinstance(value, str) else f"{key} must be a string (for example {key}: rope)"
-
 
 READERS: dict[str, Reader] = {
     "num_layers": _positive, "hidden_size": _positive, "num_attention_heads": _positive,
@@ -97,7 +94,8 @@ READERS: dict[str, Reader] = {
     "window_size": _window, "window_attn_skip_freq": _skip_freq,
     "attention_dropout": _probability, "softmax_scale": _scale,
     "softmax_type": _choice("vanilla", "off-by-one", "learnable"),
-    "position_embedding_type": _text, "cp_comm_type": _comm,
+    "position_embedding_type": _choice("learned_absolute", "rope", "mrope", "yarn", "relative", "none", "alibi"),
+    "cp_comm_type": _comm,
     "bf16": _bool, "fp16": _bool, "sequence_parallel": _bool, "group_query_attention": _bool,
     "multi_latent_attention": _bool, "qk_head_dim": _positive, "qk_pos_emb_head_dim": _positive,
     "v_head_dim": _positive,

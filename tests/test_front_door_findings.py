@@ -349,3 +349,21 @@ def test_check_names_a_hook_the_direct_path_does_not_run(tmp_path, capsys):
 def test_a_picture_that_cannot_be_written_is_refused_before_the_plans(capsys, picture, why):
     code, out, err = _run(capsys, "check", str(DEMO_YAML), "--picture", picture)
     assert code == 2 and why in err and out == ""
+
+
+@pytest.mark.parametrize("stages, code", [(2, 2), (3, 0)])
+def test_layers_pipeline_stages_do_not_divide_are_refused_as_megatron_core_builds(tmp_path, capsys, stages, code):
+    """megatron-core asserts num_layers % pipeline_model_parallel_size == 0 when it builds a stage's layers:
+    ``check`` printed plans for 3 layers at pipeline_model_parallel_size 2 with exit 0."""
+    path = _yaml(tmp_path, GPT_OSS, num_layers=3, pipeline_model_parallel_size=stages)
+    for command in ("check", "selftest"):
+        got, _, err = _run(capsys, command, path)
+        assert got == code, (command, err)
+        assert (code == 2) == ("[num_layers, pipeline_model_parallel_size]" in err), err
+
+
+def test_an_uneven_pipeline_split_is_left_to_megatron_core(tmp_path, capsys):
+    path = _yaml(tmp_path, GPT_OSS, num_layers=3, pipeline_model_parallel_size=2,
+                 num_layers_in_first_pipeline_stage=1)
+    got, _, err = _run(capsys, "check", path)
+    assert "pipeline-layers" not in err and "[num_layers, pipeline_model_parallel_size]" not in err

@@ -31,10 +31,15 @@ MEGATRON_READ = {
     "hidden_size": 128, "window_size": [4, 0], "window_attn_skip_freq": 2, "attention_dropout": 0.1,
     "context_parallel_size": 2, "cp_comm_type": "p2p", "position_embedding_type": "rope",
     "softmax_type": "learnable", "seq_length": 64, "softmax_scale": 0.5, "bf16": True, "fp16": True,
-    "params_dtype": "fp16", "packed_sequences": True,
+    "params_dtype": "fp16", "packed_sequences": True, "group_query_attention": False,
+    "multi_latent_attention": True, "qk_head_dim": 24, "qk_pos_emb_head_dim": 16, "v_head_dim": 24,
 }
 """Megatron keys `layer_facts` reads (a YAML in ``check``, a ``TransformerConfig`` in the modules)."""
 SHAPE_ONLY = {"num_layers"}  # read by ``check`` and the demo for the layer count, not per layer
+MLA = {"multi_latent_attention": True, "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16}
+VALIDATED = {"pipeline_model_parallel_size": 3, "sequence_parallel": True}
+"""Keys ``check`` reads only to refuse a model megatron-core would not build (not a layer fact): each value here
+is one megatron-core refuses with the base shape."""
 OTHER = {"demo"}  # the demo's own mapping, ignored by the Turbo settings
 MEGATRON_OWN = {"spec"}
 PRIMUS_READ = {"enable_primus_turbo"}  # Primus's switch, read by the Primus patch's condition  # Megatron-LM's own argument (the layer spec it imports), shown in docs/primus.md
@@ -67,7 +72,7 @@ def yaml_keys() -> dict[str, str]:
 
 
 def test_every_key_the_docs_name_is_one_the_plan_reads():
-    known = set(SETTING_KEYS) | set(MEGATRON_READ) | SHAPE_ONLY | OTHER | MEGATRON_OWN | PRIMUS_READ
+    known = set(SETTING_KEYS) | set(MEGATRON_READ) | set(VALIDATED) | SHAPE_ONLY | OTHER | MEGATRON_OWN | PRIMUS_READ
     unknown = {key: where for key, where in yaml_keys().items() if key not in known}
     assert not unknown, f"keys shown to users that nothing reads: {unknown}"
 
@@ -76,9 +81,20 @@ def test_every_key_the_docs_name_is_one_the_plan_reads():
 def test_each_megatron_key_changes_the_layer_facts(key):
     # window_attn_skip_freq decides which layers get window_size: layer 2 of every 2nd has none
     context, layer = ({"window_size": [4, 0]}, 2) if key == "window_attn_skip_freq" else ({}, 1)
+    if key in MLA:  # MLA's head dims are read only under MLA, and MLA needs them
+        context = {k: v for k, v in MLA.items() if k != key or key != "multi_latent_attention"}
     base = layer_facts({**BASE, **context}, layer)
     changed = layer_facts({**BASE, **context, key: MEGATRON_READ[key]}, layer)
     assert changed != base, key
+
+
+@pytest.mark.parametrize("key", sorted(VALIDATED))
+def test_each_validated_key_is_checked_as_megatron_core_checks_it(key):
+    from primus_ext.megatron.validate import transformer_config_problems
+
+    assert not transformer_config_problems(BASE)
+    problems = transformer_config_problems({**BASE, key: VALIDATED[key]})
+    assert problems and key in str(problems[0]), problems
 
 
 def _other_value(key: str) -> Any:

@@ -4,8 +4,10 @@ A model whose ``TransformerConfig`` megatron-core would not build (4 heads at
 ``tensor_model_parallel_size: 3``) has no layers to plan; ``check`` must refuse it as the build would, not
 print head ranges that leave heads on no rank.  So the keys ``check`` reads that are ``TransformerConfig``
 fields become one, built by megatron-core with its own validation (``__post_init__``), and its refusal is
-ours, naming the keys.  Megatron-LM's own argument check that megatron-core leaves out (a hidden size the heads
-do not divide without ``kv_channels``, which megatron-core silently rounds down) is added here.
+ours, naming the keys.  Two checks that building a ``TransformerConfig`` leaves out are added here:
+megatron-core's own at block build (layers divisible by pipeline stages, ``transformer_block.
+get_num_layers_to_build``) and Megatron-LM's argument check (a hidden size the heads do not divide without
+``kv_channels``, which megatron-core silently rounds down).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"
           "fp16", "cp_comm_type")
 """The ``TransformerConfig`` fields a YAML's keys give one for one (the others keep megatron-core's defaults)."""
 
+UNEVEN_PIPELINE = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                   "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                   "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                   "account_for_loss_in_pipeline_split")
+"""Keys (megatron-core's and Megatron-LM's names) that split layers over pipeline stages unevenly: megatron-core
+checks that split itself when it builds, so an even split is asked for only without them."""
+
 
 def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     """megatron-core's refusal of these keys as a ``TransformerConfig`` (empty: it builds); the keys must have
@@ -42,6 +51,9 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     elif "kv_channels" not in values and values["hidden_size"] % heads:
         return [R.HIDDEN_NOT_DIVISIBLE.reason_for(hidden=values['hidden_size'], heads=heads,
                                                   rounded=values['hidden_size'] // heads)]
+    stages = values.get("pipeline_model_parallel_size", 1)
+    if config.get("num_layers") is not None and values["num_layers"] % stages and not any(config.get(key) for key in UNEVEN_PIPELINE):
+        return [R.PIPELINE_LAYERS.reason_for(layers=values["num_layers"], stages=stages)]
     if "window_size" in values:
         values["window_size"] = tuple(values["window_size"])
     dtype = torch.bfloat16 if values.get("bf16") else torch.float16 if values.get("fp16") else torch.float32

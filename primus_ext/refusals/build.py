@@ -179,6 +179,12 @@ HIDDEN_NOT_DIVISIBLE = build_rule(
     "hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and kv_channels is not set: Megatron-LM "
     "refuses it (megatron-core would round the head dim down to {rounded}).",
     "set kv_channels to the head dim, or a hidden_size that the heads divide.")
+PIPELINE_LAYERS = build_rule(
+    "pipeline-layers", ("num_layers", "pipeline_model_parallel_size"),
+    "num_layers {layers} is not a multiple of pipeline_model_parallel_size {stages}: megatron-core refuses to "
+    "build the stages' layers (get_num_layers_to_build).",
+    "set num_layers to a multiple of pipeline_model_parallel_size, or give Megatron an uneven split "
+    "(num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage).")
 MEGATRON_CONFIG = build_rule(
     "megatron-config", ("{*named}",), "megatron-core's TransformerConfig refuses these model keys: {error}",
     "choose values megatron-core builds (heads and query groups divisible by tensor_model_parallel_size, ...).")

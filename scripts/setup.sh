@@ -2,7 +2,8 @@
 # Create .venv (once) and install primus_ext with a pinned CPU torch.
 # torch is installed first and pinned: an open range would make pip fetch a
 # multi-GB CUDA build on a machine without a GPU.
-# A first run takes about 3 minutes on a 2-core machine; later runs about 10 s.
+# A later run with the same pyproject.toml and this script finds its stamp in .venv and installs
+# nothing (the package is installed editable, so code changes need no reinstall).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,13 +15,22 @@ else
   say "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
-say "installing $TORCH (CPU build; about 2 minutes on a first run) ..."
-.venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH"
-say "installing primus_ext with megatron-core, test and CLI extras (about 1 minute on a first run) ..."
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[megatron,test,cli]"
-# The mask libraries FlexAttention users already have, for the tests that run their factories as
-# their docs show. --no-deps: only their mask modules are used, and their training stacks
-# (torchtitan's tyro, torchdata, ...) are large and irrelevant here.
-say "installing the mask libraries attn-gym and torchtitan (tests only, --no-deps) ..."
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps attn-gym==0.0.17 torchtitan==0.3.0
-say "ready: $(.venv/bin/python -W ignore -c 'import torch, megatron.core as m; print(f"torch {torch.__version__}, megatron-core {m.__version__}")' 2>/dev/null)"
+# What the installs below depend on: a change to either file (or to the torch pin) installs again.
+STAMP=.venv/.primus-ext-setup
+WANT="$TORCH $(cat pyproject.toml scripts/setup.sh | .venv/bin/python -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  say "already installed for this pyproject.toml and $TORCH (delete $STAMP to install again)"
+else
+  rm -f "$STAMP"
+  say "installing $TORCH (CPU build; about 2 minutes on a first run) ..."
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH"
+  say "installing primus_ext with megatron-core, test and CLI extras (about 1 minute on a first run) ..."
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[megatron,test,cli]"
+  # The mask libraries FlexAttention users already have, for the tests that run their factories as
+  # their docs show. --no-deps: only their mask modules are used, and their training stacks
+  # (torchtitan's tyro, torchdata, ...) are large and irrelevant here.
+  say "installing the mask libraries attn-gym and torchtitan (tests only, --no-deps) ..."
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps attn-gym==0.0.17 torchtitan==0.3.0
+  echo "$WANT" > "$STAMP"
+fi
+say "ready: $(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch " + v("torch") + ", megatron-core " + v("megatron-core"))')"

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH="torch==${PRIMUS_EXT_TORCH:-2.13.0}"
-say() { echo "setup.sh: $*" >&2; }
+say() { echo "setup.sh [${SECONDS} s]: $*" >&2; }  # elapsed time: a first run installs for a minute or more
 if [ -x .venv/bin/python ]; then
   say "using the existing .venv"
 else
@@ -22,9 +22,9 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   say "already installed for this pyproject.toml and $TORCH (delete $STAMP to install again)"
 else
   rm -f "$STAMP"
-  say "installing $TORCH (CPU build; about 2 minutes on a first run) ..."
+  say "installing $TORCH (CPU build, the largest download) ..."
   .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH"
-  say "installing primus_ext with megatron-core, test and CLI extras (about 1 minute on a first run) ..."
+  say "installing primus_ext with megatron-core, test and CLI extras ..."
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[megatron,test,cli]"
   # The mask libraries FlexAttention users already have, for the tests that run their factories as
   # their docs show. --no-deps: only their mask modules are used, and their training stacks

@@ -367,3 +367,12 @@ def test_an_uneven_pipeline_split_is_left_to_megatron_core(tmp_path, capsys):
                  num_layers_in_first_pipeline_stage=1)
     got, _, err = _run(capsys, "check", path)
     assert "pipeline-layers" not in err and "[num_layers, pipeline_model_parallel_size]" not in err
+
+
+def test_the_readme_s_timings_name_their_date_commit_and_machine():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    stamp = re.search(r"measured on (\d{4}-\d{2}-\d{2}) from a fresh clone of ([0-9a-f]{7,40}) on (a [^,.]+)", text)
+    assert stamp, "the README's timings must say when, of which commit, and on what machine they were measured"
+    if (ROOT / ".git").exists():  # the commit named is one of this repository's
+        known = subprocess.run(["git", "cat-file", "-e", stamp.group(2) + "^{commit}"], cwd=ROOT)
+        assert known.returncode == 0, stamp.group(2)

@@ -100,7 +100,6 @@ REVIEW = {
     "window bound 10**23": ({"window_size": [10 ** 23, 0]}, "window_size"),
     "seq_length 10**23": ({"seq_length": 10 ** 23}, "seq_length"),
     "bf16 and fp16": ({"bf16": True, "fp16": True}, "bf16"),
-    "sequence_parallel at TP 1": ({"sequence_parallel": True}, "sequence_parallel"),
     "MLA without its head dims": ({"multi_latent_attention": True}, "qk_head_dim"),
 }
 """Found by a hostile review: each exited 0 with a wrong plan, gave a traceback, or named other keys."""
@@ -113,6 +112,15 @@ def test_a_value_the_review_found_exits_2_naming_its_key(tmp_path, capsys, case)
     assert code == 2 and "Traceback" not in text, text
     line = next(l for l in text.splitlines() if l.strip().startswith("- ["))
     assert named in line.split("]")[0], line
+
+
+def test_sequence_parallel_at_tp_1_is_not_refused(tmp_path, capsys):
+    """Megatron-LM's validate_args turns sequence_parallel off at TP 1 (Primus's language_model.yaml sets it true
+    for every model): check refused every TP-1 Primus experiment, GPT-OSS-20B's included."""
+    code, text = _check(tmp_path, capsys, {"sequence_parallel": True})
+    assert code == 0, text
+    code, text = _check(tmp_path, capsys, {"sequence_parallel": True, "tensor_model_parallel_size": 2})
+    assert code == 0, text
 
 
 def test_a_huge_seq_len_option_is_ours(tmp_path, capsys):

@@ -376,3 +376,28 @@ def test_the_readme_s_timings_name_their_date_commit_and_machine():
     if (ROOT / ".git").exists():  # the commit named is one of this repository's
         known = subprocess.run(["git", "cat-file", "-e", stamp.group(2) + "^{commit}"], cwd=ROOT)
         assert known.returncode == 0, stamp.group(2)
+
+
+def test_an_unknown_fault_is_refused_naming_the_option(capsys):
+    """``selftest --fault nonsense`` ended in a ValueError traceback."""
+    for name in ("nonsense", ""):
+        code, _, err = _run(capsys, "selftest", str(GPT_OSS), "--fault", name)
+        assert code == 2 and "[--fault] unknown fault" in err and "sink_backward_ignores_right_window" in err
+
+
+def test_a_malformed_checkpoint_metadata_is_refused_naming_src(tmp_path, capsys):
+    """``convert-checkpoint`` on a directory whose metadata.json is not JSON ended in a JSONDecodeError traceback."""
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "metadata.json").write_text("{not json")
+    code, _, err = _run(capsys, "convert-checkpoint", str(tmp_path / "ck"), str(tmp_path / "out"), "--to", "primus_ext")
+    assert code == 2 and "[SRC]" in err and "JSONDecodeError" in err
+
+
+@pytest.mark.parametrize("factory, kwargs", [("prefix_lm", {"prefix_length": True}), ("prefix_lm", {"prefix_length": 64.9}),
+                                             ("sliding_window", {"left": 32.7}), ("chunked", {"chunk_size": 8.5})])
+def test_a_library_factory_refuses_a_float_or_bool_kwarg_instead_of_truncating_it(tmp_path, capsys, factory, kwargs):
+    """{prefix_length: true} planned prefix_lm(1), proven causal; {left: 32.7} a window of 32; both exit 0."""
+    path = _yaml(tmp_path, GPT_OSS, turbo_flex_attention_mask_mod=f"primus_ext.attention.masks:{factory}",
+                 turbo_flex_attention_mask_mod_kwargs=kwargs, use_sink_attention=False, sink_sliding_window=0)
+    code, _, err = _run(capsys, "check", path)
+    assert code == 2 and "must be an integer" in err and "turbo_flex_attention_mask_mod_kwargs" in err, err

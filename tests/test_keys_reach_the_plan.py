@@ -37,7 +37,7 @@ MEGATRON_READ = {
 """Megatron keys `layer_facts` reads (a YAML in ``check``, a ``TransformerConfig`` in the modules)."""
 SHAPE_ONLY = {"num_layers"}  # read by ``check`` and the demo for the layer count, not per layer
 MLA = {"multi_latent_attention": True, "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16}
-VALIDATED = {"pipeline_model_parallel_size": 3, "sequence_parallel": True}
+VALIDATED = {"pipeline_model_parallel_size": 3}
 """Keys ``check`` reads only to refuse a model megatron-core would not build (not a layer fact): each value here
 is one megatron-core refuses with the base shape."""
 OTHER = {"demo"}  # the demo's own mapping, ignored by the Turbo settings
@@ -72,7 +72,7 @@ def yaml_keys() -> dict[str, str]:
 
 
 def test_every_key_the_docs_name_is_one_the_plan_reads():
-    known = set(SETTING_KEYS) | set(MEGATRON_READ) | set(VALIDATED) | SHAPE_ONLY | OTHER | MEGATRON_OWN | PRIMUS_READ
+    known = set(SETTING_KEYS) | set(MEGATRON_READ) | set(VALIDATED) | {"sequence_parallel"} | SHAPE_ONLY | OTHER | MEGATRON_OWN | PRIMUS_READ
     unknown = {key: where for key, where in yaml_keys().items() if key not in known}
     assert not unknown, f"keys shown to users that nothing reads: {unknown}"
 
@@ -95,6 +95,15 @@ def test_each_validated_key_is_checked_as_megatron_core_checks_it(key):
     assert not transformer_config_problems(BASE)
     problems = transformer_config_problems({**BASE, key: VALIDATED[key]})
     assert problems and key in str(problems[0]), problems
+
+
+def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_lm_does():
+    """Primus's language_model.yaml sets sequence_parallel: true; Megatron-LM's validate_args (and Primus's
+    sequence_parallel_tp1 patch) turn it off at TP 1, so a TP-1 experiment must not be refused for it."""
+    from primus_ext.megatron.validate import transformer_config_problems
+
+    assert not transformer_config_problems({**BASE, "sequence_parallel": True})
+    assert not transformer_config_problems({**BASE, "sequence_parallel": True, "tensor_model_parallel_size": 2})
 
 
 def _other_value(key: str) -> Any:

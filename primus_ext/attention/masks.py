@@ -32,6 +32,14 @@ from .pattern import CAUSAL, FULL, MaskMod, Pattern
 _tagged = register_library_mask  # known by identity, never by an attribute a wrapper could copy
 
 
+def _integer(name: str, value: object) -> int:
+    """``value`` as an int; a float or a bool is refused, not truncated (``{prefix_length: true}`` was a prefix
+    of 1, so a causal mask; ``{left: 32.7}`` a window of 32)."""
+    if isinstance(value, (bool, float)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
 @hook_factory
 def full() -> MaskMod:
     """Every query sees every key."""
@@ -61,7 +69,7 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
 
     ``sliding_window(W)`` is a causal window of the current token plus ``W`` to its left.
     """
-    pattern = Pattern(int(left), int(right))
+    pattern = Pattern(_integer("left", left), _integer("right", right))
 
     def window_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return pattern.allows(q_idx, kv_idx)
@@ -72,9 +80,9 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
 @hook_factory
 def prefix_lm(prefix_length: int) -> MaskMod:
     """Bidirectional over the first ``prefix_length`` keys, causal after them."""
-    if int(prefix_length) < 0:
+    n = _integer("prefix_length", prefix_length)
+    if n < 0:
         raise ValueError(f"prefix_length must be >= 0, got {prefix_length}")
-    n = int(prefix_length)
 
     def prefix_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx < n
@@ -92,7 +100,7 @@ def packed_documents(
     (``causal=True``) and/or restricted by the flash-convention ``window``.
     """
     bounds = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens))
-    left, right = int(window[0]), int(window[1])
+    left, right = _integer("window[0]", window[0]), _integer("window[1]", window[1])
     if causal:
         right = 0
     pattern = Pattern(left, right, boundaries=bounds)
@@ -106,7 +114,7 @@ def packed_documents(
 @hook_factory
 def chunked(chunk_size: int, causal: bool = True) -> MaskMod:
     """Local attention in fixed chunks of ``chunk_size`` (Llama-4 style), causal inside."""
-    c = int(chunk_size)
+    c = _integer("chunk_size", chunk_size)
     if c <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
 

@@ -17,6 +17,7 @@ from ..errors import UnsupportedConfigError
 from ..plan.plan import AttentionPlan
 from ..call.selftest import RouteResult, clear, refuse_failures, self_test
 from ..testing import fake_primus_turbo
+from ..testing._fake_math import FAULTS
 from .check import _plans, format_table
 from .config_input import REFUSED, read_input
 from .turbo_build_option import build_option_problem, stand_in_note
@@ -47,6 +48,11 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
     backend it pinned); 0 when every route agrees with the reference, else 2.  The file is read as
     ``check`` reads it (`config_input.read_input`: a Primus experiment merged from ``primus_root``)."""
     out, err = out or sys.stdout, err or sys.stderr
+    unknown = sorted(set(faults) - FAULTS)
+    if unknown:
+        print(f"primus-ext selftest: [--fault] unknown fault {', '.join(map(repr, unknown))}; give one of "
+              f"{', '.join(sorted(FAULTS))}.", file=err)
+        return REFUSED
     problem = build_option_problem(turbo_build, arch)
     if problem:
         print(problem, file=err)

@@ -110,7 +110,9 @@ def inspect_checkpoint(directory: str | os.PathLike) -> SinkCheckpoint:
     from megatron.core import dist_checkpointing
 
     where = str(directory)
-    if not dist_checkpointing.check_is_distributed_checkpoint(where):
+    with _read(where):  # megatron-core parses metadata.json here: a malformed one is a JSONDecodeError
+        distributed = dist_checkpointing.check_is_distributed_checkpoint(where)
+    if not distributed:
         raise _refused("SRC", f"{where} is not a Megatron distributed (torch_dist) checkpoint: no metadata.json "
                        "there (ckpt_format: torch writes per-rank mp_rank_*/ files instead).",
                        "pass an iteration directory of a torch_dist checkpoint (iter_XXXXXXX), or convert a "

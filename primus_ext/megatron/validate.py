@@ -44,6 +44,8 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     values = {key: config[key] for key in FIELDS if config.get(key) is not None}
     if config.get("group_query_attention") is False:  # Megatron-LM then passes no num_query_groups
         values.pop("num_query_groups", None)
+    if values.get("tensor_model_parallel_size", 1) == 1:  # Megatron-LM's validate_args (and Primus) turn it off
+        values.pop("sequence_parallel", None)
     heads = values["num_attention_heads"]
     values.setdefault("num_layers", 1)
     if "hidden_size" not in values:

@@ -47,6 +47,7 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     if values.get("tensor_model_parallel_size", 1) == 1:  # Megatron-LM's validate_args (and Primus) turn it off
         values.pop("sequence_parallel", None)
     heads = values["num_attention_heads"]
+    layers_given = "num_layers" in values
     values.setdefault("num_layers", 1)
     if "hidden_size" not in values:
         values["hidden_size"] = values["kv_channels"] * heads
@@ -54,7 +55,8 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
         return [R.HIDDEN_NOT_DIVISIBLE.reason_for(hidden=values['hidden_size'], heads=heads,
                                                   rounded=values['hidden_size'] // heads)]
     stages = values.get("pipeline_model_parallel_size", 1)
-    if config.get("num_layers") is not None and values["num_layers"] % stages and not any(config.get(key) for key in UNEVEN_PIPELINE):
+    uneven = any(config.get(key) for key in UNEVEN_PIPELINE)
+    if layers_given and values["num_layers"] % stages and not uneven:
         return [R.PIPELINE_LAYERS.reason_for(layers=values["num_layers"], stages=stages)]
     if "window_size" in values:
         values["window_size"] = tuple(values["window_size"])

@@ -171,6 +171,15 @@ RULES: Tuple[Rule, ...] = (
          "keep one: window_size (with window_attn_skip_freq) or sink_sliding_window "
          "(with sink_window_even_layers_only).",
          lambda c: c.facts.window_size is not None and c.settings.sink_sliding_window > 0),
+    # megatron-core's off-by-one softmax registers its sink as a fixed zero buffer, Primus's
+    # use_sink_attention a learned one: the layer would train with the buffer, not the learned sink.
+    Rule("B10-sink", ("use_sink_attention", "softmax_type"),
+         "use_sink_attention asks for a learned per-head sink while softmax_type: off-by-one "
+         "makes it a fixed zero (megatron-core registers it as a buffer, never trained); they are "
+         "two sources for one sink.",
+         "keep one: use_sink_attention: true with softmax_type vanilla or learnable (a learned sink), "
+         "or softmax_type: off-by-one with use_sink_attention: false (a fixed zero sink).",
+         lambda c: c.settings.use_sink_attention and c.facts.softmax_type == "off-by-one"),
     Rule("B11", ("turbo_flex_attention_mask_mod", "sink_sliding_window", "window_size"),
          "a mask hook ({mask}) and a configured window {window} both decide the mask of layer "
          "{layer}; they are not silently composed or overridden.",

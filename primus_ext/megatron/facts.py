@@ -85,6 +85,7 @@ def layer_facts(source: Any, layer_number: int, *, tp_rank: int = 0, **overrides
         head_dim_v=head_dim_v,
         layer_number=layer_number,
         window_size=config_window(source, layer_number),
+        skip_freq_unused=None if _get(source, "window_size") else _get(source, "window_attn_skip_freq"),
         softmax_scale=_get(source, "softmax_scale"),
         attention_dropout=float(_get(source, "attention_dropout", 0.0)),
         seq_length=_get(source, "seq_length"),

@@ -34,6 +34,9 @@ class LayerFacts:
     position_embedding_type: str = "learned_absolute"
     has_attention_bias: bool = False
     return_attn_probs: bool = False
+    skip_freq_unused: object = None
+    """Megatron's ``window_attn_skip_freq`` as given where ``window_size`` is not set: megatron-core applies it
+    to ``window_size`` only, so it picks no layer (rule skip-freq-window)."""
     softmax_type: str = "vanilla"
     """Megatron's ``softmax_type``: ``learnable`` / ``off-by-one`` are sinks (learned / fixed 0)."""
     attn_mask_type: str = "causal"

@@ -121,6 +121,9 @@ class RuleInput:
             "torch_call_mask": self.torch_call.get("mask_mod", ""),
             "torch_call_score": self.torch_call.get("score_mod", ""),
             "window_given": short_repr(self.facts.window_size),
+            "skip_freq": short_repr(self.facts.skip_freq_unused),
+            "skip_freq_window": (f": the window here is sink_sliding_window {self.settings.sink_sliding_window}, whose "
+                                 "layers follow sink_window_even_layers_only" if self.settings.sink_sliding_window else ""),
             "packed_given": short_repr(self.packed_given),
             "packed_type": type(self.packed_given).__name__,
             "packed_declared": self.settings.packed_sequences,

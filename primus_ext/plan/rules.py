@@ -171,6 +171,12 @@ RULES: Tuple[Rule, ...] = (
          "keep one: window_size (with window_attn_skip_freq) or sink_sliding_window "
          "(with sink_window_even_layers_only).",
          lambda c: c.facts.window_size is not None and c.settings.sink_sliding_window > 0),
+    Rule("skip-freq-window", ("window_attn_skip_freq", "window_size", "sink_sliding_window"),
+         "window_attn_skip_freq={skip_freq} picks the layers that get window_size, but window_size is not set "
+         "(megatron-core applies the key to window_size only){skip_freq_window}; the key would be ignored.",
+         "give the window as window_size: [W, 0] with window_attn_skip_freq, or remove window_attn_skip_freq "
+         "(sink_sliding_window's layers follow sink_window_even_layers_only).",
+         lambda c: c.facts.skip_freq_unused is not None),
     # megatron-core's off-by-one softmax registers its sink as a fixed zero buffer, Primus's
     # use_sink_attention a learned one: the layer would train with the buffer, not the learned sink.
     Rule("B10-sink", ("use_sink_attention", "softmax_type"),

@@ -498,6 +498,10 @@ def fewer_conflicts(draw, keys: dict, layer: dict) -> None:
         layer["window_size"] = None
     if layer["window_size"] is not None and keys.get("sink_sliding_window", 0) > 0 and not draw(one_in(4)):
         keys.pop("sink_sliding_window")
+    if layer["window_size"] is None and not draw(one_in(4)):
+        layer["window_attn_skip_freq"] = None  # skip-freq-window: megatron-core applies it to window_size only
+    if layer["softmax_type"] == "off-by-one" and keys.get("use_sink_attention") and not draw(one_in(4)):
+        keys["use_sink_attention"] = False  # B10-sink: two sources for one sink
 
 
 # ----------------------------------------------------------------------------- adapter level

@@ -275,6 +275,10 @@ def expect_build(case: Case) -> BuildExpectation:
         and not fake["varlen_sink"],
         "B18": on_direct and fake is not None and packed is True and fp8,
         "B10": config_window(case) is not None and s.get("sink_sliding_window", 0) > 0,
+        "B10-sink": bool(s.get("use_sink_attention")) and layer["softmax_type"] == "off-by-one",
+        # megatron-core applies window_attn_skip_freq to window_size only; an adapter's facts carry no such key
+        "skip-freq-window": case.level == "megatron" and not layer["window_size"]
+        and layer["window_attn_skip_freq"] is not None,
         "B11": flex and mask_hook is not None and window is not None,
         "B17": flex and packed is True and (mask_hook is not None or score_hook is not None),
         "B23": flex and fp8,

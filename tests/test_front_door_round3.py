@@ -44,3 +44,41 @@ def test_a_learned_sink_and_an_off_by_one_softmax_are_two_sources_for_one_sink(t
 def test_a_learned_sink_with_a_learned_softmax_is_planned(tmp_path, capsys, softmax_type):
     code, _, err = _run(capsys, "check", _yaml(tmp_path, softmax_type=softmax_type))
     assert code == 0, err
+
+
+@pytest.mark.parametrize("window", [{}, {"sink_sliding_window": 0}])
+def test_window_attn_skip_freq_without_window_size_is_refused(tmp_path, capsys, window):
+    """With sink_sliding_window the key was ignored (every odd layer windowed whatever it said); with no window at
+    all it picks nothing: megatron-core applies it to window_size only."""
+    path = _yaml(tmp_path, window_attn_skip_freq=2, **window)
+    for command in ("check", "selftest"):
+        code, _, err = _run(capsys, command, path)
+        assert code == 2 and "[window_attn_skip_freq, window_size, sink_sliding_window]" in err, (command, err)
+        assert ("sink_window_even_layers_only" in err.split("Alternative")[0]) == (not window), err
+
+
+def test_window_attn_skip_freq_with_window_size_is_planned(tmp_path, capsys):
+    path = _yaml(tmp_path, drop=("sink_sliding_window",), window_size=[128, 0], window_attn_skip_freq=2)
+    code, out, err = _run(capsys, "check", path)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("alias, key, value", [
+    ("num_key_value_heads", "num_query_groups", 4), ("head_dim", "kv_channels", 64),
+    ("attn_dropout", "attention_dropout", 0.1), ("turbo_owner", "turbo_flex_attention_owner", "primus_ext"),
+    ("mask_mod", "turbo_flex_attention_mask_mod", "x:y"), ("num_heads", "num_attention_heads", 4)])
+def test_another_framework_s_name_for_a_key_is_refused_naming_megatron_s(tmp_path, capsys, alias, key, value):
+    """num_key_value_heads: 4 planned the YAML's 2 query groups; head_dim: 64 planned kv_channels 32; exit 0."""
+    path = _yaml(tmp_path, **{alias: value})
+    for command in ("check", "selftest"):
+        code, _, err = _run(capsys, command, path)
+        assert code == 2 and f"[{alias}]" in err and f"rename it to {key}" in err, (command, err)
+
+
+def test_every_alias_names_a_key_the_plans_read():
+    from primus_ext.megatron.validate import ALIASES
+    from primus_ext.settings.model_keys import READERS
+    from primus_ext.settings.settings import SETTING_KEYS
+
+    assert set(ALIASES.values()) <= set(READERS) | set(SETTING_KEYS)
+    assert not set(ALIASES) & (set(READERS) | set(SETTING_KEYS))

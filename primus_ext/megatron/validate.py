@@ -81,9 +81,28 @@ LOOKALIKE_CUTOFF = 0.9
 its typo: none of the 1,027 top-level keys of Primus fd1eeab's configs is this close to one it is not."""
 
 
+ALIASES = {
+    "num_key_value_heads": "num_query_groups", "num_kv_heads": "num_query_groups", "n_kv_heads": "num_query_groups",
+    "head_dim": "kv_channels", "head_size": "kv_channels",
+    "attn_dropout": "attention_dropout", "attention_probs_dropout_prob": "attention_dropout",
+    "num_heads": "num_attention_heads", "n_heads": "num_attention_heads",
+    "num_hidden_layers": "num_layers", "n_layers": "num_layers",
+    "hidden_dim": "hidden_size", "d_model": "hidden_size",
+    "seq_len": "seq_length", "max_seq_len": "seq_length", "sequence_length": "seq_length",
+    "tp_size": "tensor_model_parallel_size", "cp_size": "context_parallel_size",
+    "pp_size": "pipeline_model_parallel_size",
+    "turbo_owner": "turbo_flex_attention_owner", "use_flex_attention": "use_turbo_flex_attention",
+    "mask_mod": "turbo_flex_attention_mask_mod", "score_mod": "turbo_flex_attention_score_mod",
+    "use_sink": "use_sink_attention",
+}
+"""Other frameworks' names (Hugging Face, MaxText, torchtitan) and short forms for keys the plans read: too unlike
+Megatron's name for the look-alike screen, and ignored by Megatron as written."""
+
+
 def lookalike_model_keys(config: Mapping[str, Any]) -> list[Reason]:
     """A "did you mean" reason per key of ``config`` that neither megatron-core nor primus_ext reads and that is
-    nearly a model-shape key the plans read (``num_query_group``): as written the plan would keep the default."""
+    nearly a key the plans read (``num_query_group``) or another framework's name for one (`ALIASES`): as written
+    the plan would keep the default."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from ..settings.model_keys import READERS
@@ -96,14 +115,17 @@ def lookalike_model_keys(config: Mapping[str, Any]) -> list[Reason]:
     for key in config:
         if not isinstance(key, str) or key in known:
             continue
-        alike = {t: min(difflib.SequenceMatcher(None, key, t).ratio(), difflib.SequenceMatcher(None, t, key).ratio())
-                 for t in targets}
-        best = max(alike, key=alike.__getitem__)
-        if alike[best] >= LOOKALIKE_CUTOFF:
-            value = config.get(best)
-            reasons.append(R.MODEL_KEY_LOOKALIKE.reason_for(key=key, suggestion=best, value=(
-                f"its value {value!r}" if value is not None else "Megatron's default")))
+        best = ALIASES.get(key)
+        if best is None:
+            alike = {t: min(difflib.SequenceMatcher(None, key, t).ratio(),
+                            difflib.SequenceMatcher(None, t, key).ratio()) for t in targets}
+            best = max(alike, key=alike.__getitem__)
+            if alike[best] < LOOKALIKE_CUTOFF:
+                continue
+        value = config.get(best)
+        reasons.append(R.MODEL_KEY_LOOKALIKE.reason_for(key=key, suggestion=best, value=(
+            f"its value {value!r}" if value is not None else "its default")))
     return reasons
 
 
-__all__ = ["FIELDS", "lookalike_model_keys", "transformer_config_problems"]
+__all__ = ["ALIASES", "FIELDS", "lookalike_model_keys", "transformer_config_problems"]

@@ -82,3 +82,12 @@ def test_every_alias_names_a_key_the_plans_read():
 
     assert set(ALIASES.values()) <= set(READERS) | set(SETTING_KEYS)
     assert not set(ALIASES) & (set(READERS) | set(SETTING_KEYS))
+
+
+@pytest.mark.parametrize("command", [["check"], ["selftest"], ["demo", "--steps", "1"]])
+def test_extends_in_a_flat_yaml_is_refused(tmp_path, capsys, command):
+    """extends: [base.yaml] in a Megatron YAML was ignored: the base file's keys never reached the plan."""
+    (tmp_path / "base.yaml").write_text("num_query_groups: 8\n")
+    path = _yaml(tmp_path, extends=["base.yaml"])
+    code, _, err = _run(capsys, command[0], path, *command[1:])
+    assert code == 2 and "[extends]" in err and "not a Primus experiment" in err, err

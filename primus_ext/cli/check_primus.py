@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Optional, TextIO
 
 from .. import refusals as R
-from ..errors import UnsupportedConfigError
+from ..errors import UnsupportedConfigError, short_repr
 from ..settings import TurboAttentionSettings
 from ..settings.primus_config import (PrimusExperiment, configs_dir, is_experiment, primus_settings, read_experiment,
                                       run_reasons, switch_reasons)
@@ -69,6 +69,13 @@ def primus_merged(path: str, config: dict[str, Any], primus_root: Optional[str],
             raise R.refuse_build(R.CLI_OPTION, option="--primus-root", what=f"--primus-root is for a Primus experiment "
                                  f"YAML (one with modules:); {path} has no modules: mapping",
                                  alternative="leave --primus-root out, or give the experiment YAML.")
+        if "extends" in config:  # only Primus merges extends:, and only in an experiment's module and model files
+            raise R.refuse_build(R.PRIMUS_EXPERIMENT, key="extends", what=(
+                f"{path} has extends: {short_repr(config['extends'])} but is not a Primus experiment (no modules: "
+                "mapping): Megatron reads a flat YAML as it is, so the files named would not be merged and their "
+                "keys would not reach the plan."),
+                alternative="copy the keys of the files named into this one, or check the Primus experiment that "
+                "uses this file (primus-ext check exp.yaml --primus-root PATH).")
         return config, None
     experiment = read_experiment(path, primus_root)
     for line in describe(experiment):

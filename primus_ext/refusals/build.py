@@ -42,6 +42,11 @@ PRIMUS_IGNORED_PRESET = build_rule(
     "modules.{module}.{key}: {value} is written beside config: / model:, where Primus keeps it only if the module "
     "preset lacks the key, and the presets set it; this run's layers get {key}: {merged} ({source}).",
     "move it under modules.{module}.overrides, which Primus applies over the presets.")
+PRIMUS_IGNORED_MODEL = build_rule(
+    "primus-ignored", ("{key}",),
+    "{key}: {value} in the model file {file} is dropped: Primus adds a model file's key only where the module file "
+    "lacks it, and the module file sets it; this run's layers get {key}: {merged} ({source}).",
+    "set it under modules.{module}.overrides, which Primus applies over both files.")
 
 # -- Megatron's model-shape keys as `check` reads them (`primus_ext.settings.model_keys`) --------------------
 MODEL_KEY_MISSING = build_rule("model-key", ("{key}",), "{key} is not set; the plans need it (for example {key}: 8).",

@@ -79,7 +79,8 @@ class PrimusExperiment:
     """The files merged, lowest priority first (module chain, model chain, the experiment)."""
     ignored: tuple[tuple[str, str, Any], ...] = ()
     """``(where, key, value)`` of each key Primus does not apply as written: ``where`` is ``top`` (the
-    experiment's top level) or ``preset`` (beside the module's config: / model:, where its preset sets the key)."""
+    experiment's top level), ``preset`` (beside the module's config: / model:, where its preset sets the key), or
+    the model file (relative to ``configs``) whose key the module file sets to another value (the module wins)."""
 
 
 def _refuse(settings: tuple[str], reason: str, alternative: str) -> UnsupportedConfigError:
@@ -218,7 +219,7 @@ def configs_dir(primus_root: Optional[str]) -> Path:
 
 
 # ------------------------------------------------------------------ the merge
-def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[dict, dict, list[str]]:
+def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[dict, dict, list[tuple[str, str, Any]]]:
     """parser.py:257-328: one module's merged config, where each key came from, and the module-level keys its
     preset shadows."""
     if "framework" not in module:
@@ -231,11 +232,11 @@ def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[
                       f"add {where}.model: <model>.yaml.")
     framework = module["framework"]
     merged, sources = reader.preset("modules", framework, module["config"], f"{where}.config")
-    shadowed = []
+    shadowed: list[tuple[str, str, Any]] = []
     for key, value in module.items():
         if key not in _KEPT_ON_MODULE and not key.startswith("_"):
             if key in merged:
-                shadowed.append(key)
+                shadowed.append(("preset", key, value))
             else:
                 merged[key], sources[key] = value, f"{where}.{key}"
     model, model_sources = reader.preset("models", framework, module["model"], f"{where}.model")
@@ -244,6 +245,8 @@ def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[
     for key, value in model.items():
         if key != "name" and key not in merged:  # the module file wins (allow_override=False)
             merged[key], sources[key] = value, model_sources[key]
+        elif key not in ("name", "model") and (type(value) is not type(merged[key]) or value != merged[key]):
+            shadowed.append((model_sources[key], key, value))
     overrides = module.get("overrides")
     if overrides is not None:
         if not isinstance(overrides, dict):
@@ -251,6 +254,8 @@ def _merge_module(reader: _Reader, where: str, module: dict[str, Any]) -> tuple[
                           f"{short_repr(overrides)}.", "write one key: value per line under overrides:.")
         merged = deep_merge(merged, overrides)
         sources.update({key: f"{where}.overrides" for key in overrides})
+        # a model file's key the overrides set again is not lost: the experiment says which value it wants
+        shadowed = [(place, key, value) for place, key, value in shadowed if place == "preset" or key not in overrides]
     return _nulls(merged), sources, shadowed
 
 
@@ -280,7 +285,7 @@ def read_experiment(path: str | os.PathLike[str], primus_root: Optional[str] = N
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
     chosen_files: list[str] = []
-    shadowed: list[str] = []
+    shadowed: list[tuple[str, str, Any]] = []
     for name, module in modules.items():  # Primus parses every module; one that fails stops the run
         reader.files = []
         result = _merge_module(reader, f"modules.{name}", module)
@@ -292,7 +297,7 @@ def read_experiment(path: str | os.PathLike[str], primus_root: Optional[str] = N
     if "model" in merged:
         params["model"] = merged["model"]
     ignored = [("top", key, value) for key, value in data.items() if key not in TOP_KEYS]
-    ignored += [("preset", key, modules[chosen][key]) for key in shadowed]
+    ignored += shadowed
     return PrimusExperiment(str(experiment), chosen, str(configs), params,
                             {k: v for k, v in sources.items() if k in params}, (*chosen_files, str(experiment)),
                             tuple(ignored))

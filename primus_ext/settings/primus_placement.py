@@ -1,9 +1,9 @@
 """What a merged Primus experiment tells its user beyond its parameters: the keys Primus and primus_ext
 both define, where each key the plans read was set, and the keys written where Primus does not apply them.
 
-A key at an experiment's top level other than `primus_config.TOP_KEYS` reaches no module, and a key written
+A key at an experiment's top level other than `primus_config.TOP_KEYS` reaches no module, a key written
 beside a module's ``config:`` / ``model:`` is dropped where the module preset sets it (Primus main fd1eeab,
-``core/launcher/parser.py:284-301``).  Either way the file says one value and the run gets another.  For a
+``core/launcher/parser.py:284-301``), and so is a model file's key the module file sets (``parser.py:320``).  Either way the file says one value and the run gets another.  For a
 key the attention plans read (a Turbo key or a model-shape key) whose value differs from what the run gets,
 that is a refusal (``primus-ignored``): the user asked for an attention the run would not compute.  Any other
 misplaced key is listed, not refused: it is not ours to judge, but it is not silent either.
@@ -90,9 +90,9 @@ def placement_reasons(experiment: PrimusExperiment) -> list[Reason]:
         merged, source = _gets(experiment, key)
         if key not in PLANNED_KEYS or _same(value, merged):
             continue
-        rule = R.PRIMUS_IGNORED_TOP if where == "top" else R.PRIMUS_IGNORED_PRESET
+        rule = {"top": R.PRIMUS_IGNORED_TOP, "preset": R.PRIMUS_IGNORED_PRESET}.get(where, R.PRIMUS_IGNORED_MODEL)
         reasons.append(rule.reason_for(key=key, value=yaml_value(value), merged=yaml_value(merged), source=source,
-                                       module=experiment.module, top=", ".join(TOP_KEYS)))
+                                       module=experiment.module, top=", ".join(TOP_KEYS), file=where))
     return reasons
 
 
@@ -103,8 +103,9 @@ def placement_notes(experiment: PrimusExperiment) -> list[str]:
         merged, source = _gets(experiment, key)
         if key in PLANNED_KEYS and not _same(value, merged):
             continue
-        place = ("at the experiment's top level" if where == "top"
-                 else f"beside modules.{experiment.module}.config (its preset sets it)")
+        place = {"top": "at the experiment's top level",
+                 "preset": f"beside modules.{experiment.module}.config (its preset sets it)"}.get(
+                     where, f"in the model file {where} (the module file sets it, and wins)")
         lines.append(f"  ignored by Primus: {key}: {yaml_value(value)} {place}; the run gets {yaml_value(merged)} "
                      f"({source}); move it under modules.{experiment.module}.overrides to set it")
     return lines

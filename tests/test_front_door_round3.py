@@ -91,3 +91,52 @@ def test_extends_in_a_flat_yaml_is_refused(tmp_path, capsys, command):
     path = _yaml(tmp_path, extends=["base.yaml"])
     code, _, err = _run(capsys, command[0], path, *command[1:])
     assert code == 2 and "[extends]" in err and "not a Primus experiment" in err, err
+
+
+TREE = ROOT / "tests" / "megatron" / "primus_tree"
+EXP = TREE / "examples" / "megatron" / "configs" / "tiny_gpt-pretrain.yaml"
+
+
+def _model_file(tmp_path: Path, overrides_drop: tuple[str, ...], **keys) -> tuple[Path, Path]:
+    import shutil
+
+    root = tmp_path / "primus"
+    shutil.copytree(TREE, root)
+    model = root / "primus" / "configs" / "models" / "megatron" / "tiny_gpt.yaml"
+    model.write_text(model.read_text() + "".join(f"{k}: {yaml.safe_dump(v).splitlines()[0]}\n" for k, v in keys.items()))
+    exp = root / EXP.relative_to(TREE)
+    data = yaml.safe_load(exp.read_text())
+    for key in overrides_drop:
+        data["modules"]["pre_trainer"]["overrides"].pop(key)
+    exp.write_text(yaml.safe_dump(data, sort_keys=False))
+    return root, exp
+
+
+@pytest.mark.parametrize("key, value, drop", [("use_sink_attention", True, ("use_sink_attention",)),
+                                              ("seq_length", 256, ("seq_length",))])
+def test_a_model_file_key_the_module_file_sets_is_refused(tmp_path, capsys, monkeypatch, key, value, drop):
+    """Primus adds a model file's key only where the module file lacks it: use_sink_attention: true in the model
+    file planned no sink (primus_turbo.yaml's false won) with exit 0."""
+    for name in ("PRIMUS_SEQ_LENGTH", "PRIMUS_TP", "PRIMUS_MODEL", "TOKENIZED_DATA_PATH", "PRIMUS_PATCHES"):
+        monkeypatch.delenv(name, raising=False)
+    root, exp = _model_file(tmp_path, drop, **{key: value})
+    code, _, err = _run(capsys, "check", str(exp), "--primus-root", str(root))
+    assert code == 2 and f"[{key}]" in err and "models/megatron/tiny_gpt.yaml" in err and "overrides" in err, err
+    root, exp = _model_file(tmp_path / "kept", (), **{key: value})  # overrides set it: the model file's value is moot
+    code, out, err = _run(capsys, "check", str(exp), "--primus-root", str(root))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("keys", [{"bf16": False, "params_dtype": "bf16"}, {"params_dtype": "fp32"},
+                                  {"bf16": False, "fp16": True, "params_dtype": "torch.bfloat16"}])
+def test_a_params_dtype_megatron_lm_overwrites_is_refused(tmp_path, capsys, keys):
+    """bf16: false with params_dtype: bf16 planned bf16 kernels; Megatron-LM's validate_args trains it in fp32."""
+    path = _yaml(tmp_path, **keys)
+    for command in ("check", "selftest"):
+        code, _, err = _run(capsys, command, path)
+        assert code == 2 and "[params_dtype, bf16, fp16]" in err and "Megatron-LM" in err, (command, err)
+
+
+def test_a_params_dtype_that_agrees_with_bf16_is_planned(tmp_path, capsys):
+    code, _, err = _run(capsys, "check", _yaml(tmp_path, params_dtype="bfloat16"))
+    assert code == 0, err

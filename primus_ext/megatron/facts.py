@@ -31,7 +31,7 @@ def config_window(source: Any, layer_number: int) -> Optional[tuple[int, int]]:
     return (int(window[0]), int(window[1]))
 
 
-_DTYPE_NAMES = {"torch.bfloat16": "bf16", "bfloat16": "bf16", "bf16": "bf16", "torch.float16": "fp16",
+DTYPE_NAMES = {"torch.bfloat16": "bf16", "bfloat16": "bf16", "bf16": "bf16", "torch.float16": "fp16",
                 "float16": "fp16", "fp16": "fp16", "half": "fp16", "torch.float32": "fp32", "float32": "fp32",
                 "fp32": "fp32", "float": "fp32"}
 
@@ -45,7 +45,7 @@ def input_dtype(source: Any) -> Optional[str]:
         return "bf16"
     if _get(source, "fp16"):
         return "fp16"
-    return _DTYPE_NAMES.get(str(_get(source, "params_dtype", "fp32")))
+    return DTYPE_NAMES.get(str(_get(source, "params_dtype", "fp32")))
 
 
 def _layer_value(value: Any, layer_number: int) -> Any:
@@ -103,4 +103,4 @@ def layer_facts(source: Any, layer_number: int, *, tp_rank: int = 0, **overrides
     return LayerFacts(**facts)
 
 
-__all__ = ["config_window", "input_dtype", "layer_facts"]
+__all__ = ["DTYPE_NAMES", "config_window", "input_dtype", "layer_facts"]

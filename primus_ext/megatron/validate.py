@@ -21,6 +21,7 @@ import torch
 
 from .. import refusals as R
 from ..errors import Reason
+from .facts import DTYPE_NAMES
 
 FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
           "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
@@ -58,6 +59,10 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     uneven = any(config.get(key) for key in UNEVEN_PIPELINE)
     if layers_given and values["num_layers"] % stages and not uneven:
         return [R.PIPELINE_LAYERS.reason_for(layers=values["num_layers"], stages=stages)]
+    derived = "bf16" if values.get("bf16") else "fp16" if values.get("fp16") else "fp32"
+    given = config.get("params_dtype")
+    if given is not None and DTYPE_NAMES.get(str(given)) != derived:  # Megatron-LM's validate_args overwrites it
+        return [R.PARAMS_DTYPE.reason_for(given=given, derived=derived)]
     if "window_size" in values:
         values["window_size"] = tuple(values["window_size"])
     dtype = torch.bfloat16 if values.get("bf16") else torch.float16 if values.get("fp16") else torch.float32

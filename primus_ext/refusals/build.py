@@ -190,6 +190,12 @@ PIPELINE_LAYERS = build_rule(
     "build the stages' layers (get_num_layers_to_build).",
     "set num_layers to a multiple of pipeline_model_parallel_size, or give Megatron an uneven split "
     "(num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage).")
+PARAMS_DTYPE = build_rule(
+    "params-dtype", ("params_dtype", "bf16", "fp16"),
+    "params_dtype: {given} is not what Megatron-LM trains in: its argument check sets params_dtype from bf16 / fp16 "
+    "({derived} here), whatever the YAML says.",
+    "choose the dtype with bf16 / fp16 (bf16: true for bf16, fp16: true for fp16, both false for fp32) and leave "
+    "params_dtype out.")
 MEGATRON_CONFIG = build_rule(
     "megatron-config", ("{*named}",), "megatron-core's TransformerConfig refuses these model keys: {error}",
     "choose values megatron-core builds (heads and query groups divisible by tensor_model_parallel_size, ...).")

@@ -337,13 +337,14 @@ def test_check_says_megatron_s_own_attention_runs_when_both_switches_are_off(tmp
         assert code == 0 and "Megatron's own core attention" in out and "flash_attn" not in out, command
 
 
-def test_check_names_a_hook_the_direct_path_does_not_run(tmp_path, capsys):
+def test_a_hook_the_direct_path_does_not_run_is_refused(tmp_path, capsys):
+    """It was a "not used" note with exit 0: the layers would compute causal attention, not the hook's."""
     path = _yaml(tmp_path, GPT_OSS, use_turbo_flex_attention=False,
                  turbo_flex_attention_mask_mod="primus_ext.attention.masks:prefix_lm",
                  turbo_flex_attention_mask_mod_kwargs={"prefix_length": 64})
-    code, out, err = _run(capsys, "check", path, "--arch", "gfx942")
-    assert code == 0, err
-    assert "not used: turbo_flex_attention_mask_mod (layers 1-4 run the direct path" in out
+    for command in ("check", "selftest"):
+        code, _, err = _run(capsys, command, path, "--arch", "gfx942")
+        assert code == 2 and "[turbo_flex_attention_mask_mod, use_turbo_flex_attention]" in err, (command, err)
 
 
 @pytest.mark.parametrize("picture,why", [("x.txt", "give a file name ending in .png"),

@@ -71,11 +71,14 @@ def test_bad_hook_is_refused_at_build_time_with_the_hook_string():
     assert "turbo_flex_attention_mask_mod" in err.settings and "no_such_module_xyz:mask" in str(err)
 
 
-def test_flex_off_builds_a_direct_plan_and_ignores_hooks():
-    """B1: with the switch off nothing of the flex path is consulted."""
+def test_flex_off_builds_a_direct_plan_and_refuses_hooks():
+    """B1: with the switch off nothing of the flex path is consulted, and a hook, which the direct path would
+    not run, is refused with the settings."""
+    with pytest.raises(UnsupportedConfigError) as err:
+        settings(use_turbo_flex_attention=False, turbo_flex_attention_mask_mod="no_such_module_xyz:mask")
+    assert err.value.settings == ("turbo_flex_attention_mask_mod", "use_turbo_flex_attention")
     with fake_primus_turbo():
-        plan = build_plan(settings(use_turbo_flex_attention=False,
-                                   turbo_flex_attention_mask_mod="no_such_module_xyz:mask"), facts())
+        plan = build_plan(settings(use_turbo_flex_attention=False, turbo_flex_attention_backend="flex"), facts())
     assert plan.path == "direct" and plan.mask_mod is None
     assert (plan.dense_entry, plan.packed_entry) == ("flash_attn_func", "flash_attn_varlen_func")
 

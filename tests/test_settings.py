@@ -131,14 +131,20 @@ def test_empty_kwargs_mapping_is_kept_distinct_from_null() -> None:
     assert s.turbo_flex_attention_mask_mod_kwargs == {}
 
 
-def test_flex_keys_are_inert_but_still_validated_when_flex_is_off() -> None:
-    # B1: the switch can be flipped off for an A/B run without deleting the hooks ...
-    s = TurboAttentionSettings.from_dict({"turbo_flex_attention_mask_mod": "pkg.mod:mask",
-                                          "turbo_flex_attention_backend": "reference"})
-    assert s.use_turbo_flex_attention is False and s.turbo_flex_attention_mask_mod == "pkg.mod:mask"
-    # ... but a malformed value is still refused, so turning flex on later cannot surprise.
+def test_flex_keys_are_validated_when_flex_is_off() -> None:
+    # the backend key is inert with flex off (B1), but a malformed value is still refused, so turning flex on
+    # later cannot surprise ...
+    s = TurboAttentionSettings.from_dict({"turbo_flex_attention_backend": "reference"})
+    assert s.use_turbo_flex_attention is False
     err = refusal({"turbo_flex_attention_backend": "fast"})
     assert err.settings == ("turbo_flex_attention_backend",)
+
+
+@pytest.mark.parametrize("hook", ["turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod"])
+def test_a_hook_with_flex_off_is_refused(hook) -> None:
+    # ... and a hook is refused: the direct path runs none, so the layers would compute another attention
+    err = refusal({hook: "pkg.mod:hook", "use_turbo_attention": True})
+    assert err.settings == (hook, "use_turbo_flex_attention") and "runs no hook" in str(err)
 
 
 def test_flex_without_turbo_attention_is_left_to_the_plan_builder() -> None:

@@ -252,18 +252,6 @@ def _shared_prefix_notes(plans: Sequence[AttentionPlan]) -> list[str]:
             "prepare_shared_prefix(model)"]
 
 
-def _hook_notes(settings: TurboAttentionSettings, plans: Sequence[AttentionPlan]) -> list[str]:
-    """Hooks the YAML names that the direct path leaves alone (B1: with flex off nothing changes)."""
-    hooks = [key for key in ("turbo_flex_attention_mask_mod", "turbo_flex_attention_score_mod")
-             if getattr(settings, key)]
-    layers = [plan.layer_number for plan in plans if not plan.flex]
-    if not hooks or not layers:
-        return []
-    return [f"not used: {', '.join(hooks)} ({layer_list(layers)} run the direct path, use_turbo_flex_attention: "
-            "false, which calls the kernels with causal / window_size only and runs no hook, B1); set "
-            "use_turbo_flex_attention: true to run the hook"]
-
-
 def _flex_notes(plans: Sequence[AttentionPlan]) -> list[str]:
     """Layers on the ``flex`` backend where no GPU is: they plan, but torch's flex_attention has no CPU backward."""
     layers = [plan.layer_number for plan in plans if plan.backend == "flex"]
@@ -357,7 +345,6 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     if plans:
         print(file=out)
         notes = (_backend_notes(plans) + _kernel_notes(plans) + _shared_prefix_notes(plans) + _flex_notes(plans)
-                 + _hook_notes(settings, plans)
                  + _cp_notes(config, plans)
                  + _tp_notes(config, ranks))
         for line in notes:

@@ -21,6 +21,12 @@ SETTING_KWARGS_NAMES = build_rule(
 SETTING_KWARGS_UNUSED = build_rule(
     "setting-kwargs-unused", ("{kw}", "{hook}"), "{kw} is set but {hook} is null, so the arguments would be ignored.",
     "name the factory in {hook}, or remove {kw}.")
+SETTING_HOOK_UNUSED = build_rule(
+    "setting-hook-unused", ("{hook}", "use_turbo_flex_attention"),
+    "{hook} is set but use_turbo_flex_attention is false: the direct path (and Megatron's own attention) runs no "
+    "hook, so the layers would not compute the attention the hook describes.",
+    "set use_turbo_flex_attention: true (with use_turbo_attention: true) to run the hook, or set {hook}: null for "
+    "a run without it.")
 SETTING_UNKNOWN = build_rule("setting-unknown", ("{key}",), "unknown Turbo attention key `{key}`{hint}",
                              "{alternative}")
 

@@ -334,8 +334,8 @@ def _problems(values: Mapping[str, Any]) -> list[Reason]:
 
     Semantic rules (B3 and the rest of the spec) belong to the plan builder, which needs
     layer facts too and reports every failing rule in one error; settings only refuse
-    what is malformed.  With ``use_turbo_flex_attention: false`` the flex keys are inert
-    on purpose (B1): the switch can be flipped for an A/B run without deleting hooks.
+    what is malformed, and a hook with ``use_turbo_flex_attention: false``: the direct path runs
+    no hook (B1), so the layers would compute another attention than the hook describes.
     """
     reasons: list[Reason] = []
     ok: dict[str, Any] = {}
@@ -350,6 +350,8 @@ def _problems(values: Mapping[str, Any]) -> list[Reason]:
         kw = f"{hook}_kwargs"
         if ok.get(hook, "set") is None and ok.get(kw) is not None:
             reasons.append(R.SETTING_KWARGS_UNUSED.reason_for(kw=kw, hook=hook))
+        if ok.get(hook) and ok.get("use_turbo_flex_attention") is False:
+            reasons.append(R.SETTING_HOOK_UNUSED.reason_for(hook=hook))
     return reasons
 
 

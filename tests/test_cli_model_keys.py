@@ -134,7 +134,7 @@ def test_group_query_attention_off_plans_one_key_value_head_per_query_head(tmp_p
     """Megatron-LM passes num_query_groups on only with group_query_attention: a YAML keeping the number with
     GQA off builds MHA there (check planned 2 groups, and refused 3 groups at TP 2 though Megatron builds it)."""
     code, text = _check(tmp_path, capsys, {"group_query_attention": False, "num_query_groups": 2})
-    assert code == 0 and "4 query heads / 4 key-value groups" in text, text
+    assert code == 0 and "4 query heads / 4 key-value groups, head dim" in text, text
     code, text = _check(tmp_path, capsys, {"group_query_attention": False, "num_query_groups": 3,
                                            "tensor_model_parallel_size": 2})
     assert code == 0, text

@@ -140,3 +140,12 @@ def test_a_params_dtype_megatron_lm_overwrites_is_refused(tmp_path, capsys, keys
 def test_a_params_dtype_that_agrees_with_bf16_is_planned(tmp_path, capsys):
     code, _, err = _run(capsys, "check", _yaml(tmp_path, params_dtype="bfloat16"))
     assert code == 0, err
+
+
+def test_check_s_header_shows_mla_s_heads_and_head_dims_as_the_layers_read_them(tmp_path, capsys):
+    """The header said 8 query heads / 2 key-value groups under MLA, whose layers have 8 key-value heads."""
+    path = _yaml(tmp_path, drop=("use_sink_attention", "sink_sliding_window"), multi_latent_attention=True,
+                 qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64, seq_length=64)
+    code, out, err = _run(capsys, "check", path)
+    assert code == 0, err
+    assert out.splitlines()[0].endswith("8 query heads / 8 key-value groups, head dims q/k 128, v 64"), out

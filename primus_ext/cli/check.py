@@ -203,8 +203,12 @@ def _refusal_text(refused: Sequence[tuple[int, UnsupportedConfigError]]) -> list
 
 # ---------------------------------------------------------------------------- command
 def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: bool) -> str:
-    heads = config.get("num_attention_heads")
-    groups = heads if config.get("group_query_attention") is False else (config.get("num_query_groups") or heads)
+    # the model's heads (before tensor parallelism), as the layers read them: MLA and group_query_attention: false
+    # give every query head its own key-value head
+    facts = layer_facts({**config, "tensor_model_parallel_size": 1}, 1)
+    heads, groups = facts.num_heads, facts.kv_heads
+    dims = f"head dim {facts.head_dim}" if facts.v_dim == facts.head_dim else (
+        f"head dims q/k {facts.head_dim}, v {facts.v_dim}")
     if overridden:
         seq = f"seq_length {seq_length} (--seq-len)"
     elif config.get("seq_length"):
@@ -213,7 +217,7 @@ def _header(path: str, config: Mapping[str, Any], seq_length: int, overridden: b
         seq = f"seq_length not set ({seq_length} assumed for mask probing and pictures)"
     layers = config.get("num_layers")
     count = f"{layers} layers" if layers else "num_layers not set (1 layer checked)"
-    return f"{path}: {count}, {seq}, {heads} query heads / {groups} key-value groups"
+    return f"{path}: {count}, {seq}, {heads} query heads / {groups} key-value groups, {dims}"
 
 
 @contextlib.contextmanager

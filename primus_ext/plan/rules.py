@@ -296,7 +296,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("sink-shape", ("use_sink_attention", "kv_channels"),
          "Primus-Turbo's sink kernel wants equal q/k and v head dims and a power-of-two head dim "
          "(got {head_dim} and {head_dim_v}).",
-         "choose kv_channels as a power of two, or use_turbo_flex_attention: true with "
+         "choose kv_channels as a power of two (under multi_latent_attention: qk_head_dim + qk_pos_emb_head_dim "
+         "equal to v_head_dim, a power of two), or use_turbo_flex_attention: true with "
          "turbo_flex_attention_backend: reference.",
          # The direct flash_attn_func / flash_attn_varlen_func sink path has the same limits.
          lambda c: (c.on_turbo or (c.on_direct and c.direct is not None)) and c.sink

@@ -173,7 +173,7 @@ def test_check_prints_the_shared_keys_and_no_conflict():
     assert code == 0
     assert "Primus experiment, module pre_trainer (megatron)" in out
     assert "same defaults: use_turbo_attention, use_sink_attention" in out and "no conflicts" in out
-    assert "2 layers, seq_length 64, 4 query heads / 2 key-value groups" in out
+    assert "2 layers, seq_length 64, 4 query heads / 2 key-value groups, head dim 16" in out
 
 
 def test_a_key_both_define_with_another_default_is_reported_with_the_value_the_run_gets(tmp_path):

@@ -149,3 +149,12 @@ def test_check_s_header_shows_mla_s_heads_and_head_dims_as_the_layers_read_them(
     code, out, err = _run(capsys, "check", path)
     assert code == 0, err
     assert out.splitlines()[0].endswith("8 query heads / 8 key-value groups, head dims q/k 128, v 64"), out
+
+
+@pytest.mark.parametrize("keys, named, says", [
+    ({"fp16": True}, "[bf16, fp16]", "keep one: bf16: true"),
+    ({"cp_comm_type": ["a2a", "p2p"]}, "[cp_comm_type]", "lists 2 layers, but num_layers is 4")])
+def test_megatron_s_refusals_name_the_keys_and_what_to_write(tmp_path, capsys, keys, named, says):
+    """Both answered with megatron-core's message and a generic alternative about heads and TP."""
+    code, _, err = _run(capsys, "check", _yaml(tmp_path, **keys))
+    assert code == 2 and named in err and says in err and "divisible by tensor_model_parallel_size" not in err, err

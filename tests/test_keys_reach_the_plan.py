@@ -132,8 +132,11 @@ def _other_value(key: str) -> Any:
 def test_each_turbo_key_reaches_the_settings_from_a_yaml_mapping_and_the_command_line(key):
     value = _other_value(key)
     mapping = {**BASE, key: value}
+    hooked = key.endswith(("_mod", "_mod_kwargs"))  # a hook is refused with flex off (setting-hook-unused)
     if key.endswith("_kwargs"):
         mapping[key.removesuffix("_kwargs")] = "tests.hook_examples:alibi"
+    if hooked:
+        mapping.update(use_turbo_attention=True, use_turbo_flex_attention=True)
     from_yaml = TurboAttentionSettings.from_dict(mapping)
     assert getattr(from_yaml, key) == value
     parser = add_turbo_attention_args(argparse.ArgumentParser())
@@ -145,6 +148,8 @@ def test_each_turbo_key_reaches_the_settings_from_a_yaml_mapping_and_the_command
         argv = [flag, text]
     if key.endswith("_kwargs"):
         argv += ["--" + key.removesuffix("_kwargs").replace("_", "-"), "tests.hook_examples:alibi"]
+    if hooked:
+        argv += ["--use-turbo-attention", "--use-turbo-flex-attention"]
     args = parser.parse_args(argv)
     assert getattr(TurboAttentionSettings.from_args(args), key) == value, (key, argv)
 

@@ -59,6 +59,8 @@ def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     uneven = any(config.get(key) for key in UNEVEN_PIPELINE)
     if layers_given and values["num_layers"] % stages and not uneven:
         return [R.PIPELINE_LAYERS.reason_for(layers=values["num_layers"], stages=stages)]
+    if values.get("bf16") and values.get("fp16"):
+        return [R.BOTH_PRECISIONS.reason_for()]
     derived = "bf16" if values.get("bf16") else "fp16" if values.get("fp16") else "fp32"
     given = config.get("params_dtype")
     if given is not None and DTYPE_NAMES.get(str(given)) != derived:  # Megatron-LM's validate_args overwrites it

@@ -204,7 +204,11 @@ PARAMS_DTYPE = build_rule(
     "params_dtype out.")
 MEGATRON_CONFIG = build_rule(
     "megatron-config", ("{*named}",), "megatron-core's TransformerConfig refuses these model keys: {error}",
-    "choose values megatron-core builds (heads and query groups divisible by tensor_model_parallel_size, ...).")
+    "change the keys named so that megatron-core's condition above holds (docs/yaml_reference.md says what each "
+    "key takes).")
+BOTH_PRECISIONS = build_rule(
+    "megatron-config", ("bf16", "fp16"), "bf16 and fp16 are both true: Megatron-LM asserts one precision.",
+    "keep one: bf16: true (and fp16: false) for bf16 training, fp16: true (and bf16: false) for fp16.")
 CHECKPOINT_TP_SPLIT = build_rule(
     "primus-checkpoint-tp", ("tensor_model_parallel_size", "num_attention_heads"),
     "{heads} sink entries cannot be split into {tp_size} tensor-parallel slices (rank {tp_rank}).",

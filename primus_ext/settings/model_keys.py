@@ -80,7 +80,12 @@ def _choice(*choices: str) -> Reader:
 
 
 def _comm(key: str, value: Any, config: Mapping[str, Any]) -> Optional[str]:
-    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+    if isinstance(value, str):
+        return None
+    layers = config.get("num_layers")
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        if _int(layers) and len(value) != layers:
+            return f"{key} lists {len(value)} layers, but num_layers is {layers}: one string per layer"
         return None
     return f"{key} must be a string (for example {key}: a2a) or a list of strings, one per layer"
 

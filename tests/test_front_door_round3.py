@@ -158,3 +158,11 @@ def test_megatron_s_refusals_name_the_keys_and_what_to_write(tmp_path, capsys, k
     """Both answered with megatron-core's message and a generic alternative about heads and TP."""
     code, _, err = _run(capsys, "check", _yaml(tmp_path, **keys))
     assert code == 2 and named in err and says in err and "divisible by tensor_model_parallel_size" not in err, err
+
+
+@pytest.mark.parametrize("key, value", [("lr", -1), ("steps", 0), ("vocab_size", 2), ("tokens_per_step", 1)])
+def test_a_demo_value_out_of_range_is_refused_naming_its_key(tmp_path, capsys, key, value):
+    """demo: {lr: -1} was refused naming [demo] and all four bounds at once."""
+    path = _yaml(tmp_path, demo={key: value})
+    code, _, err = _run(capsys, "demo", path, "--steps", "1")
+    assert code == 2 and f"[demo.{key}]" in err and f"for example {key}:" in err, err

@@ -140,7 +140,6 @@ def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tu
     backend), the one other implementation of any hook here (`run_demo` says "nothing" when
     the plan refuses the hook on it).
     """
-    direct = settings.replace(use_turbo_flex_attention=False)
     hooked = any(p.mask_hook or p.score_hook for p in plans)
     if not hooked and settings.packed_shared_prefix and settings.turbo_arch == "auto" and not device_arch():
         return FLEX, settings.replace(turbo_flex_attention_backend="flex"), cfg, (
@@ -148,12 +147,13 @@ def _partner(plans: list[Any], settings: TurboAttentionSettings, cfg: Any) -> tu
             "(B37-arch); the same model on the flex backend (turbo_flex_attention_backend: flex) is the second "
             "implementation")
     if not hooked:
-        return "direct", direct, cfg, ""
+        return "direct", settings.replace(use_turbo_flex_attention=False), cfg, ""
     patterns = {p.pattern for p in plans}
     pattern = next(iter(patterns))
     if len(patterns) == 1 and pattern is not None and not pattern.documents and pattern.right == 0 \
             and not any(p.score_hook for p in plans):
-        plain = direct.replace(turbo_flex_attention_mask_mod=None, turbo_flex_attention_mask_mod_kwargs=None)
+        plain = settings.replace(use_turbo_flex_attention=False, turbo_flex_attention_mask_mod=None,
+                                 turbo_flex_attention_mask_mod_kwargs=None)
         window = None if pattern.window == (-1, 0) else pattern.window
         return "direct", plain, dataclasses.replace(cfg, window_size=window), (
             f"the hook is proven {pattern.describe()}, which the direct path runs as window_size")

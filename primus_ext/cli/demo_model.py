@@ -80,8 +80,13 @@ class DemoOptions:
                 raise _demo(f"demo.{key}", f"demo.{key} must be a number ({kind.__name__}), got {short_repr(value)}")
             values[key] = kind(value)
         opts = cls(**values)
-        if opts.steps < 1 or opts.tokens_per_step < 2 or opts.lr <= 0 or opts.vocab_size < 4:
-            raise _demo("demo", "demo: steps >= 1, tokens_per_step >= 2, lr > 0 and vocab_size >= 4 are needed")
+        for key, low, strict in (("steps", 1, False), ("tokens_per_step", 2, False), ("lr", 0, True),
+                                 ("vocab_size", 4, False)):
+            value = getattr(opts, key)
+            if value <= low if strict else value < low:
+                raise _demo(f"demo.{key}", f"demo.{key} must be {'>' if strict else '>='} {low}, got {short_repr(value)}",
+                            f"write demo.{key} as docs/getting_started.md (section 2) lists it, for example "
+                            f"{key}: {getattr(cls, key)}.")
         if not 2 <= opts.min_doc_len <= opts.max_doc_len <= seq_length:
             raise _demo("demo", f"demo: need 2 <= min_doc_len <= max_doc_len <= seq_length ({seq_length}), got "
                         f"{opts.min_doc_len}..{opts.max_doc_len}")

@@ -348,7 +348,8 @@ def test_a_hook_the_direct_path_does_not_run_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("picture,why", [("x.txt", "give a file name ending in .png"),
-                                         ("/no/such/folder/x.png", "does not exist")])
+                                         ("/no/such/folder/x.png", "does not exist"),
+                                         ("/proc/x.png", "cannot be written")])
 def test_a_picture_that_cannot_be_written_is_refused_before_the_plans(capsys, picture, why):
     code, out, err = _run(capsys, "check", str(DEMO_YAML), "--picture", picture)
     assert code == 2 and why in err and out == ""

@@ -303,6 +303,14 @@ def _picture_problem(picture: Optional[str]) -> str:
     folder = os.path.dirname(os.path.abspath(picture))
     if not os.path.isdir(folder):
         return f"--picture {picture}: the folder {folder} does not exist; create it or name another"
+    existed = os.path.exists(picture)
+    try:  # what the PNG writer would meet after the plans (a read-only or virtual folder, a directory's name)
+        with open(picture, "ab"):
+            pass
+    except OSError as exc:
+        return f"--picture {picture}: it cannot be written ({exc.strerror}); name a file in a folder you can write"
+    if not existed:
+        os.remove(picture)
     return ""
 
 

@@ -166,3 +166,9 @@ def test_a_demo_value_out_of_range_is_refused_naming_its_key(tmp_path, capsys, k
     path = _yaml(tmp_path, demo={key: value})
     code, _, err = _run(capsys, "demo", path, "--steps", "1")
     assert code == 2 and f"[demo.{key}]" in err and f"for example {key}:" in err, err
+
+
+def test_a_failed_selftest_names_the_layers_it_tested(capsys):
+    """It said "layer 0 self-test"; Megatron's layers are numbered from 1."""
+    code, _, err = _run(capsys, "selftest", str(GPT_OSS), "--fault", "aiter_corrupt_output", "--arch", "gfx942")
+    assert code == 2 and "(layers 1-4 self-test)" in err and "layer 0" not in err, err

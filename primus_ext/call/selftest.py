@@ -351,13 +351,14 @@ def self_test(plans: Sequence[AttentionPlan], *, device: Optional[torch.device] 
     return list(results.values())
 
 
-def refuse_failures(results: Sequence[RouteResult], layer: int) -> None:
-    """Raise `UnsupportedConfigError` naming every route that failed its self-test."""
+def refuse_failures(results: Sequence[RouteResult], where: str) -> None:
+    """Raise `UnsupportedConfigError` naming every route that failed its self-test; ``where`` names the layers
+    tested ("layer 3", "layers 1-4")."""
     reasons = [R.SELFTEST_FAILED.reason_for(route=r.route, kernels=r.kernels, error=r.error,
                                             forward=f"{r.forward_error:.2g}", backward=f"{r.backward_error:.2g}")
                for r in results if not r.ok]
     if reasons:
-        raise R.refuse_all(reasons, context=f"layer {layer} self-test")
+        raise R.refuse_all(reasons, context=f"{where} self-test")
 
 
 def selftest_enabled(setting: object) -> bool:

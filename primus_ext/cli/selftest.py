@@ -17,9 +17,10 @@ from ..errors import UnsupportedConfigError
 from ..plan.plan import AttentionPlan
 from ..call.selftest import RouteResult, clear, refuse_failures, self_test
 from ..testing import fake_primus_turbo
-from ..testing._fake_math import FAULTS
+from ..testing._fake_math import FAULTS, unknown_faults
 from .check import _plans, format_table
 from .config_input import REFUSED, read_input
+from .render import layer_list
 from .turbo_build_option import build_option_problem, stand_in_note
 
 DEFAULT_CONFIG = {  # a small layer with a sink and a two-sided window (the route AITER gets wrong)
@@ -48,7 +49,7 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
     backend it pinned); 0 when every route agrees with the reference, else 2.  The file is read as
     ``check`` reads it (`config_input.read_input`: a Primus experiment merged from ``primus_root``)."""
     out, err = out or sys.stdout, err or sys.stderr
-    unknown = sorted(set(faults) - FAULTS)
+    unknown = unknown_faults(faults)
     if unknown:
         print(f"primus-ext selftest: [--fault] unknown fault {', '.join(map(repr, unknown))}; give one of "
               f"{', '.join(sorted(FAULTS))}.", file=err)
@@ -74,7 +75,8 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
             for exc in refused[:1]:
                 print(exc, file=err)
             return REFUSED
-        results = self_test([o for _, o in outcomes if isinstance(o, AttentionPlan)])
+        plans = [o for _, o in outcomes if isinstance(o, AttentionPlan)]
+        results = self_test(plans)
     print(f"primus-ext selftest: {path or 'default config'} against {what}", file=out)
     columns = ("route", "kernels", "fwd error", "bwd error", "ms", "verdict")
     rows = [(r.route, r.kernels, f"{r.forward_error:.2e}", f"{r.backward_error:.2e}", f"{r.ms:.0f}",
@@ -87,7 +89,7 @@ def run_selftest(path: Optional[str], arch: Optional[str] = None, faults: Sequen
         print("no Turbo or FlexAttention route to test (reference backend, or context-parallel / fp8 entries)",
               file=out)
     try:
-        refuse_failures(results, 0)
+        refuse_failures(results, layer_list([plan.layer_number for plan in plans]))
     except UnsupportedConfigError as exc:
         print(exc, file=err)
         return REFUSED

@@ -110,7 +110,7 @@ class TurboAttentionCore:
         self.check_mask = MaskCheck(pattern is not None and pattern.right == 0 and self.plan.score_hook is None,
                                     pattern.describe() if pattern is not None else f"the hook {self.plan.mask_hook}")
         if selftest_enabled(self.settings.turbo_selftest):
-            refuse_failures(self_test([self.plan]), self.facts.layer_number)
+            refuse_failures(self_test([self.plan]), f"layer {self.facts.layer_number}")
         self.storage = self.plan.storage  # a constant per layer, as a compiled region needs
         # Whether unequal q and kv lengths (or documents) are refused: a constant, so no refusal is built per call.
         self.unequal_refused = self._alignment_rule is not None

@@ -97,10 +97,15 @@ def corrupt_output(result: Any) -> Any:
 _NEG_INF = float("-inf")
 
 
+def unknown_faults(faults: Iterable[str]) -> list[str]:
+    """The names in ``faults`` the fake does not model, sorted (each caller words its own refusal)."""
+    return sorted(set(faults) - FAULTS)
+
+
 def check_faults(faults: Iterable[str]) -> frozenset[str]:
     """``faults`` as a frozenset, refusing names the fake does not model."""
     chosen = frozenset(faults)
-    unknown = sorted(chosen - FAULTS)
+    unknown = unknown_faults(chosen)
     if unknown:
         raise ValueError(f"unknown fake Primus-Turbo fault(s) {unknown}; known: {sorted(FAULTS)}")
     return chosen
@@ -402,4 +407,4 @@ def kernel_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 
 __all__ = ["BLOCK_KV", "CORRUPT_OUTPUT", "FAULTS", "FAULT_BACKEND", "FLYDSL_NARROW_WINDOW_BACKWARD_NAN", "HIPKITTENS_FORWARD_SKIPS_ROWS",
            "SINK_BACKWARD_IGNORES_RIGHT_WINDOW", "SINK_LEFT_WINDOW_ZERO_UNBOUNDED", "attention", "check_faults", "corrupt_output",
-           "kernel_backward", "kernel_forward", "varlen_attention"]
+           "kernel_backward", "kernel_forward", "unknown_faults", "varlen_attention"]

@@ -94,7 +94,7 @@ def test_each_flex_route_passes_forward_and_backward_with_the_standin(name):
     for r in results:
         assert r.ok and not r.unchecked and not r.skipped, r
         assert 0 <= r.forward_error < 1e-5 and 0 <= r.backward_error < 1e-5, r  # both measured
-    selftest.refuse_failures(results, 1)
+    selftest.refuse_failures(results, "layer 1")
 
 
 def test_packed_hooks_are_not_a_flex_route():
@@ -116,7 +116,7 @@ def test_a_broken_flex_kernel_fails_its_route_and_refuses_the_build(name, where)
     if where == "backward":
         assert all(other not in r.error and r.forward_error < 1e-5 for r in results)
     with pytest.raises(UnsupportedConfigError) as err:
-        selftest.refuse_failures(results, 3)
+        selftest.refuse_failures(results, "layer 3")
     assert "turbo_selftest" in err.value.settings and "B33" in err.value.codes
     for route in ROUTES[name]:
         assert f"self-test of route [{route}]" in str(err.value)
@@ -138,7 +138,7 @@ def test_on_the_cpu_torchs_kernel_is_checked_forward_only_and_never_fails_the_bu
     for r in results:
         assert r.ok and r.unchecked == FORWARD_ONLY and not r.skipped
         assert 0 <= r.forward_error < 1e-5 and math.isnan(r.backward_error)
-    selftest.refuse_failures(results, 1)
+    selftest.refuse_failures(results, "layer 1")
 
 
 def test_on_the_cpu_the_forward_of_torchs_kernel_is_still_checked(monkeypatch):
@@ -147,7 +147,7 @@ def test_on_the_cpu_the_forward_of_torchs_kernel_is_still_checked(monkeypatch):
     (result,) = selftest.self_test([PLANS["prefix-lm hook, sink"]()], device=CPU)
     assert not result.ok and "forward differ" in result.error and result.unchecked == FORWARD_ONLY
     with pytest.raises(UnsupportedConfigError, match="forward only"):
-        selftest.refuse_failures([result], 1)
+        selftest.refuse_failures([result], "layer 1")
 
 
 # ------------------------------------------------------------------ results are keyed apart

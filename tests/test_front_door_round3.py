@@ -172,3 +172,11 @@ def test_a_failed_selftest_names_the_layers_it_tested(capsys):
     """It said "layer 0 self-test"; Megatron's layers are numbered from 1."""
     code, _, err = _run(capsys, "selftest", str(GPT_OSS), "--fault", "aiter_corrupt_output", "--arch", "gfx942")
     assert code == 2 and "(layers 1-4 self-test)" in err and "layer 0" not in err, err
+
+
+def test_the_demo_with_reset_attention_mask_on_dense_rows_points_at_the_demo_key(tmp_path, capsys):
+    """It failed at the first call pointing at Megatron's dataloader (create_attention_mask_in_dataloader)."""
+    path = _yaml(tmp_path, reset_attention_mask=True, packed_sequences=False, use_sink_attention=False)
+    code, out, err = _run(capsys, "demo", path, "--steps", "1")
+    assert code == 2 and "[reset_attention_mask]" in err and "eod_documents: true" in err, err
+    assert "step 1" not in out

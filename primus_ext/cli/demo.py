@@ -284,6 +284,13 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_roo
         from .demo_eod import eod_batches
 
         batches, dense_mask_batches = eod_batches(opts, opts.steps, seq_length)
+    elif settings.reset_attention_mask and not packed:  # the demo's dense rows carry no Megatron document mask
+        raise R.refuse_build(R.DEMO_KEY, key="reset_attention_mask", what=(
+            "reset_attention_mask: true trains separate documents, and the demo's rows carry documents only with "
+            "demo.eod_documents: true (EOD-separated rows, converted to packed THD); its plain rows reach the layers "
+            "without Megatron's document mask"), alternative=(
+            "set demo: {eod_documents: true} with packed_sequences: true (as configs/examples/eod_documents.yaml "
+            "does), or reset_attention_mask: false."))
     else:
         batches = dm.make_batches(opts, opts.steps, packed=packed, seq_length=seq_length)
     cfg = dm.transformer_config(config)

@@ -130,10 +130,18 @@ class UnsupportedConfigError(_ReasonedError):
     headline = "primus_ext cannot build this attention"
 
 
+class UnsupportedOptionError(UnsupportedConfigError):
+    """Raised by the ``primus-ext`` commands for a command-line option they cannot use (exit 2, like a refused
+    config)."""
+
+    headline = "cannot use this command-line option"
+
+
 class UnsupportedInputError(_ReasonedError):
     """Raised at call time for inputs the built plan did not promise to handle."""
 
     headline = "primus_ext refused this attention call"
 
 
-__all__ = ["PrimusExtError", "Reason", "UnsupportedConfigError", "UnsupportedInputError", "short_repr"]
+__all__ = ["PrimusExtError", "Reason", "UnsupportedConfigError", "UnsupportedInputError", "UnsupportedOptionError",
+           "short_repr"]

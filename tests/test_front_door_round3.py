@@ -180,3 +180,10 @@ def test_the_demo_with_reset_attention_mask_on_dense_rows_points_at_the_demo_key
     code, out, err = _run(capsys, "demo", path, "--steps", "1")
     assert code == 2 and "[reset_attention_mask]" in err and "eod_documents: true" in err, err
     assert "step 1" not in out
+
+
+@pytest.mark.parametrize("argv", [["demo", "--steps", "0"], ["check", str(GPT_OSS), "--seq-len", "0"]])
+def test_a_command_line_option_error_does_not_say_the_attention_cannot_be_built(capsys, argv):
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and err.startswith("primus-ext: cannot use this command-line option: [--"), err
+    assert "cannot build this attention" not in err

@@ -66,7 +66,7 @@ def primus_merged(path: str, config: dict[str, Any], primus_root: Optional[str],
     after printing `describe`; any other YAML unchanged."""
     if not is_experiment(config):
         if primus_root is not None:
-            raise R.refuse_build(R.CLI_OPTION, option="--primus-root", what=f"--primus-root is for a Primus experiment "
+            raise R.refuse_option(R.CLI_OPTION, option="--primus-root", what=f"--primus-root is for a Primus experiment "
                                  f"YAML (one with modules:); {path} has no modules: mapping",
                                  alternative="leave --primus-root out, or give the experiment YAML.")
         if "extends" in config:  # only Primus merges extends:, and only in an experiment's module and model files

@@ -71,7 +71,7 @@ def read_input(path: Optional[str], out: TextIO, err: TextIO, *, arch: Optional[
     with `CommandInput.idle` set and its model keys unchecked (there is no model to check)."""
     if path is None:
         if primus_root is not None:
-            raise R.refuse_build(R.CLI_OPTION, option="--primus-root", what="--primus-root is for a Primus "
+            raise R.refuse_option(R.CLI_OPTION, option="--primus-root", what="--primus-root is for a Primus "
                                  "experiment YAML, and no config file was given",
                                  alternative="give the experiment YAML, or leave --primus-root out.")
         assert default is not None
@@ -104,7 +104,7 @@ def read_input(path: Optional[str], out: TextIO, err: TextIO, *, arch: Optional[
         return found
     if seq_len is not None:
         if not 1 <= seq_len <= 2 ** 31 - 1:
-            raise R.refuse_build(R.CLI_OPTION, option="--seq-len", what=f"--seq-len must be a positive integer below "
+            raise R.refuse_option(R.CLI_OPTION, option="--seq-len", what=f"--seq-len must be a positive integer below "
                                  f"2**31, got {seq_len}", alternative="give the training sequence length, such as 4096.")
         config["seq_length"] = seq_len
     problems = model_problems(config)

@@ -260,7 +260,7 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_roo
     opts = dm.DemoOptions.from_mapping(config.get("demo"), seq_length)
     if steps is not None:
         if steps < 1:
-            raise R.refuse_build(R.CLI_OPTION, option="--steps", what=f"--steps must be >= 1, got {steps}",
+            raise R.refuse_option(R.CLI_OPTION, option="--steps", what=f"--steps must be >= 1, got {steps}",
                                  alternative="give a step count such as --steps 20.")
         opts = dataclasses.replace(opts, steps=steps)
     packed = bool(config.get("packed_sequences"))

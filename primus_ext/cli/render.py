@@ -155,10 +155,10 @@ def write_png(kinds: Sequence[LayerKind], path: str) -> None:
         from matplotlib.colors import ListedColormap
         from matplotlib.patches import Patch
     except ImportError as exc:
-        raise R.refuse_build(R.CLI_OPTION, option="--picture", what=f"--picture needs matplotlib ({exc})",
+        raise R.refuse_option(R.CLI_OPTION, option="--picture", what=f"--picture needs matplotlib ({exc})",
                              alternative="install it with pip install 'primus-ext[cli]'.") from exc
     if not kinds:
-        raise R.refuse_build(R.CLI_OPTION, option="--picture", what="--picture: no layer can run, so there is no "
+        raise R.refuse_option(R.CLI_OPTION, option="--picture", what="--picture: no layer can run, so there is no "
                              "pattern to draw", alternative="fix the refusals check prints first.")
     colours = ["#f2f2f2", "#2b6cb0", "#d69e2e"]  # masked, allowed, sink
     cols = min(len(kinds), 3)

@@ -16,7 +16,7 @@ causes, each with its own wording.
 from __future__ import annotations
 
 from .catalogue import (BUILD_REFUSALS, CALL_RULES, CompiledCallRefusal, Refusal, build_rule, on_ranks, refuse,
-                        refuse_all, refuse_build, refuse_compiled, refuse_naming, rule)
+                        refuse_all, refuse_build, refuse_compiled, refuse_naming, refuse_option, rule)
 from .build import *  # noqa: F401,F403 - the catalogue is one namespace
 from .build import __all__ as _BUILD
 from .megatron_calls import *  # noqa: F401,F403
@@ -382,7 +382,7 @@ LEARNED_COMPILE = rule(
 
 __all__ = [
     "BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "on_ranks", "refuse",
-    "refuse_all", "refuse_compiled", "refuse_build", "refuse_naming", "rule", "ATTN_PROBS", "BACKEND_LACKS", "HOOK_ASSUMPTION",
+    "refuse_all", "refuse_compiled", "refuse_build", "refuse_naming", "refuse_option", "rule", "ATTN_PROBS", "BACKEND_LACKS", "HOOK_ASSUMPTION",
     "HOOK_CHANGED", "MASK_LENGTH", "UNEQUAL_LENGTHS", "UNPLANNED_SINK", "MISSING_SINK", "ALIBI_GRAD",
     "ALIBI_TWICE", "DENSE_RANK", "PACKED_RANK", "PACKED_EXTRAS", "ATTENTION_BIAS", "MASK_TYPE", "NO_PACKED_ENTRY",
     "BOUNDS_NOT_THD", "THD_WITHOUT_BOUNDS", "PADDED_TYPE", "PADDED", "MASK_WITH_THD", "WINDOW_ALIGNMENT",

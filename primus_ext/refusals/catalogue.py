@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError
+from ..errors import Reason, UnsupportedConfigError, UnsupportedInputError, UnsupportedOptionError
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,11 @@ def build_rule(code: str, settings: tuple[str, ...], reason: str, alternative: s
 def refuse_build(found: Refusal, context: str = "", **values: Any) -> UnsupportedConfigError:
     """The build-time error of ``found`` with ``values`` filled in (raise it)."""
     return UnsupportedConfigError(found.reason_for(**values), context=context)
+
+
+def refuse_option(found: Refusal, **values: Any) -> UnsupportedOptionError:
+    """The error of a ``primus-ext`` command-line option ``found`` refuses (raise it): not an attention's."""
+    return UnsupportedOptionError(found.reason_for(**values))
 
 
 def refuse_all(reasons: Sequence[Reason], context: str = "", *, at_call: bool = False
@@ -138,4 +143,4 @@ def refuse_naming(found: Refusal, settings: tuple[str, ...], context: str = "", 
 
 
 __all__ = ["BUILD_REFUSALS", "CALL_RULES", "CompiledCallRefusal", "Refusal", "build_rule", "on_ranks", "refuse", "refuse_all",
-           "refuse_build", "refuse_naming", "rule"]
+           "refuse_build", "refuse_naming", "refuse_option", "rule"]

@@ -133,11 +133,12 @@ def test_a_huge_seq_len_option_is_ours(tmp_path, capsys):
 def test_group_query_attention_off_plans_one_key_value_head_per_query_head(tmp_path, capsys):
     """Megatron-LM passes num_query_groups on only with group_query_attention: a YAML keeping the number with
     GQA off builds MHA there (check planned 2 groups, and refused 3 groups at TP 2 though Megatron builds it)."""
-    code, text = _check(tmp_path, capsys, {"group_query_attention": False, "num_query_groups": 2})
+    code, text = _check(tmp_path, capsys, {"group_query_attention": False, "num_query_groups": 4})
     assert code == 0 and "4 query heads / 4 key-value groups, head dim" in text, text
+    # a number of groups the run would not get is refused (gqa-off), not planned as written nor dropped unsaid
     code, text = _check(tmp_path, capsys, {"group_query_attention": False, "num_query_groups": 3,
                                            "tensor_model_parallel_size": 2})
-    assert code == 0, text
+    assert code == 2 and "[num_query_groups, group_query_attention]" in text, text
 
 
 def test_multi_latent_attention_is_planned_with_its_own_head_dims(tmp_path, capsys):

@@ -281,7 +281,7 @@ def test_position_embedding_type_is_one_of_megatron_s(tmp_path, capsys, value):
 
 
 def test_the_demo_honours_group_query_attention_false(tmp_path, capsys):
-    path = _yaml(tmp_path, DEMO_YAML, group_query_attention=False)
+    path = _yaml(tmp_path, DEMO_YAML, group_query_attention=False, num_query_groups=4)
     code, out, err = _run(capsys, "demo", path, "--steps", "1")
     assert code == 0, err
     assert "4 heads / 4 query groups" in out and "heads=4 |" in out

@@ -187,3 +187,32 @@ def test_a_command_line_option_error_does_not_say_the_attention_cannot_be_built(
     code, _, err = _run(capsys, *argv)
     assert code == 2 and err.startswith("primus-ext: cannot use this command-line option: [--"), err
     assert "cannot build this attention" not in err
+
+
+# -- third review ----------------------------------------------------------------------------------------
+DEMO = ROOT / "configs" / "examples" / "demo.yaml"
+
+
+def _demo_yaml(tmp_path: Path, **keys) -> str:
+    data = {**yaml.safe_load(DEMO.read_text()), **keys}
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_the_demo_turns_sequence_parallel_off_at_tp_1_as_check_does(tmp_path, capsys):
+    """check accepted sequence_parallel: true at TP 1 (Megatron-LM turns it off); the demo crashed in
+    megatron-core's ModelParallelConfig with a ValueError traceback."""
+    path = _demo_yaml(tmp_path, sequence_parallel=True)
+    code, out, err = _run(capsys, "demo", path, "--steps", "1")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("command", ["check", "selftest"])
+def test_num_query_groups_with_group_query_attention_false_is_refused(tmp_path, capsys, command):
+    """Planned 8 key-value heads without a word while the YAML listed num_query_groups: 2 (Megatron-LM drops it)."""
+    path = _yaml(tmp_path, group_query_attention=False)
+    code, _, err = _run(capsys, command, path)
+    assert code == 2 and "[num_query_groups, group_query_attention]" in err and "group_query_attention: true" in err
+    code, _, err = _run(capsys, command, _yaml(tmp_path, group_query_attention=False, num_query_groups=8))
+    assert code == 0, err  # as many groups as heads: nothing dropped

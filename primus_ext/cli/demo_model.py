@@ -143,6 +143,8 @@ def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
     """A ``TransformerConfig`` from the YAML's Megatron keys, forced onto one CPU process."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from ..megatron.validate import as_megatron_lm_passes
+
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if int(yaml_config.get(key) or 1) != 1:
             raise _demo(key, f"the demo runs in one process; {key} is {yaml_config[key]}", f"set {key}: 1.")
@@ -150,9 +152,8 @@ def transformer_config(yaml_config: Mapping[str, Any]) -> Any:
         raise _demo("multi_latent_attention", "the demo builds a plain GPT, not multi-latent attention",
                     "run primus-ext check or selftest for MLA layers, or set multi_latent_attention: false.")
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    values = {**_DEFAULTS, **{k: v for k, v in yaml_config.items() if k in fields and k in _READ}, **_FORCED}
-    if yaml_config.get("group_query_attention") is False:  # Megatron-LM then passes no num_query_groups
-        values.pop("num_query_groups", None)
+    values = as_megatron_lm_passes(
+        {**_DEFAULTS, **{k: v for k, v in yaml_config.items() if k in fields and k in _READ}, **_FORCED}, yaml_config)
     if values.get("window_size") is not None:
         why = READERS["window_size"]("window_size", values["window_size"], yaml_config)
         if why is not None:  # the typed reader `check` uses: the key named, a right value given

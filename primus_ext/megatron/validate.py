@@ -37,16 +37,36 @@ UNEVEN_PIPELINE = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pip
 checks that split itself when it builds, so an even split is asked for only without them."""
 
 
+def as_megatron_lm_passes(values: dict[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (``TransformerConfig`` keyword arguments from a YAML) as Megatron-LM passes them on: no
+    ``num_query_groups`` without ``group_query_attention``, ``sequence_parallel`` off at tensor-parallel size 1
+    (its validate_args, and Primus).  Shared by ``check`` and the demo's model."""
+    if config.get("group_query_attention") is False:
+        values.pop("num_query_groups", None)
+    if int(values.get("tensor_model_parallel_size") or 1) == 1:
+        values.pop("sequence_parallel", None)
+    return values
+
+
+def _dropped_groups(config: Mapping[str, Any]) -> list[Reason]:
+    """``num_query_groups`` other than the heads with ``group_query_attention: false`` (MLA aside, which has
+    no groups): Megatron-LM passes no num_query_groups then, so every query head gets its own key-value head."""
+    groups, heads = config.get("num_query_groups"), config.get("num_attention_heads")
+    if config.get("group_query_attention") is False and groups is not None and groups != heads and not config.get(
+            "multi_latent_attention"):
+        return [R.GQA_OFF.reason_for(groups=groups, heads=heads)]
+    return []
+
+
 def transformer_config_problems(config: Mapping[str, Any]) -> list[Reason]:
     """megatron-core's refusal of these keys as a ``TransformerConfig`` (empty: it builds); the keys must have
     passed their typed readers (`primus_ext.settings.model_keys`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    values = {key: config[key] for key in FIELDS if config.get(key) is not None}
-    if config.get("group_query_attention") is False:  # Megatron-LM then passes no num_query_groups
-        values.pop("num_query_groups", None)
-    if values.get("tensor_model_parallel_size", 1) == 1:  # Megatron-LM's validate_args (and Primus) turn it off
-        values.pop("sequence_parallel", None)
+    dropped = _dropped_groups(config)
+    if dropped:
+        return dropped
+    values = as_megatron_lm_passes({key: config[key] for key in FIELDS if config.get(key) is not None}, config)
     heads = values["num_attention_heads"]
     layers_given = "num_layers" in values
     values.setdefault("num_layers", 1)
@@ -135,4 +155,4 @@ def lookalike_model_keys(config: Mapping[str, Any]) -> list[Reason]:
     return reasons
 
 
-__all__ = ["ALIASES", "FIELDS", "lookalike_model_keys", "transformer_config_problems"]
+__all__ = ["ALIASES", "FIELDS", "as_megatron_lm_passes", "lookalike_model_keys", "transformer_config_problems"]

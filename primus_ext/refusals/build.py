@@ -206,6 +206,11 @@ MEGATRON_CONFIG = build_rule(
     "megatron-config", ("{*named}",), "megatron-core's TransformerConfig refuses these model keys: {error}",
     "change the keys named so that megatron-core's condition above holds (docs/yaml_reference.md says what each "
     "key takes).")
+GQA_OFF = build_rule(
+    "gqa-off", ("num_query_groups", "group_query_attention"),
+    "num_query_groups: {groups} is not applied: group_query_attention is false, and Megatron-LM then passes no "
+    "num_query_groups, so each of the {heads} query heads gets its own key-value head.",
+    "set group_query_attention: true to train with {groups} key-value groups, or remove num_query_groups.")
 BOTH_PRECISIONS = build_rule(
     "megatron-config", ("bf16", "fp16"), "bf16 and fp16 are both true: Megatron-LM asserts one precision.",
     "keep one: bf16: true (and fp16: false) for bf16 training, fp16: true (and bf16: false) for fp16.")

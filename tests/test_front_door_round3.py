@@ -216,3 +216,33 @@ def test_num_query_groups_with_group_query_attention_false_is_refused(tmp_path, 
     assert code == 2 and "[num_query_groups, group_query_attention]" in err and "group_query_attention: true" in err
     code, _, err = _run(capsys, command, _yaml(tmp_path, group_query_attention=False, num_query_groups=8))
     assert code == 0, err  # as many groups as heads: nothing dropped
+
+
+@pytest.mark.parametrize("outer, inner", [("overrides", {"use_sink_attention": False, "sink_sliding_window": 64}),
+                                          ("turbo", {"use_turbo_flex_attention": False}),
+                                          ("language_model", {"num_query_groups": 8}),
+                                          ("model", {"num_layers": 2})])
+@pytest.mark.parametrize("command", [["check"], ["selftest"], ["demo", "--steps", "1"]])
+def test_planned_keys_nested_in_a_flat_yaml_are_refused(tmp_path, capsys, outer, inner, command):
+    """A Primus overrides: block copied into a flat YAML planned (and trained) without its keys, exit 0."""
+    path = _demo_yaml(tmp_path, **{outer: inner})
+    code, _, err = _run(capsys, command[0], path, *command[1:])
+    assert code == 2 and f"[{outer}]" in err and "top level" in err, err
+
+
+def test_the_settings_api_refuses_our_keys_nested_under_another(tmp_path):
+    from primus_ext.errors import UnsupportedConfigError
+    from primus_ext.settings import TurboAttentionSettings
+
+    with pytest.raises(UnsupportedConfigError) as err:
+        TurboAttentionSettings.from_yaml(_demo_yaml(tmp_path, overrides={"use_sink_attention": False}))
+    assert err.value.settings == ("overrides",)
+
+
+@pytest.mark.parametrize("demo, says", [({"use_sink_attention": False}, "[demo]"), ({"lr": -1}, "[demo.lr]")])
+def test_check_and_selftest_refuse_what_the_demo_refuses_of_its_own_mapping(tmp_path, capsys, demo, says):
+    """A Turbo key under demo: was refused by demo and planned (sinks on) by check and selftest."""
+    path = _demo_yaml(tmp_path, demo=demo)
+    for command in (["check"], ["selftest"], ["demo", "--steps", "1"]):
+        code, _, err = _run(capsys, command[0], path, *command[1:])
+        assert code == 2 and says in err, (command, err)

@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, TextIO, Union
 
 from .. import refusals as R
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..megatron.validate import lookalike_model_keys, transformer_config_problems
 from ..settings import TurboAttentionSettings
 from ..settings.model_keys import model_key_problems
 from ..settings.primus_config import PrimusExperiment
+from ..settings.primus_placement import PLANNED_KEYS
+from ..settings.settings import SETTING_KEYS
 from ..settings.yaml_file import fragment_note, is_module_fragment, load_yaml_mapping
 from .check_primus import primus_merged, primus_refusal, primus_run_settings
+from .demo_model import DemoOptions
 
 REFUSED = 2
 
@@ -63,6 +66,27 @@ def model_problems(config: Mapping[str, Any]) -> list[str]:
     return [reason.render() for reason in reasons]
 
 
+def _nested_planned(config: Mapping[str, Any], depth: int = 3) -> list[str]:
+    """The planned keys (`PLANNED_KEYS`) under a nested mapping, ``outer.inner`` paths; the Turbo keys whose
+    value is a mapping (hook kwargs) and the demo's own mapping aside."""
+    found = []
+    for key, value in config.items():
+        if key in SETTING_KEYS or key == "demo" or not isinstance(value, Mapping) or depth == 0:
+            continue
+        found += [f"{key}.{inner}" for inner in value if inner in PLANNED_KEYS]
+        found += [f"{key}.{inner}" for inner in _nested_planned(value, depth - 1)]
+    return found
+
+
+def _structure_problems(config: Mapping[str, Any]) -> list[Reason]:
+    """A flat YAML's planned keys nested where nothing reads them, grouped by their top-level key."""
+    by_outer: dict[str, list[str]] = {}
+    for path in _nested_planned(config):
+        outer, _, inner = path.partition(".")
+        by_outer.setdefault(outer, []).append(inner)
+    return [R.YAML_NESTED.reason_for(outer=outer, inner=", ".join(inner)) for outer, inner in by_outer.items()]
+
+
 def read_input(path: Optional[str], out: TextIO, err: TextIO, *, arch: Optional[str] = None,
                primus_root: Optional[str] = None, seq_len: Optional[int] = None,
                default: Optional[tuple[dict[str, Any], str]] = None) -> Union[CommandInput, int]:
@@ -79,6 +103,9 @@ def read_input(path: Optional[str], out: TextIO, err: TextIO, *, arch: Optional[
     else:
         config, experiment = primus_merged(path, load_yaml_mapping(path, allow_empty=False), primus_root, out)
         label = path
+    nested = _structure_problems(config) if experiment is None else []
+    if nested:
+        raise R.refuse_all(nested, context=label)
     read = primus_run_settings if experiment is not None else TurboAttentionSettings.from_dict
     settings = settings_for(config, arch, err, read)
     refusal = primus_refusal(experiment, config, settings, primus_root) if experiment and settings else None
@@ -107,6 +134,8 @@ def read_input(path: Optional[str], out: TextIO, err: TextIO, *, arch: Optional[
             raise R.refuse_option(R.CLI_OPTION, option="--seq-len", what=f"--seq-len must be a positive integer below "
                                  f"2**31, got {seq_len}", alternative="give the training sequence length, such as 4096.")
         config["seq_length"] = seq_len
+    if "demo" in config:  # what the demo would refuse of its own mapping, every command refuses alike
+        DemoOptions.from_mapping(config["demo"], int(config.get("seq_length") or 2 ** 31 - 1))
     problems = model_problems(config)
     if problems:
         print(f"primus_ext cannot read the model shape of {label}:", file=err)

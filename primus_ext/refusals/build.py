@@ -36,6 +36,12 @@ HOOK_UNTRUSTED = build_rule("B32", ("{setting}", "{kwargs_key}"), "{setting} = {
 
 # -- YAML files and Primus experiments read (`primus_ext.settings.yaml_file`, `primus_config`) ----------------
 YAML_FILE = build_rule("yaml-file", ("{path}",), "the file {what}.", "{alternative}")
+YAML_NESTED = build_rule(
+    "yaml-nested", ("{outer}",),
+    "{outer}: holds {inner}, keys read only at the top level of a Megatron YAML (a Primus experiment's overrides "
+    "live under modules.<module>.overrides); nested there they would be ignored.",
+    "write them at the top level of the file, or check the Primus experiment the block belongs to "
+    "(primus-ext check exp.yaml --primus-root PATH).")
 PRIMUS_EXPERIMENT = build_rule("primus-experiment", ("{key}",), "{what}", "{alternative}")
 
 PRIMUS_IGNORED_TOP = build_rule(

@@ -189,12 +189,15 @@ class TurboAttentionSettings:
     # ----------------------------------------------------------------- constructors
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> "TurboAttentionSettings":
-        """Build from a flat mapping; foreign keys are ignored, look-alikes of ours refused."""
+        """Build from a flat mapping; foreign keys are ignored, look-alikes of ours and ours nested under another
+        key refused."""
         if not isinstance(mapping, Mapping):
             raise R.refuse_build(R.SETTINGS_MAPPING, got=type(mapping).__name__)
         ours = {k: v for k, v in mapping.items() if k in _KEY_SET}
         others = [k for k in mapping if k not in _KEY_SET and isinstance(k, str)]
-        return cls._build(ours, lookalike_reasons(others))
+        nested = [R.YAML_NESTED.reason_for(outer=k, inner=", ".join(x for x in mapping[k] if x in _KEY_SET))
+                  for k in others if isinstance(mapping[k], Mapping) and any(x in _KEY_SET for x in mapping[k])]
+        return cls._build(ours, lookalike_reasons(others) + nested)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> "TurboAttentionSettings":

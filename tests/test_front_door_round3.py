@@ -66,7 +66,9 @@ def test_window_attn_skip_freq_with_window_size_is_planned(tmp_path, capsys):
 @pytest.mark.parametrize("alias, key, value", [
     ("num_key_value_heads", "num_query_groups", 4), ("head_dim", "kv_channels", 64),
     ("attn_dropout", "attention_dropout", 0.1), ("turbo_owner", "turbo_flex_attention_owner", "primus_ext"),
-    ("mask_mod", "turbo_flex_attention_mask_mod", "x:y"), ("num_heads", "num_attention_heads", 4)])
+    ("mask_mod", "turbo_flex_attention_mask_mod", "x:y"), ("num_heads", "num_attention_heads", 4),
+    ("use_sinks", "use_sink_attention", True), ("attention_window", "window_size", [64, 0]),
+    ("window", "window_size", [64, 0]), ("n_layer", "num_layers", 4)])
 def test_another_framework_s_name_for_a_key_is_refused_naming_megatron_s(tmp_path, capsys, alias, key, value):
     """num_key_value_heads: 4 planned the YAML's 2 query groups; head_dim: 64 planned kv_channels 32; exit 0."""
     path = _yaml(tmp_path, **{alias: value})

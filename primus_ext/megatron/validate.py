@@ -120,7 +120,9 @@ ALIASES = {
     "pp_size": "pipeline_model_parallel_size",
     "turbo_owner": "turbo_flex_attention_owner", "use_flex_attention": "use_turbo_flex_attention",
     "mask_mod": "turbo_flex_attention_mask_mod", "score_mod": "turbo_flex_attention_score_mod",
-    "use_sink": "use_sink_attention",
+    "use_sink": "use_sink_attention", "use_sinks": "use_sink_attention", "attention_sinks": "use_sink_attention",
+    "attention_window": "window_size", "window": "window_size", "local_window": "window_size",
+    "n_layer": "num_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size", "n_kv_head": "num_query_groups",
 }
 """Other frameworks' names (Hugging Face, MaxText, torchtitan) and short forms for keys the plans read: too unlike
 Megatron's name for the look-alike screen, and ignored by Megatron as written."""

@@ -248,3 +248,12 @@ def test_check_and_selftest_refuse_what_the_demo_refuses_of_its_own_mapping(tmp_
     for command in (["check"], ["selftest"], ["demo", "--steps", "1"]):
         code, _, err = _run(capsys, command[0], path, *command[1:])
         assert code == 2 and says in err, (command, err)
+
+
+@pytest.mark.parametrize("freq", [1, [0, 0, 0, 0]])
+def test_a_window_that_window_attn_skip_freq_gives_to_no_layer_is_refused(tmp_path, capsys, freq):
+    """window_size: [64, 0] with window_attn_skip_freq: 1 planned full attention on every layer, exit 0."""
+    path = _yaml(tmp_path, drop=("sink_sliding_window",), window_size=[64, 0], window_attn_skip_freq=freq)
+    for command in ("check", "selftest"):
+        code, _, err = _run(capsys, command, path)
+        assert code == 2 and "[window_size, window_attn_skip_freq]" in err and "none of the model" in err, err

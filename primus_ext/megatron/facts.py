@@ -19,6 +19,18 @@ def _get(source: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def unused_window(source: Any) -> Optional[tuple[int, int]]:
+    """``window_size`` where ``window_attn_skip_freq`` windows none of the ``num_layers`` layers (a frequency of
+    1, a list of 0s), else None."""
+    window, freq = _get(source, "window_size"), _get(source, "window_attn_skip_freq")
+    if not window or freq is None:
+        return None
+    layers = int(_get(source, "num_layers", 1))
+    if any(config_window(source, n) is not None for n in range(1, layers + 1)):
+        return None
+    return (int(window[0]), int(window[1]))
+
+
 def config_window(source: Any, layer_number: int) -> Optional[tuple[int, int]]:
     """``window_size`` of this 1-indexed layer after ``window_attn_skip_freq``, or None."""
     window = _get(source, "window_size")
@@ -86,6 +98,7 @@ def layer_facts(source: Any, layer_number: int, *, tp_rank: int = 0, **overrides
         layer_number=layer_number,
         window_size=config_window(source, layer_number),
         skip_freq_unused=None if _get(source, "window_size") else _get(source, "window_attn_skip_freq"),
+        window_unused=unused_window(source),
         softmax_scale=_get(source, "softmax_scale"),
         attention_dropout=float(_get(source, "attention_dropout", 0.0)),
         seq_length=_get(source, "seq_length"),

@@ -37,6 +37,9 @@ class LayerFacts:
     skip_freq_unused: object = None
     """Megatron's ``window_attn_skip_freq`` as given where ``window_size`` is not set: megatron-core applies it
     to ``window_size`` only, so it picks no layer (rule skip-freq-window)."""
+    window_unused: Optional[Tuple[int, int]] = None
+    """Megatron's ``window_size`` where ``window_attn_skip_freq`` gives it to none of the model's layers (rule
+    window-unused)."""
     softmax_type: str = "vanilla"
     """Megatron's ``softmax_type``: ``learnable`` / ``off-by-one`` are sinks (learned / fixed 0)."""
     attn_mask_type: str = "causal"

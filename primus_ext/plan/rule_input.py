@@ -122,6 +122,7 @@ class RuleInput:
             "torch_call_score": self.torch_call.get("score_mod", ""),
             "window_given": short_repr(self.facts.window_size),
             "skip_freq": short_repr(self.facts.skip_freq_unused),
+            "window_unused": self.facts.window_unused,
             "skip_freq_window": (f": the window here is sink_sliding_window {self.settings.sink_sliding_window}, whose "
                                  "layers follow sink_window_even_layers_only" if self.settings.sink_sliding_window else ""),
             "packed_given": short_repr(self.packed_given),

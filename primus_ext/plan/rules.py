@@ -177,6 +177,13 @@ RULES: Tuple[Rule, ...] = (
          "give the window as window_size: [W, 0] with window_attn_skip_freq, or remove window_attn_skip_freq "
          "(sink_sliding_window's layers follow sink_window_even_layers_only).",
          lambda c: c.facts.skip_freq_unused is not None),
+    Rule("window-unused", ("window_size", "window_attn_skip_freq"),
+         "window_attn_skip_freq gives window_size={window_unused} to none of the model's layers "
+         "(megatron-core windows layer n where n % freq != 0, or where the list has 1), so every layer is full "
+         "attention and window_size would be ignored.",
+         "give window_attn_skip_freq a value that windows the layers meant (N > 1: every N-th layer full "
+         "attention; a list with 1 for each windowed layer), or remove window_size.",
+         lambda c: c.facts.window_unused is not None),
     # megatron-core's off-by-one softmax registers its sink as a fixed zero buffer, Primus's
     # use_sink_attention a learned one: the layer would train with the buffer, not the learned sink.
     Rule("B10-sink", ("use_sink_attention", "softmax_type"),

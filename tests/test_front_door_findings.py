@@ -331,7 +331,8 @@ def test_selftest_runs_a_dense_reset_attention_mask_layer_on_its_varlen_route(tm
 
 
 def test_check_says_megatron_s_own_attention_runs_when_both_switches_are_off(tmp_path, capsys):
-    path = _yaml(tmp_path, GPT_OSS, use_turbo_attention=False, use_turbo_flex_attention=False)
+    path = _yaml(tmp_path, GPT_OSS, drop=("use_sink_attention", "sink_sliding_window"), use_turbo_attention=False,
+                 use_turbo_flex_attention=False)
     for command in ("check", "selftest"):
         code, out, _ = _run(capsys, command, path)
         assert code == 0 and "Megatron's own core attention" in out and "flash_attn" not in out, command

@@ -257,3 +257,31 @@ def test_a_window_that_window_attn_skip_freq_gives_to_no_layer_is_refused(tmp_pa
     for command in ("check", "selftest"):
         code, _, err = _run(capsys, command, path)
         assert code == 2 and "[window_size, window_attn_skip_freq]" in err and "none of the model" in err, err
+
+
+@pytest.mark.parametrize("command", ["check", "selftest"])
+def test_turbo_only_keys_with_both_switches_off_are_refused(tmp_path, capsys, command):
+    """Sinks and a sink window with both switches off: 'nothing of primus_ext to plan', exit 0, while
+    Megatron's own attention (which the spec providers then build) has neither."""
+    path = _yaml(tmp_path, use_turbo_attention=False, use_turbo_flex_attention=False)
+    code, _, err = _run(capsys, command, path)
+    assert code == 2 and "[use_sink_attention, use_turbo_attention]" in err and "sink_sliding_window: 128" in err
+
+
+def test_the_spec_provider_refuses_turbo_only_keys_when_it_builds_megatron_s_own_attention():
+    from primus_ext.errors import UnsupportedConfigError
+    from primus_ext.megatron import PrimusTurboLocalSpecProvider
+    from primus_ext.settings import TurboAttentionSettings
+
+    with pytest.raises(UnsupportedConfigError) as err:
+        PrimusTurboLocalSpecProvider(TurboAttentionSettings(use_sink_attention=True)).core_attention()
+    assert err.value.codes == ("turbo-off",)
+    PrimusTurboLocalSpecProvider(TurboAttentionSettings()).core_attention()  # nothing asked of Turbo: Megatron's
+
+
+def test_check_says_which_flex_keys_the_direct_path_does_not_use(tmp_path, capsys):
+    """turbo_flex_attention_backend: reference with flex off planned Turbo's flash entries without a word."""
+    path = _yaml(tmp_path, use_turbo_flex_attention=False, turbo_flex_attention_backend="reference")
+    code, out, err = _run(capsys, "check", path, "--arch", "gfx942")
+    assert code == 0, err
+    assert "not used: turbo_flex_attention_backend: reference (use_turbo_flex_attention is false" in out

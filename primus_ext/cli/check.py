@@ -256,6 +256,19 @@ def _shared_prefix_notes(plans: Sequence[AttentionPlan]) -> list[str]:
             "prepare_shared_prefix(model)"]
 
 
+def _flex_off_notes(settings: TurboAttentionSettings) -> list[str]:
+    """Flex-path keys a direct-path YAML sets: the direct path computes the same attention without them (hooks,
+    which would change it, are refused: setting-hook-unused), so they are said, not refused."""
+    if settings.use_turbo_flex_attention:
+        return []
+    defaults = TurboAttentionSettings()
+    unused = [f"{key}: {getattr(settings, key)}" for key in ("turbo_flex_attention_backend",
+                                                                "turbo_flex_attention_call_flags")
+              if getattr(settings, key) != getattr(defaults, key)]
+    return [f"not used: {', '.join(unused)} (use_turbo_flex_attention is false: every layer runs the direct path, "
+            "Primus-Turbo's flash entries; set use_turbo_flex_attention: true to use them)"] if unused else []
+
+
 def _flex_notes(plans: Sequence[AttentionPlan]) -> list[str]:
     """Layers on the ``flex`` backend where no GPU is: they plan, but torch's flex_attention has no CPU backward."""
     layers = [plan.layer_number for plan in plans if plan.backend == "flex"]
@@ -357,6 +370,7 @@ def run_check(path: str, seq_len: Optional[int] = None, picture: Optional[str] =
     if plans:
         print(file=out)
         notes = (_backend_notes(plans) + _kernel_notes(plans) + _shared_prefix_notes(plans) + _flex_notes(plans)
+                 + _flex_off_notes(settings)
                  + _cp_notes(config, plans)
                  + _tp_notes(config, ranks))
         for line in notes:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional, TextIO, Union
 
 from .. import refusals as R
 from ..errors import Reason, UnsupportedConfigError
+from ..megatron.specs import turbo_off_reasons
 from ..megatron.validate import lookalike_model_keys, transformer_config_problems
 from ..settings import TurboAttentionSettings
 from ..settings.model_keys import model_key_problems
@@ -113,6 +114,9 @@ def read_input(path: Optional[str], out: TextIO, err: TextIO, *, arch: Optional[
         print(refusal, file=err)
     if settings is None or refusal is not None:
         return REFUSED
+    off = turbo_off_reasons(settings)
+    if off:  # the layers would be Megatron's own (or Primus's TE ones), which ignore these keys
+        raise R.refuse_all(off, context=label)
     found = CommandInput(label, config, settings, experiment)
     # the patch's condition is false (an owner primus left here has Primus's own path): nothing of ours runs
     if experiment and (not settings.use_turbo_flex_attention or settings.turbo_flex_attention_owner == "primus"):

@@ -9,7 +9,10 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from .. import refusals as R
+from ..errors import Reason
 from ..settings import TurboAttentionSettings
+from ..settings.primus_placement import yaml_value
 from .local import PrimusTurboLocalAttention
 
 
@@ -22,8 +25,25 @@ class PrimusTurboLocalSpecProvider(LocalSpecProvider):
 
     def core_attention(self) -> Callable[..., Any]:
         if self.settings is not None and not _turbo_on(self.settings):
+            if turbo_off_reasons(self.settings):
+                raise R.refuse_all(turbo_off_reasons(self.settings), context="spec provider")
             return super().core_attention()  # use_turbo_attention: false -> Megatron's own attention
         return functools.partial(PrimusTurboLocalAttention, settings=self.settings)
+
+
+TURBO_ONLY = (("use_sink_attention", "learned sink"), ("sink_sliding_window", "sink sliding window"),
+              ("enable_turbo_attention_float8", "Primus-Turbo fp8 attention"),
+              ("packed_shared_prefix", "shared-prefix rows"))
+"""Settings only Turbo layers read, with what Megatron's own attention lacks of them."""
+
+
+def turbo_off_reasons(settings: TurboAttentionSettings) -> list[Reason]:
+    """A ``turbo-off`` reason per Turbo-only setting asked for while both switches are off (the layers are then
+    Megatron's own, which would ignore it)."""
+    if _turbo_on(settings):
+        return []
+    return [R.TURBO_OFF.reason_for(key=key, value=yaml_value(getattr(settings, key)), what=what)
+            for key, what in TURBO_ONLY if getattr(settings, key)]
 
 
 def _turbo_on(settings: TurboAttentionSettings) -> bool:
@@ -56,5 +76,6 @@ __all__ = [
     "PrimusTurboLocalSpecProvider",
     "get_gpt_layer_primus_turbo_local_spec",
     "primus_turbo_te_core_attention",
+    "turbo_off_reasons",
     "use_core_attention",
 ]

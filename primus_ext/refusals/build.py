@@ -180,6 +180,12 @@ UNKNOWN_FLAG = build_rule(
     "launch Primus's own command line (primus/cli/main.py train pretrain --config exp.yaml) through python -m "
     "primus_ext.primus, or launch without it where primus_ext's layers are not wanted.")
 
+TURBO_OFF = build_rule(
+    "turbo-off", ("{key}", "use_turbo_attention"),
+    "{key}: {value} is set, but use_turbo_attention and use_turbo_flex_attention are false: Megatron's own core "
+    "attention runs, which has no {what}, so the key would be ignored.",
+    "set use_turbo_attention: true (the direct Turbo path) to use it, or remove {key}.")
+
 # -- Megatron's modules and their checkpoints (`primus_ext.megatron`) ------------------------------------------
 TP_RANK = build_rule(
     "tp-rank", ("tensor_model_parallel_size",),

@@ -285,3 +285,11 @@ def test_check_says_which_flex_keys_the_direct_path_does_not_use(tmp_path, capsy
     code, out, err = _run(capsys, "check", path, "--arch", "gfx942")
     assert code == 0, err
     assert "not used: turbo_flex_attention_backend: reference (use_turbo_flex_attention is false" in out
+
+
+@pytest.mark.parametrize("tokens", [10, 100])
+def test_a_dense_demo_step_that_is_not_whole_rows_is_refused(tmp_path, capsys, tokens):
+    """demo.tokens_per_step: 10 trained 64 tokens a step (one row of seq_length 64), printed only as a shape."""
+    path = _demo_yaml(tmp_path, demo={"tokens_per_step": tokens})
+    code, _, err = _run(capsys, "demo", path, "--steps", "1")
+    assert code == 2 and "[demo.tokens_per_step]" in err and "multiple of seq_length" in err, err

@@ -264,6 +264,13 @@ def run_demo(path: Optional[str] = None, steps: Optional[int] = None, primus_roo
                                  alternative="give a step count such as --steps 20.")
         opts = dataclasses.replace(opts, steps=steps)
     packed = bool(config.get("packed_sequences"))
+    given = config.get("demo") or {}
+    if not packed and "tokens_per_step" in given and opts.tokens_per_step % seq_length:  # dense rows are whole
+        raise R.refuse_build(R.DEMO_KEY, key="demo.tokens_per_step", what=(
+            f"demo.tokens_per_step {opts.tokens_per_step} is not a whole number of dense rows of seq_length "
+            f"{seq_length}: the demo would train {max(1, opts.tokens_per_step // seq_length) * seq_length} tokens a "
+            "step"), alternative=f"give a multiple of seq_length, such as demo.tokens_per_step: {4 * seq_length}, or "
+            "train packed (packed_sequences: true), where a step holds exactly tokens_per_step tokens.")
 
     real_turbo = not turbo_import_problem()
     device = torch.device("cuda" if real_turbo and torch.cuda.is_available() else "cpu")

@@ -293,3 +293,13 @@ def test_a_dense_demo_step_that_is_not_whole_rows_is_refused(tmp_path, capsys, t
     path = _demo_yaml(tmp_path, demo={"tokens_per_step": tokens})
     code, _, err = _run(capsys, "demo", path, "--steps", "1")
     assert code == 2 and "[demo.tokens_per_step]" in err and "multiple of seq_length" in err, err
+
+
+def test_convert_checkpoint_refuses_a_missing_src_and_a_dtype_it_would_not_apply(tmp_path, capsys):
+    """A mistyped SRC was called 'not a torch_dist checkpoint'; --params-dtype bf16 --to primus wrote float32."""
+    code, _, err = _run(capsys, "convert-checkpoint", str(tmp_path / "nope"), str(tmp_path / "out"), "--to", "primus")
+    assert code == 2 and "[SRC]" in err and "does not exist" in err, err
+    (tmp_path / "ck").mkdir()
+    code, _, err = _run(capsys, "convert-checkpoint", str(tmp_path / "ck"), str(tmp_path / "out"), "--to", "primus",
+                        "--params-dtype", "bf16")
+    assert code == 2 and "[--params-dtype]" in err, err

@@ -8,8 +8,11 @@ torch_dist checkpoint), like ``check``.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Optional
+
+from .. import refusals as R
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -33,6 +36,13 @@ def run_convert(src: str, dst: str, to: str, params_dtype: Optional[str] = None)
 
     from ..megatron.checkpoint import convert_checkpoint
 
+    if not os.path.exists(src):
+        raise R.refuse_option(R.CLI_OPTION, option="SRC", what=f"SRC {src} does not exist",
+                              alternative="give an iteration directory (iter_XXXXXXX) or a save directory.")
+    if params_dtype and to == "primus":  # Primus's sinks parameter is float32 whatever the model's dtype
+        raise R.refuse_option(R.CLI_OPTION, option="--params-dtype", what="--params-dtype sets the dtype of the "
+                              "sinks written for --to primus_ext; --to primus writes Primus's float32 sinks",
+                              alternative="leave --params-dtype out with --to primus.")
     dtype = getattr(torch, DTYPES[params_dtype]) if params_dtype else None
     with warnings.catch_warnings():
         # megatron-core 0.16 calls torch's deprecated checkpoint APIs: torch's notice, not the user's concern

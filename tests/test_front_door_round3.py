@@ -303,3 +303,12 @@ def test_convert_checkpoint_refuses_a_missing_src_and_a_dtype_it_would_not_apply
     code, _, err = _run(capsys, "convert-checkpoint", str(tmp_path / "ck"), str(tmp_path / "out"), "--to", "primus",
                         "--params-dtype", "bf16")
     assert code == 2 and "[--params-dtype]" in err, err
+
+
+def test_an_arch_option_that_contradicts_the_yaml_s_turbo_arch_is_refused(tmp_path, capsys):
+    """--arch gfx950 planned gfx950 without a word over the YAML's turbo_arch: gfx942, refused on that device."""
+    path = _yaml(tmp_path, turbo_arch="gfx942")
+    code, _, err = _run(capsys, "check", path, "--arch", "gfx950")
+    assert code == 2 and "[--arch]" in err and "turbo_arch: gfx942" in err, err
+    code, _, err = _run(capsys, "check", path, "--arch", "gfx942")
+    assert code == 0, err

@@ -50,6 +50,12 @@ def settings_for(config: dict, arch: Optional[str], err: Any,
                  ) -> Optional[TurboAttentionSettings]:
     """The config's settings (``--arch`` applied), or None after printing why they are refused."""
     if arch is not None:
+        named = config.get("turbo_arch")
+        if named not in (None, "auto", arch):  # the YAML pins another machine, where the layers would be refused
+            raise R.refuse_option(R.CLI_OPTION, option="--arch", what=(
+                f"--arch {arch}, but the YAML sets turbo_arch: {named}, which a {arch} device refuses at build"),
+                alternative=f"give --arch {named} to check the machine the YAML names, or set turbo_arch: auto "
+                f"(or {arch}) in the YAML.")
         config["turbo_arch"] = arch
     try:
         return read(config)

@@ -51,8 +51,8 @@ UNSOUND_MASKS = {
     "batch_two": "depends on the batch index",
     "batch_one": "depends on the batch index",
     "wrapped_window": "not proven",  # functools.wraps copies nothing that counts
-    "far_row": "the hook blocks attention but window(left=-1, right=1) allows it",
-    "near_row": "the hook blocks attention but window(left=-1, right=3) allows it",
+    "far_row": "the hook blocks attention, window(left=-1, right=1) allows it",
+    "near_row": "the hook blocks attention, window(left=-1, right=3) allows it",
     "branchy": "outside the provable subset: it uses the attribute .sum",
 }
 

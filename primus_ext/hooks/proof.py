@@ -191,7 +191,8 @@ class _MaskProver:
             return f"could not be proven equal to {pattern.describe()} within the solver's time limit"
         allows = z3.is_true(model.eval(mask, model_completion=True))
         mine, theirs = ("allows", "blocks") if allows else ("blocks", "allows")
-        return f"at {where_text(model, self.names)} the hook {mine} attention but {pattern.describe()} {theirs} it"
+        return (f"differs from {pattern.describe()}: at {where_text(model, self.names)} the hook {mine} attention, "
+                f"{pattern.describe()} {theirs} it")
 
     def documents(self, mask: z3.BoolRef, left: int, right: int) -> Union[Pattern, str]:
         if left == 0:

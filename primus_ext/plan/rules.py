@@ -248,8 +248,8 @@ RULES: Tuple[Rule, ...] = (
          "(full, causal, a sliding window, chunks or documents at constant positions) for every "
          "batch, head and position: it {mask_why}.",
          "set turbo_flex_attention_backend: reference, which evaluates the hook itself at every "
-         "call; pack per-batch documents as THD (packed_seq_params with cu_seqlens); or write "
-         "the mask with primus_ext.attention.masks.",
+         "call (or auto, which picks torch's FlexAttention for it on a GPU); or write the mask with "
+         "primus_ext.attention.masks (documents: pack them as THD with packed_seq_params and no hook).",
          lambda c: c.fixed_kernels and c.mask_proof is not None and c.mask_proof.pattern is None),
     Rule("torch-call", ("turbo_flex_attention_mask_mod",),
          "{torch_call_mask}; torch's FlexAttention calls a hook that way (under torch.vmap, with 0-d indices), so no "

@@ -312,3 +312,11 @@ def test_an_arch_option_that_contradicts_the_yaml_s_turbo_arch_is_refused(tmp_pa
     assert code == 2 and "[--arch]" in err and "turbo_arch: gfx942" in err, err
     code, _, err = _run(capsys, "check", path, "--arch", "gfx942")
     assert code == 0, err
+
+
+def test_a_factory_s_unknown_keyword_is_answered_with_the_ones_it_takes(tmp_path, capsys):
+    path = _yaml(tmp_path, drop=("sink_sliding_window",),
+                 turbo_flex_attention_mask_mod="primus_ext.attention.masks:sliding_window",
+                 turbo_flex_attention_mask_mod_kwargs={"window": 64})
+    code, _, err = _run(capsys, "check", path)
+    assert code == 2 and "(it takes left, right=0)" in err, err

@@ -71,6 +71,16 @@ def _arity_problem(sig: inspect.Signature, count: int) -> Optional[str]:
     return None if _binds(sig, count) else "the arguments do not bind"
 
 
+
+def _parameters(factory: Callable[..., Any]) -> str:
+    """`` (it takes left, right=0)``: the factory's parameters as its signature gives them, or empty."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    names = [p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params]
+    return f" (it takes {', '.join(names)})" if names else " (it takes none)"
+
 class _Refused(Exception):
     """Internal: carries the one reason that stopped resolution of a hook."""
 
@@ -236,7 +246,8 @@ class _Resolver:
             given = short_repr(dict(self.kwargs or {}))
             raise self.refuse(f"calling the factory with {self.kwargs_key} = {given} "
                               f"failed: {_describe_exc(exc)}",
-                              f"give {self.kwargs_key} the keyword arguments the factory accepts, "
+                              f"give {self.kwargs_key} the keyword arguments the factory accepts"
+                              f"{_parameters(factory)}, "
                               f"or set it to null if `{self.spec}` is itself the {self.kind}.",
                               with_kwargs=True) from exc
         if not callable(hook):

@@ -320,3 +320,14 @@ def test_a_factory_s_unknown_keyword_is_answered_with_the_ones_it_takes(tmp_path
                  turbo_flex_attention_mask_mod_kwargs={"window": 64})
     code, _, err = _run(capsys, "check", path)
     assert code == 2 and "(it takes left, right=0)" in err, err
+
+
+def test_reset_attention_mask_with_a_hook_offers_only_what_keeps_the_hook_working(tmp_path, capsys):
+    """The alternative offered packed_sequences: true (which B17 refuses for a hook) and packed_equal_documents."""
+    path = _yaml(tmp_path, drop=("sink_sliding_window",), reset_attention_mask=True,
+                 turbo_flex_attention_mask_mod="primus_ext.attention.masks:prefix_lm",
+                 turbo_flex_attention_mask_mod_kwargs={"prefix_length": 64})
+    code, _, err = _run(capsys, "check", path)
+    alternative = err.split("Alternative:", 1)[1]
+    assert code == 2 and "remove the hooks" in alternative, err
+    assert "packed_sequences: true" not in alternative and "packed_equal_documents" not in alternative

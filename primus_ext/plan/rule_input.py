@@ -112,6 +112,7 @@ class RuleInput:
             "cp_comm": self.facts.cp_comm_type,
             "alibi_masks": "; ".join(alibi_right_masks(self)),
             "documents_problem": documents_problem(self),
+            "documents_fix": documents_fix(self),
             "direct_dense": self.direct.dense if self.direct else None,
             "direct_packed": self.direct.packed if self.direct else None,
             "dynamic": "; ".join(dynamic_hooks(self)),
@@ -188,6 +189,19 @@ def documents_problem(c: "RuleInput") -> str:
     return ""
 
 
+def documents_fix(c: "RuleInput") -> str:
+    """What lets this layer keep Megatron's documents, for the problem `documents_problem` names."""
+    if c.flex and (c.settings.turbo_flex_attention_mask_mod or c.settings.turbo_flex_attention_score_mod):
+        return ("remove the hooks on this layer (document masking is built in), or set reset_attention_mask: false "
+                "to train the hooks without documents.")
+    if not c.facts.causal:
+        return "make the layer causal (attn_mask_type causal), or set reset_attention_mask: false."
+    if c.settings.packed_equal_documents:
+        return "set packed_equal_documents: false, or reset_attention_mask: false."
+    return ("run the layer where a packed (varlen) entry exists (enable_turbo_attention_float8: false: fp8 has "
+            "none), or set reset_attention_mask: false.")
+
+
 def alibi_right_masks(c: "RuleInput") -> list[str]:
     """The masks of this layer's calls that reach right of the diagonal (where CK's ALiBi is symmetric)."""
     inside = pattern_from_flash_args(c.facts.causal, c.window or (-1, -1))
@@ -211,5 +225,5 @@ def dynamic_hooks(c: "RuleInput") -> list[str]:
     return found
 
 
-__all__ = ["Rule", "RuleInput", "alibi_right_masks", "documents_problem", "dynamic_hooks", "packing_conflict",
-           "window_bounds"]
+__all__ = ["Rule", "RuleInput", "alibi_right_masks", "documents_fix", "documents_problem", "dynamic_hooks",
+           "packing_conflict", "window_bounds"]

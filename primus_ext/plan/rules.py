@@ -229,8 +229,7 @@ RULES: Tuple[Rule, ...] = (
                        "packed_equal_documents"),
          "reset_attention_mask on dense batches runs each call on the packed (varlen) kernel, causal inside each "
          "document, but {documents_problem}.",
-         "remove the hooks or packed_equal_documents (or reset_attention_mask) on this layer, or convert each "
-         "micro-batch with primus_ext.megatron.pack_eod_micro_batch and set packed_sequences: true.",
+         "{documents_fix}",
          lambda c: c.turbo_path and _dense_documents(c) and c.facts.context_parallel_size == 1
          and bool(documents_problem(c))),
     Rule("B26", ("return_attn_probs",),

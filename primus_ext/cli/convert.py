@@ -12,8 +12,6 @@ import os
 import warnings
 from typing import Any, Optional
 
-from .. import refusals as R
-
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -34,6 +32,7 @@ def run_convert(src: str, dst: str, to: str, params_dtype: Optional[str] = None)
     """Convert ``src`` into ``dst``; our errors propagate to ``main``, which prints them and exits 2."""
     import torch
 
+    from .. import refusals as R  # not at import: `primus-ext` prints its loading line before torch loads
     from ..megatron.checkpoint import convert_checkpoint
 
     if not os.path.exists(src):

@@ -25,8 +25,9 @@ class PrimusTurboLocalSpecProvider(LocalSpecProvider):
 
     def core_attention(self) -> Callable[..., Any]:
         if self.settings is not None and not _turbo_on(self.settings):
-            if turbo_off_reasons(self.settings):
-                raise R.refuse_all(turbo_off_reasons(self.settings), context="spec provider")
+            off = turbo_off_reasons(self.settings)
+            if off:
+                raise R.refuse_all(off, context="spec provider")
             return super().core_attention()  # use_turbo_attention: false -> Megatron's own attention
         return functools.partial(PrimusTurboLocalAttention, settings=self.settings)
 
